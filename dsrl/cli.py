@@ -1,0 +1,68 @@
+"""The `dsrl` console script: `dsrl train ...` runs the deepspeed launcher for you; `dsrl serve` the embedded engine."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from dsrl.config import ConfigError, build_parser, dump_config, to_config, validate
+
+USAGE = """usage: dsrl <command> [options]
+
+commands:
+  train   train a policy: parses and checks the config, then starts the trainer ranks with the
+          deepspeed launcher (see `dsrl train --help`; `--print_config` shows the resolved config)
+  serve   run the embedded CPU rollout engine (see `dsrl serve --help`)
+"""
+
+
+def train(argv: list[str]) -> int:
+    parser = build_parser("dsrl train")
+    cfg = to_config(parser, parser.parse_args(argv))
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        print(f"dsrl train: error: {e}", file=sys.stderr)
+        return 2
+    import torch  # only now: config errors and --help stay instant
+
+    from dsrl.serving.servers import free_port
+
+    run_dir = Path(cfg.logging.run_dir)
+    config_path = run_dir / "config.yaml"
+    dump_config(cfg, config_path)
+    cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(free_port())]
+    if cfg.trainer.hostfile:
+        cmd += ["--hostfile", cfg.trainer.hostfile]
+    if cuda:
+        cmd += ["--num_gpus", str(cfg.trainer.num_ranks)] if cfg.trainer.num_ranks else []
+    else:
+        # gloo ranks on CPU; one thread each (measured: 3x faster on a small box than the default)
+        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+        cmd += ["--num_accelerators", str(cfg.trainer.num_ranks or 1)]
+    cmd += ["--no_local_rank", "--module", "dsrl.train", "--config", str(config_path)]
+    print(f"dsrl train: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    return subprocess.call(cmd, env=env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = args[0], args[1:]
+    if command == "train":
+        return train(rest)
+    if command == "serve":
+        from dsrl.serving.embedded import main as serve
+
+        serve(rest)
+        return 0
+    print(f"dsrl: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""The run configuration: nested typed dataclasses, parsed by jsonargparse from YAML and CLI flags.
+
+Every field's docstring is its ``--help`` text. This module imports no torch, so ``dsrl --help``
+and config errors are instant. Cross-field checks live in :func:`validate` and are reported
+together, each naming the flag, the value and what is allowed.
+"""
+
+import os
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_parsing_settings
+
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
+
+
+@dataclass
+class ModelConfig:
+    path: str
+    """Hugging Face model directory: config.json, tokenizer and (unless init_from_config) weights."""
+    init_from_config: bool = False
+    """Start from random weights built from the config in `path` (from-scratch runs, tests); no weights needed."""
+    trust_remote_code: bool = False
+    """Passed to transformers when loading the model and tokenizer."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+
+
+@dataclass
+class DataConfig:
+    train_path: str
+    """Prompt dataset: a .jsonl or .parquet file, one prompt per row."""
+    prompt_key: str = "prompt"
+    """Row field holding the prompt: a string, or a list of chat messages ({role, content})."""
+    answer_key: str = "answer"
+    """Row field passed to the reward function as `answer` (may be absent when the reward needs none)."""
+    max_prompt_tokens: int = 512
+    """Prompts longer than this (after the chat template) are skipped and counted."""
+    apply_chat_template: bool = True
+    """Wrap prompts with the tokenizer's chat template when it has one."""
+    shuffle: bool = True
+    """Shuffle the prompts each epoch (seeded by `seed` and the epoch)."""
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 32
+    """Prompts per training step, across all trainer ranks."""
+    n_samples: int = 8
+    """Responses sampled per prompt (the GRPO group size)."""
+    max_new_tokens: int = 256
+    """Longest response, in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer divides its logits by the same value."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold, in (0, 1]."""
+    top_k: int = -1
+    """Sample from the k most likely tokens; -1 for all."""
+    engine: Literal["auto", "embedded", "sglang"] = "auto"
+    """Rollout engine dsrl starts when `server_urls` is empty: auto = SGLang on GPU, the embedded engine on CPU."""
+    server_urls: list[str] = field(default_factory=list)
+    """URLs of running SGLang servers to use instead of starting any (e.g. http://10.0.0.5:30000)."""
+    num_servers: int = 1
+    """Servers dsrl starts when `server_urls` is empty."""
+    placement: Literal["colocate", "disaggregate"] = "colocate"
+    """colocate: servers share the trainer's devices and sleep while it trains; disaggregate: their own devices."""
+    max_concurrency: int = 256
+    """Most /generate requests in flight at once, per trainer rank."""
+    request_timeout_s: float = 600.0
+    """Seconds one HTTP request to a server may take before it fails."""
+    startup_timeout_s: float = 300.0
+    """Seconds a started server has to answer /health."""
+    server_args: dict[str, Any] = field(default_factory=dict)
+    """Extra launch arguments for started servers, e.g. {mem_fraction_static: 0.5}."""
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 100
+    """Training steps (one rollout batch and its updates each)."""
+    num_ranks: int = 2
+    """Trainer ranks per node that `dsrl train` starts (deepspeed --num_accelerators on CPU, --num_gpus on GPU)."""
+    hostfile: str | None = None
+    """DeepSpeed hostfile for multi-node training (deepspeed --hostfile)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer runs: auto = cuda when a GPU is visible, else cpu (gloo, DS_ACCELERATOR=cpu)."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward pass on one rank."""
+    updates_per_step: int = 1
+    """Optimizer steps per rollout batch (PPO mini-batches); each rank's samples are split evenly."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate decay after warm-up."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate of cosine/linear decay, as a fraction of `lr`."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Parameter and compute precision: auto = bf16 on GPU, fp32 on CPU."""
+    offload_optimizer: bool = False
+    """Keep optimizer states in CPU memory (ZeRO-Offload)."""
+
+
+@dataclass
+class SyncConfig:
+    type: Literal["broadcast", "disk"] = "broadcast"
+    """Checkpoint-engine transport: broadcast (NCCL on GPU, gloo on CPU) or disk (safetensors on shared storage)."""
+    bucket_bytes: int = 256 << 20
+    """Bytes of gathered parameters sent per bucket; a larger tensor travels alone."""
+    verify: bool = False
+    """After every sync, compare each server's weights with the trainer's and fail naming the first mismatch."""
+    timeout_s: float = 300.0
+    """Seconds a weight-update group set-up or one bucket's transfer may take."""
+    disk_dir: str | None = None
+    """Directory the disk transport writes to; must be readable by every server. Default: <run_dir>/weights."""
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: Literal["grpo"] = "grpo"
+    """Advantage estimator: grpo = rewards normalised within each prompt's group."""
+    norm_adv_by_std: bool = True
+    """Divide group-centred rewards by the group's standard deviation (GRPO); false gives Dr. GRPO."""
+    clip_low: float = 0.2
+    """PPO clip range below 1: ratios under 1 - clip_low are clipped."""
+    clip_high: float = 0.2
+    """PPO clip range above 1 (raise it for DAPO's clip-higher)."""
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    """Loss aggregation: mean over all response tokens, or mean over sequences of each sequence's token mean."""
+    kl_coef: float = 0.0
+    """Weight of the KL-to-reference loss; 0 skips the reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator: k1 = log-ratio, k2 = half squared log-ratio, k3 = low-variance (exp(-r) - 1 + r)."""
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus; entropy is always logged."""
+    reward_fn: str = "dsrl.rewards:math_reward"
+    """Reward function as module:function, called as fn(prompt, response, answer) -> float."""
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/dsrl"
+    """Directory for the resolved config, tensorboard events, checkpoints, server logs and the exported model."""
+    tensorboard: bool = True
+    """Write tensorboard event files (rank 0) under <run_dir>/tensorboard."""
+    save_every: int = 0
+    """Write a DeepSpeed checkpoint every N steps (0: never) under <run_dir>/checkpoints/step_<N>."""
+    export_hf: bool = True
+    """At the end, export the actor as a Hugging Face model (safetensors + config + tokenizer) to <run_dir>/hf."""
+    log_level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"
+    """Logging level of dsrl's own loggers."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig
+    """The policy model."""
+    data: DataConfig
+    """Prompt data."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation: servers, sampling, batch shape."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """DeepSpeed ZeRO-3 training."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """Checkpoint engine: how weights reach the servers."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages, policy loss, KL."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Outputs of the run."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+
+
+class ConfigError(ValueError):
+    """One or more invalid settings, all reported at once."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        plural = "s" if len(errors) > 1 else ""
+        super().__init__(f"{len(errors)} config error{plural}:\n" + "\n".join(f"  {e}" for e in errors))
+
+
+def world_size(cfg: Config) -> int | None:
+    """Trainer ranks the launcher will start, when known before launch."""
+    if cfg.trainer.hostfile:
+        return None
+    return cfg.trainer.num_ranks or None
+
+
+def validate(cfg: Config, world: int | None = None) -> None:
+    """Raise ConfigError listing every cross-field problem; `world` is the real world size when known."""
+    errors: list[str] = []
+
+    def check(ok: bool, flag: str, value: Any, allowed: str) -> None:
+        if not ok:
+            errors.append(f"--{flag}={value!r}: {allowed}")
+
+    r, t, a, s = cfg.rollout, cfg.trainer, cfg.algorithm, cfg.sync
+    model_dir = Path(cfg.model.path)
+    check((model_dir / "config.json").is_file(), "model.path", cfg.model.path, "must be a directory with config.json")
+    check(Path(cfg.data.train_path).is_file(), "data.train_path", cfg.data.train_path, "file not found")
+    check(
+        cfg.data.train_path.endswith((".jsonl", ".json", ".parquet")),
+        "data.train_path",
+        cfg.data.train_path,
+        "must end in .jsonl, .json or .parquet",
+    )
+    check(cfg.data.max_prompt_tokens > 0, "data.max_prompt_tokens", cfg.data.max_prompt_tokens, "must be > 0")
+    check(r.prompts_per_step > 0, "rollout.prompts_per_step", r.prompts_per_step, "must be > 0")
+    check(r.n_samples >= 2, "rollout.n_samples", r.n_samples, "GRPO needs at least 2 samples per prompt")
+    check(r.max_new_tokens > 0, "rollout.max_new_tokens", r.max_new_tokens, "must be > 0")
+    check(r.temperature > 0, "rollout.temperature", r.temperature, "must be > 0 (RL needs sampling)")
+    check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
+    check(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", r.top_k, "must be -1 (all tokens) or >= 1")
+    check(r.num_servers >= 1, "rollout.num_servers", r.num_servers, "must be >= 1")
+    check(r.max_concurrency >= 1, "rollout.max_concurrency", r.max_concurrency, "must be >= 1")
+    for url in r.server_urls:
+        check(url.startswith(("http://", "https://")), "rollout.server_urls", url, "each URL must start with http://")
+    check(t.total_steps >= 1, "trainer.total_steps", t.total_steps, "must be >= 1")
+    check(t.num_ranks >= 0, "trainer.num_ranks", t.num_ranks, "must be >= 0 (0: every visible GPU)")
+    if t.hostfile:
+        check(Path(t.hostfile).is_file(), "trainer.hostfile", t.hostfile, "file not found")
+    check(t.micro_batch_size >= 1, "trainer.micro_batch_size", t.micro_batch_size, "must be >= 1")
+    check(t.updates_per_step >= 1, "trainer.updates_per_step", t.updates_per_step, "must be >= 1")
+    check(t.ppo_epochs >= 1, "trainer.ppo_epochs", t.ppo_epochs, "must be >= 1")
+    check(t.lr > 0, "trainer.lr", t.lr, "must be > 0")
+    check(0 <= t.min_lr_ratio <= 1, "trainer.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
+    check(t.grad_clip >= 0, "trainer.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
+    check(0 <= a.clip_low < 1, "algorithm.clip_low", a.clip_low, "must be in [0, 1)")
+    check(a.clip_high >= 0, "algorithm.clip_high", a.clip_high, "must be >= 0")
+    check(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
+    check(
+        a.reward_fn.count(":") == 1 and all(a.reward_fn.split(":")),
+        "algorithm.reward_fn",
+        a.reward_fn,
+        "must be module:function, e.g. dsrl.rewards:math_reward",
+    )
+    check(s.bucket_bytes > 0, "sync.bucket_bytes", s.bucket_bytes, "must be > 0")
+    check(s.timeout_s > 0, "sync.timeout_s", s.timeout_s, "must be > 0")
+    check(cfg.logging.save_every >= 0, "logging.save_every", cfg.logging.save_every, "must be >= 0")
+
+    world = world or world_size(cfg)
+    if world and r.prompts_per_step > 0 and r.n_samples > 0:
+        check(
+            r.prompts_per_step % world == 0,
+            "rollout.prompts_per_step",
+            r.prompts_per_step,
+            f"must be divisible by the {world} trainer ranks (each rank keeps whole GRPO groups)",
+        )
+        per_rank = r.prompts_per_step // world * r.n_samples
+        chunk = t.updates_per_step * t.micro_batch_size
+        check(
+            per_rank % chunk == 0 if chunk > 0 else True,
+            "trainer.micro_batch_size",
+            t.micro_batch_size,
+            f"each rank holds {per_rank} samples (prompts_per_step / ranks * n_samples), which must split into "
+            f"updates_per_step={t.updates_per_step} mini-batches of whole micro-batches",
+        )
+    if errors:
+        raise ConfigError(errors)
+
+
+def build_parser(prog: str = "dsrl train") -> ArgumentParser:
+    parser = ArgumentParser(prog=prog, description="Train an LLM policy with RL on DeepSpeed ZeRO-3 and SGLang.")
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML config file; later flags override it.")
+    parser.add_class_arguments(Config, None)
+    return parser
+
+
+def to_config(parser: ArgumentParser, ns: Namespace) -> Config:
+    init = parser.instantiate(ns)
+    return Config(**{f.name: init[f.name] for f in fields(Config)})
+
+
+def parse_config(argv: list[str] | None = None, world: int | None = None) -> Config:
+    """Parse flags and YAML into a validated Config; on a bad config print every error and exit 2."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    cfg = to_config(parser, ns)
+    try:
+        validate(cfg, world)
+    except ConfigError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return cfg
+
+
+def dump_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config as YAML that `--config` reads back."""
+    parser = build_parser()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(parser.dump(parser.parse_object(asdict(cfg)), skip_none=False))

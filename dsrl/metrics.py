@@ -1,0 +1,64 @@
+"""Metrics: cross-rank means, tensorboard scalars and a one-line summary per step (rank 0)."""
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("dsrl")
+
+
+@contextmanager
+def timed(timings: dict[str, float], phase: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[f"timing/{phase}"] = timings.get(f"timing/{phase}", 0.0) + time.perf_counter() - start
+
+
+def mean_across_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Mean of each metric over trainer ranks (every rank must pass the same keys)."""
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)
+    t /= dist.get_world_size()
+    return dict(zip(keys, t.tolist()))
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.writer is not None:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def summary_line(step: int, total: int, m: dict[str, float]) -> str:
+    parts = [
+        f"step {step}/{total}",
+        f"reward {m['reward/mean']:.3f}±{m['reward/std']:.3f}",
+        f"len {m['response/length_mean']:.1f}",
+        f"kl {m.get('actor/kl', 0.0):.4f}",
+        f"ent {m['actor/entropy']:.3f}",
+        f"clip {m['actor/clip_frac']:.3f}",
+        f"gnorm {m['actor/grad_norm']:.3f}",
+        f"sync {m.get('sync/gb_per_s', 0.0):.2f} GB/s",
+        f"{m['timing/step']:.2f}s",
+    ]
+    return " | ".join(parts)

@@ -1,0 +1,76 @@
+"""Rollouts: GRPO groups of samples from the servers, token-in/token-out, then their rewards."""
+
+import asyncio
+import logging
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsrl.config import RolloutConfig
+from dsrl.data import Prompt
+from dsrl.rewards import RewardFn
+from dsrl.serving.client import RolloutClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sample:
+    prompt: Prompt
+    response_ids: list[int]
+    engine_logprobs: list[float]
+    """Logprobs the rollout engine reported for `response_ids` (its sampling distribution)."""
+    finish_reason: str
+    weight_version: str
+    reward: float = 0.0
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Per-token arrays the trainer fills in (old_logprobs, ref_logprobs)."""
+
+
+def sampling_params(cfg: RolloutConfig) -> dict:
+    return {
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "top_k": cfg.top_k,
+    }
+
+
+async def generate_sample(client: RolloutClient, prompt: Prompt, params: dict) -> Sample:
+    out = await client.generate({"input_ids": prompt.prompt_ids, "sampling_params": params, "return_logprob": True})
+    meta = out["meta_info"]
+    logprobs = [lp for lp, _, _ in meta["output_token_logprobs"]]
+    return Sample(
+        prompt=prompt,
+        response_ids=out["output_ids"],
+        engine_logprobs=logprobs,
+        finish_reason=meta["finish_reason"]["type"],
+        weight_version=str(meta["weight_version"]),
+    )
+
+
+def generate(client: RolloutClient, prompts: list[Prompt], cfg: RolloutConfig) -> list[Sample]:
+    """n_samples responses per prompt, one request each, groups contiguous in prompt order."""
+    params = sampling_params(cfg)
+
+    async def all_samples() -> list[Sample]:
+        jobs = [generate_sample(client, p, params) for p in prompts for _ in range(cfg.n_samples)]
+        return await asyncio.gather(*jobs)
+
+    return client.run(all_samples())
+
+
+def score(samples: list[Sample], reward_fn: RewardFn, tokenizer) -> None:
+    """Set each sample's reward; a reward function that raises or returns a non-number names the row."""
+    for s in samples:
+        response = tokenizer.decode(s.response_ids, skip_special_tokens=True)
+        try:
+            value = reward_fn(s.prompt.text, response, s.prompt.answer)
+        except Exception as e:
+            raise RuntimeError(f"reward function failed on dataset row {s.prompt.index}: {e!r}") from e
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise TypeError(
+                f"reward function returned {value!r} for dataset row {s.prompt.index}; expected a finite float"
+            )
+        s.reward = float(value)

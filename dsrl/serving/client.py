@@ -1,0 +1,138 @@
+"""One async HTTP client for SGLang servers and the embedded engine alike.
+
+It owns an asyncio loop on a background thread, so the (synchronous) trainer can call
+``client.run(coro)`` or fire ``client.submit(coro)`` and keep working -- the weight sync posts
+a bucket's request and broadcasts it at the same time. Requests are spread over the servers
+(least in flight first), capped by a concurrency limit, bounded by timeouts, and the idempotent
+control calls are retried on connection errors.
+"""
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+# Control calls that are safe to repeat after a connection error.
+IDEMPOTENT = {
+    "/health",
+    "/model_info",
+    "/get_model_info",
+    "/server_info",
+    "/flush_cache",
+    "/pause_generation",
+    "/continue_generation",
+    "/get_weights_by_name",
+    "/abort_request",
+}
+
+
+class ServerError(RuntimeError):
+    """A rollout server answered with an error, or did not answer in time."""
+
+    def __init__(self, url: str, path: str, message: str):
+        self.url, self.path = url, path
+        super().__init__(f"{url}{path}: {message}")
+
+
+class RolloutClient:
+    def __init__(self, urls: list[str], max_concurrency: int = 256, timeout_s: float = 600.0, retries: int = 3):
+        if not urls:
+            raise ValueError("RolloutClient needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.in_flight = dict.fromkeys(self.urls, 0)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-client", daemon=True)
+        self.thread.start()
+        self.semaphore: asyncio.Semaphore = self.run(self._make_semaphore(max_concurrency))
+        self.session: aiohttp.ClientSession = self.run(self._make_session())
+
+    async def _make_semaphore(self, n: int) -> asyncio.Semaphore:
+        return asyncio.Semaphore(n)
+
+    async def _make_session(self) -> aiohttp.ClientSession:
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=30)
+        return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+
+    # -- running coroutines from synchronous code ---------------------------------------------------
+
+    def submit(self, coro: Coroutine) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine, timeout: float | None = None) -> Any:
+        return self.submit(coro).result(timeout)
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.run(self.session.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+        self.loop.close()
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    async def request(
+        self, url: str, path: str, payload: Any = None, method: str = "POST", timeout_s: float | None = None
+    ) -> Any:
+        """One call to one server; JSON replies are decoded, others returned as text."""
+        attempts = self.retries + 1 if path in IDEMPOTENT else 1
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, sock_connect=30)
+        for attempt in range(attempts):
+            try:
+                async with self.session.request(
+                    method, url + path, json=payload if method != "GET" else None, timeout=timeout
+                ) as resp:
+                    if resp.content_type == "application/json":
+                        body = await resp.json()
+                    else:
+                        body = await resp.text()
+                    if resp.status >= 400:
+                        raise ServerError(url, path, f"HTTP {resp.status}: {_error_message(body)}")
+                    if isinstance(body, dict) and body.get("success") is False:
+                        raise ServerError(url, path, _error_message(body))
+                    return body
+            except (aiohttp.ClientConnectionError, ConnectionError) as e:
+                if attempt + 1 == attempts:
+                    raise ServerError(url, path, f"connection failed: {e!r}; is the server running?") from e
+                await asyncio.sleep(0.5 * 2**attempt)
+            except TimeoutError as e:
+                raise ServerError(url, path, f"no answer within {timeout.total:.0f}s") from e
+
+    async def generate(self, payload: dict) -> dict:
+        """POST /generate to the least busy server, within the concurrency limit."""
+        async with self.semaphore:
+            url = min(self.urls, key=self.in_flight.__getitem__)
+            self.in_flight[url] += 1
+            try:
+                return await self.request(url, "/generate", payload)
+            finally:
+                self.in_flight[url] -= 1
+
+    async def all_servers(self, path: str, payload: Any = None, method: str = "POST") -> list[Any]:
+        return await asyncio.gather(*(self.request(url, path, payload, method) for url in self.urls))
+
+    def call_all(self, path: str, payload: Any = None, method: str = "POST") -> list[Any]:
+        """Send the same control call to every server and wait for all replies."""
+        return self.run(self.all_servers(path, payload, method))
+
+    def weight_versions(self) -> list[str]:
+        # /model_info, not /get_weight_version: SGLang 0.5.17 answers the latter with 404.
+        return [str(info["weight_version"]) for info in self.call_all("/model_info", method="GET")]
+
+
+def _error_message(body: Any) -> str:
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in body:
+            return str(body["message"])
+    return str(body)[:500]

@@ -1,0 +1,549 @@
+"""The embedded rollout engine: a CPU server answering the SGLang 0.5.17 HTTP endpoints dsrl uses.
+
+It holds a transformers model and generates token-in/token-out with SGLang's request and
+response fields, so the same client drives it and real SGLang. It is deliberately small: no KV
+cache (every decode step re-runs the whole sequence), one scheduler thread that steps every
+running request together (continuous batching by construction), and state kept honest --
+generation waits while paused or while memory is released, weight updates are refused while the
+weights are released, and `weight_version` follows the updates. Start it with
+``python -m dsrl.serving.embedded --model-path DIR --port P``.
+"""
+
+import argparse
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from aiohttp import web
+
+log = logging.getLogger("dsrl.embedded")
+
+SAMPLING_KEYS = {
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "no_stop_trim",
+    "sampling_seed",
+    "n",
+}
+MEMORY_TAGS = {"weights", "kv_cache", "cuda_graph"}
+
+
+class BadRequest(ValueError):
+    """A request the engine refuses with HTTP 400, as SGLang does."""
+
+
+@dataclass
+class Request:
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_ids: set[int]
+    generator: torch.Generator | None
+    done: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    start: float = field(default_factory=time.monotonic)
+    abort_message: str | None = None
+
+    def finish(self, finish_reason: dict, weight_version: str) -> None:
+        meta = {
+            "id": self.rid,
+            "finish_reason": finish_reason,
+            "prompt_tokens": len(self.input_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": 0,
+            "weight_version": weight_version,
+            "e2e_latency": time.monotonic() - self.start,
+            "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(self.logprobs, self.output_ids)],
+        }
+        result = {"output_ids": list(self.output_ids), "meta_info": meta}
+        self.loop.call_soon_threadsafe(_resolve, self.done, result)
+
+
+def _resolve(future: asyncio.Future, result: dict) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+class Engine:
+    def __init__(self, model_path: str, seed: int = 0, max_batch_tokens: int = 16384):
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+        self.model_path = model_path
+        config = AutoConfig.from_pretrained(model_path)
+        torch.manual_seed(seed)
+        if any(Path(model_path).glob("*.safetensors")) or any(Path(model_path).glob("*.bin")):
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        else:  # a config-only directory: random weights until the trainer's first sync
+            self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        self.model.eval()
+        self.params = dict(self.model.named_parameters())
+        self.context_len = getattr(config, "max_position_embeddings", 1 << 30)
+        self.eos_ids = _as_set(config.eos_token_id)
+        try:
+            self.eos_ids |= _as_set(GenerationConfig.from_pretrained(model_path).eos_token_id)
+        except OSError:
+            pass
+        self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+        self.generator = torch.Generator().manual_seed(seed)
+        self.max_batch_tokens = max_batch_tokens
+        self.weight_version = "default"
+        self.running: list[Request] = []
+        self.paused = False
+        self.released: set[str] = set()
+        self.groups: dict[str, Any] = {}
+        self.cond = threading.Condition()
+        self.model_lock = threading.Lock()  # a weight update never lands in the middle of a decode step
+        self.stopped = False
+        self.thread = threading.Thread(target=self._loop, name="embedded-scheduler", daemon=True)
+        self.thread.start()
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def submit(self, req: Request) -> None:
+        with self.cond:
+            self.running.append(req)
+            self.cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self.stopped and (self.paused or self.released or not self.running):
+                    self.cond.wait()
+                if self.stopped:
+                    return
+                batch, tokens = [], 0
+                for req in self.running:
+                    tokens += len(req.input_ids) + len(req.output_ids)
+                    if batch and tokens > self.max_batch_tokens:
+                        break
+                    batch.append(req)
+            with self.model_lock:
+                next_ids, logprobs = self._step(batch)
+            with self.cond:
+                for req, tok, lp in zip(batch, next_ids, logprobs):
+                    if req.abort_message is not None:
+                        continue  # finished by abort while this step ran
+                    req.output_ids.append(tok)
+                    req.logprobs.append(lp)
+                    if tok in req.stop_ids:
+                        self._finish(req, {"type": "stop", "matched": tok})
+                    elif len(req.output_ids) >= req.max_new_tokens:
+                        self._finish(req, {"type": "length", "length": req.max_new_tokens})
+
+    @torch.no_grad()
+    def _step(self, batch: list[Request]) -> tuple[list[int], list[float]]:
+        seqs = [req.input_ids + req.output_ids for req in batch]
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, seq in enumerate(seqs):  # left padding; positions count real tokens only, as the trainer's do
+            ids[i, width - len(seq) :] = torch.tensor(seq)
+            mask[i, width - len(seq) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float()
+        next_ids, logprobs = [], []
+        for req, row in zip(batch, logits):
+            if req.top_k == 1:  # greedy, as SGLang rewrites temperature 0: unscaled logprobs
+                tok = int(row.argmax())
+                logprobs.append(float(torch.log_softmax(row, -1)[tok]))
+            else:
+                # SGLang returns log-softmax of logits / T over the full vocabulary (not renormalised by top-p/k)
+                scaled = torch.log_softmax(row / req.temperature, -1)
+                probs = _filter_top_k_top_p(scaled.exp(), req.top_k, req.top_p)
+                tok = int(torch.multinomial(probs, 1, generator=req.generator or self.generator))
+                logprobs.append(float(scaled[tok]))
+            next_ids.append(tok)
+        return next_ids, logprobs
+
+    def _finish(self, req: Request, finish_reason: dict) -> None:
+        self.running.remove(req)
+        req.finish(finish_reason, self.weight_version)
+
+    def abort(self, rid: str = "", abort_all: bool = False, message: str = "Aborted") -> int:
+        with self.cond:
+            hits = [r for r in self.running if abort_all or (rid and r.rid.startswith(rid))]
+            for req in hits:
+                req.abort_message = message
+                self._finish(req, {"type": "abort", "message": message})
+            return len(hits)
+
+    def make_request(self, input_ids: list[int], params: dict, rid: str, loop) -> Request:
+        unknown = set(params) - SAMPLING_KEYS
+        if unknown:
+            raise BadRequest(f"unknown sampling_params {sorted(unknown)}; allowed: {sorted(SAMPLING_KEYS)}")
+        if not input_ids:
+            raise BadRequest("input_ids is empty")
+        if params.get("n", 1) != 1:
+            raise BadRequest("the embedded engine supports n=1 only; send one request per sample")
+        max_new = params.get("max_new_tokens") or 128
+        if len(input_ids) + max_new > self.context_len:
+            raise BadRequest(
+                f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens. "
+                f"You requested a total of {len(input_ids) + max_new} tokens: {len(input_ids)} tokens from the input "
+                f"messages and {max_new} tokens for the completion."
+            )
+        temperature = float(params.get("temperature", 1.0))
+        top_k = int(params.get("top_k", -1) or -1)
+        if temperature < 1e-6:
+            temperature, top_k = 1.0, 1
+        top_p = float(params.get("top_p", 1.0))
+        if not 0 < top_p <= 1:
+            raise BadRequest(f"top_p must be in (0, 1], got {top_p}.")
+        stop_ids = set() if params.get("ignore_eos") else self.eos_ids | set(params.get("stop_token_ids") or ())
+        seed = params.get("sampling_seed")
+        return Request(
+            rid=rid,
+            input_ids=list(input_ids),
+            max_new_tokens=max_new,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop_ids=stop_ids,
+            generator=torch.Generator().manual_seed(seed) if seed is not None else None,
+            done=loop.create_future(),
+            loop=loop,
+        )
+
+    # -- control ------------------------------------------------------------------------------
+
+    def pause(self, mode: str) -> None:
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"mode must be one of abort, retract, in_place; got {mode!r}")
+        with self.cond:
+            self.paused = True
+        if mode == "abort":
+            self.abort(abort_all=True)
+
+    def resume(self) -> None:
+        with self.cond:
+            self.paused = False
+            self.cond.notify_all()
+
+    def is_idle(self) -> bool:
+        with self.cond:
+            return not self.running
+
+    def release_memory(self, tags: list[str] | None) -> None:
+        tags = set(tags or MEMORY_TAGS)
+        if tags - MEMORY_TAGS:
+            raise BadRequest(f"unknown memory tags {sorted(tags - MEMORY_TAGS)}; allowed: {sorted(MEMORY_TAGS)}")
+        if not self.is_idle():
+            raise BadRequest("release_memory_occupation needs an idle server: requests are still running")
+        with self.cond:
+            self.released |= tags
+
+    def resume_memory(self, tags: list[str] | None) -> None:
+        tags = set(tags or MEMORY_TAGS)
+        with self.cond:
+            if tags - self.released:
+                raise BadRequest(f"memory tags {sorted(tags - self.released)} were not released")
+            self.released -= tags
+            self.cond.notify_all()
+
+    def check_weights_resident(self) -> None:
+        if "weights" in self.released:
+            raise BadRequest("weights are released; call /resume_memory_occupation with tags [weights] first")
+
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        with self.model_lock, torch.no_grad():
+            for name, tensor in named_tensors:
+                param = self.params.get(name)
+                if param is None:
+                    raise BadRequest(f"unknown parameter {name!r}")
+                if param.shape != tensor.shape:
+                    raise BadRequest(f"parameter {name!r} has shape {list(param.shape)}, got {list(tensor.shape)}")
+                param.copy_(tensor)
+
+    def init_group(self, body: dict) -> None:
+        from dsrl.sync.group import init_weight_update_group
+
+        name = body.get("group_name", "weight_update_group")
+        self.groups[name] = init_weight_update_group(
+            body["master_address"],
+            int(body["master_port"]),
+            int(body["rank_offset"]),  # tensor-parallel rank 0 is this process's only rank
+            int(body["world_size"]),
+            name,
+            body.get("backend", "gloo"),
+            timeout_s=float(body.get("timeout_s", 600)),
+        )
+
+    def update_from_distributed(self, body: dict) -> None:
+        import torch.distributed as dist
+
+        self.check_weights_resident()
+        group = self.groups.get(body.get("group_name", "weight_update_group"))
+        if group is None:
+            raise BadRequest(
+                f"no weight update group named {body.get('group_name')!r}; call /init_weights_update_group"
+            )
+        names, shapes = body["names"], body["shapes"]
+        dtypes = [getattr(torch, d) for d in body["dtypes"]]
+        if body.get("load_format") == "flattened_bucket":
+            # One uint8 broadcast holding every tensor's bytes back to back, in `names` order (SGLang's layout).
+            sizes = [torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for s, d in zip(shapes, dtypes)]
+            flat = torch.empty(sum(sizes), dtype=torch.uint8)
+            dist.broadcast(flat, group=group, group_src=0)
+            tensors, offset = [], 0
+            for size, shape, dtype in zip(sizes, shapes, dtypes):
+                tensors.append(flat[offset : offset + size].view(dtype).view(shape))
+                offset += size
+        else:  # one broadcast per tensor, in order
+            tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
+            works = [dist.broadcast(t, group=group, group_src=0, async_op=True) for t in tensors]
+            for work in works:
+                work.wait()
+        self.load_weights(list(zip(names, tensors)))
+
+    def update_from_disk(self, model_path: str) -> None:
+        from safetensors.torch import load_file
+
+        self.check_weights_resident()
+        files = sorted(Path(model_path).glob("*.safetensors"))
+        if not files:
+            raise BadRequest(f"no *.safetensors files in {model_path}")
+        for file in files:
+            self.load_weights(list(load_file(file).items()))
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        self.abort(abort_all=True, message="server shutting down")
+
+
+def _as_set(ids) -> set[int]:
+    if ids is None:
+        return set()
+    return {ids} if isinstance(ids, int) else set(ids)
+
+
+def _filter_top_k_top_p(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0 and top_k < probs.numel():
+        kth = probs.topk(top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, 0.0)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        keep = sorted_probs.cumsum(0) - sorted_probs < top_p * sorted_probs.sum()
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs * keep)
+    return probs
+
+
+# -- HTTP ---------------------------------------------------------------------------------------
+
+
+def build_app(engine: Engine) -> web.Application:
+    routes = web.RouteTableDef()
+
+    def ok(**fields) -> web.Response:
+        return web.json_response({"success": True, **fields})
+
+    async def body_of(request: web.Request) -> dict:
+        if not request.can_read_body:
+            return {}
+        body = await request.json()
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        return body
+
+    @web.middleware
+    async def errors(request: web.Request, handler):
+        try:
+            return await handler(request)
+        except (BadRequest, KeyError, TypeError, ValueError) as e:
+            message = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+            return web.json_response({"success": False, "message": message, "error": {"message": message}}, status=400)
+
+    @routes.route("*", "/generate")
+    async def generate(request: web.Request) -> web.Response:
+        body = await body_of(request)
+        if "text" in body:
+            raise BadRequest("the embedded engine is token-in/token-out: send input_ids, not text")
+        input_ids = body.get("input_ids")
+        if not input_ids:
+            raise BadRequest("input_ids is required")
+        batched = isinstance(input_ids[0], list)
+        batch = input_ids if batched else [input_ids]
+        params = body.get("sampling_params") or {}
+        params = params if isinstance(params, list) else [params] * len(batch)
+        rid = body.get("rid")
+        if rid is None:
+            rids = [uuid.uuid4().hex for _ in batch]
+        elif isinstance(rid, list):
+            rids = rid
+        else:
+            rids = [f"{rid}_{i}" for i in range(len(batch))] if batched and len(batch) > 1 else [rid]
+        loop = asyncio.get_running_loop()
+        reqs = [engine.make_request(ids, p, r, loop) for ids, p, r in zip(batch, params, rids)]
+        for req in reqs:
+            engine.submit(req)
+        try:
+            results = await asyncio.gather(*(req.done for req in reqs))
+        except asyncio.CancelledError:  # client went away: stop generating for it
+            for req in reqs:
+                engine.abort(req.rid)
+            raise
+        if not body.get("return_logprob"):
+            for res in results:
+                res["meta_info"].pop("output_token_logprobs")
+        return web.json_response(results if batched else results[0])
+
+    @routes.get("/health")
+    @routes.get("/health_generate")
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=200 if engine.thread.is_alive() else 503)
+
+    @routes.get("/get_model_info")
+    @routes.get("/model_info")
+    async def model_info(request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": engine.model_path,
+                "tokenizer_path": engine.model_path,
+                "is_generation": True,
+                "weight_version": engine.weight_version,
+                "model_type": engine.model.config.model_type,
+                "architectures": engine.model.config.architectures,
+            }
+        )
+
+    @routes.get("/get_server_info")
+    @routes.get("/server_info")
+    async def server_info(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"model_path": engine.model_path, "weight_version": engine.weight_version, "engine": "dsrl-embedded"}
+        )
+
+    @routes.route("*", "/get_weight_version")
+    async def get_weight_version(request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": engine.weight_version})
+
+    @routes.post("/update_weight_version")
+    async def update_weight_version(request: web.Request) -> web.Response:
+        body = await body_of(request)
+        if body.get("abort_all_requests", True):
+            engine.abort(abort_all=True)
+        engine.weight_version = str(body["new_version"])
+        return ok(message=f"Weight version updated to {engine.weight_version}", new_version=engine.weight_version)
+
+    @routes.route("*", "/flush_cache")
+    async def flush_cache(request: web.Request) -> web.Response:
+        if not engine.is_idle():
+            return web.Response(status=400, text="Cache not flushed because there are pending requests.")
+        return web.Response(text="Cache flushed.\nPlease check backend logs for more details.")
+
+    @routes.post("/pause_generation")
+    async def pause_generation(request: web.Request) -> web.Response:
+        engine.pause((await body_of(request)).get("mode", "abort"))
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    @routes.post("/continue_generation")
+    async def continue_generation(request: web.Request) -> web.Response:
+        engine.resume()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    @routes.post("/abort_request")
+    async def abort_request(request: web.Request) -> web.Response:
+        body = await body_of(request)
+        engine.abort(body.get("rid", ""), bool(body.get("abort_all", False)))
+        return web.Response(status=200)
+
+    @routes.route("*", "/release_memory_occupation")
+    async def release_memory(request: web.Request) -> web.Response:
+        engine.release_memory((await body_of(request)).get("tags"))
+        return web.json_response(None)
+
+    @routes.route("*", "/resume_memory_occupation")
+    async def resume_memory(request: web.Request) -> web.Response:
+        engine.resume_memory((await body_of(request)).get("tags"))
+        return web.json_response(None)
+
+    @routes.post("/init_weights_update_group")
+    async def init_weights_update_group(request: web.Request) -> web.Response:
+        body = await body_of(request)
+        await asyncio.to_thread(engine.init_group, body)
+        return ok(message="Succeeded to initialize custom process group.")
+
+    @routes.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: web.Request) -> web.Response:
+        import torch.distributed as dist
+
+        name = (await body_of(request)).get("group_name", "weight_update_group")
+        if name not in engine.groups:
+            raise BadRequest(f"Group {name} not in {sorted(engine.groups)}")
+        dist.destroy_process_group(engine.groups.pop(name))
+        return ok(message="Succeeded to destroy custom process group.")
+
+    @routes.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: web.Request) -> web.Response:
+        body = await body_of(request)
+        await asyncio.to_thread(engine.update_from_distributed, body)
+        return _weights_updated(engine, body, "Succeeded to update parameter online.")
+
+    @routes.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: web.Request) -> web.Response:
+        body = await body_of(request)
+        await asyncio.to_thread(engine.update_from_disk, body["model_path"])
+        return _weights_updated(engine, body, "Succeeded to update model weights.", num_paused_requests=0)
+
+    @routes.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: web.Request) -> web.Response:
+        raise BadRequest("update_weights_from_tensor passes CUDA IPC handles; the embedded CPU engine has none")
+
+    @routes.route("*", "/get_weights_by_name")
+    async def get_weights_by_name(request: web.Request) -> web.Response:
+        body = await body_of(request)
+        param = engine.params.get(body["name"])
+        if param is None:
+            return web.json_response({"error": {"message": "Get parameter by name failed"}}, status=400)
+        with engine.model_lock:
+            rows = param.detach()[: int(body.get("truncate_size", 100))].tolist()
+        return web.json_response(rows)
+
+    app = web.Application(middlewares=[errors], client_max_size=1 << 30)
+    app.add_routes(routes)
+    app.on_shutdown.append(lambda app: asyncio.to_thread(engine.stop))
+    return app
+
+
+def _weights_updated(engine: Engine, body: dict, message: str, **extra) -> web.Response:
+    if body.get("weight_version") is not None:
+        engine.weight_version = str(body["weight_version"])
+        message += f" Weight version updated to {engine.weight_version}."
+    return web.json_response({"success": True, "message": message, **extra})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", required=True, help="Hugging Face model directory.")
+    parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default: loopback only).")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--seed", type=int, default=0, help="Seed for sampling and for random init.")
+    parser.add_argument("--max-batch-tokens", type=int, default=16384, help="Tokens per decode step, at most.")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # shares a small CPU with the trainer ranks
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    engine = Engine(args.model_path, seed=args.seed, max_batch_tokens=args.max_batch_tokens)
+    log.info("embedded engine for %s on http://%s:%d", args.model_path, args.host, args.port)
+    web.run_app(build_app(engine), host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""The checkpoint engine: one small interface, one transport per file, and the one place an update happens.
+
+A weight update is always pause -> flush -> send -> continue, tagged with a weight version
+(`sync_weights`). Every trainer rank takes part, because each bucket is a ZeRO-3 all-gather;
+only rank 0 holds a transport and talks to the servers.
+"""
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dsrl.config import SyncConfig
+from dsrl.serving.client import RolloutClient
+from dsrl.zero.buckets import NamedTensors, gathered_buckets
+
+log = logging.getLogger(__name__)
+
+
+class SyncError(RuntimeError):
+    """A weight update that did not complete, or left a server with other weights than the trainer's."""
+
+
+class CheckpointEngine(ABC):
+    """Moves the trainer's gathered weights into every rollout server (runs on trainer rank 0)."""
+
+    def __init__(self, cfg: SyncConfig, client: RolloutClient):
+        self.cfg, self.client = cfg, client
+
+    def connect(self) -> None:  # noqa: B027 -- optional hook, most transports need no set-up
+        """One-time set-up before the first update (e.g. the weight-update group)."""
+
+    @abstractmethod
+    def update_weights(self, buckets: Iterator[NamedTensors], weight_version: str, flush_cache: bool) -> int:
+        """Send every bucket; `weight_version` goes live on the servers with the last one. Returns bytes sent."""
+
+
+def make_checkpoint_engine(cfg: SyncConfig, client: RolloutClient, run_dir: Path, backend: str) -> CheckpointEngine:
+    if cfg.type == "broadcast":
+        from dsrl.sync.broadcast import BroadcastEngine
+
+        return BroadcastEngine(cfg, client, backend)
+    if cfg.type == "disk":
+        from dsrl.sync.disk import DiskEngine
+
+        return DiskEngine(cfg, client, Path(cfg.disk_dir or run_dir / "weights"))
+    raise ValueError(f"--sync.type={cfg.type!r}: expected broadcast or disk")
+
+
+@dataclass
+class SyncStats:
+    bytes: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / max(self.seconds, 1e-9) / 1e9
+
+
+def sync_weights(
+    module: torch.nn.Module,
+    engine: CheckpointEngine | None,
+    weight_version: str,
+    bucket_bytes: int,
+    pause_mode: str = "abort",
+) -> SyncStats | None:
+    """Push the current weights to every server as `weight_version`: pause -> flush -> send -> continue.
+
+    Call on every trainer rank; `engine` is None except on rank 0.
+    """
+    buckets = gathered_buckets(module, bucket_bytes)
+    if engine is None:
+        for _ in buckets:  # join each bucket's all-gather
+            pass
+        return None
+    client = engine.client
+    start = time.perf_counter()
+    client.call_all("/pause_generation", {"mode": pause_mode})
+    client.call_all("/flush_cache")
+    # In-place pauses keep requests on the server, and SGLang dies on a flush that cannot run.
+    sent = engine.update_weights(buckets, weight_version, flush_cache=pause_mode == "abort")
+    client.call_all("/continue_generation", {})
+    seconds = time.perf_counter() - start
+    versions = client.weight_versions()
+    stale = [f"{url} has {v!r}" for url, v in zip(client.urls, versions) if v != weight_version]
+    if stale:
+        raise SyncError(f"after the update to weight version {weight_version!r}: {', '.join(stale)}")
+    return SyncStats(sent, seconds)
+
+
+def verify_weights(module: torch.nn.Module, client: RolloutClient | None, bucket_bytes: int) -> None:
+    """Compare every server parameter with the trainer's gathered one; raise naming the first that differs.
+
+    Uses /get_weights_by_name (the embedded engine; SGLang implements it for Llama-family models).
+    Call on every rank; `client` is None except on rank 0.
+    """
+    for bucket in gathered_buckets(module, bucket_bytes):
+        if client is None:
+            continue
+        for name, tensor in bucket:
+            want = tensor.detach().float().cpu()
+            rows = want.shape[0] if want.dim() else 1
+            for url, got in zip(
+                client.urls, client.call_all("/get_weights_by_name", {"name": name, "truncate_size": rows})
+            ):
+                got = torch.tensor(got, dtype=torch.float32)
+                if got.shape != want.shape:
+                    raise SyncError(
+                        f"{url}: parameter {name!r} has shape {list(got.shape)}, trainer {list(want.shape)}"
+                    )
+                if not torch.equal(got, want):
+                    diff = (got - want).abs().max().item()
+                    raise SyncError(f"{url}: parameter {name!r} differs from the trainer's (max |diff| {diff:.3g})")

@@ -1,0 +1,150 @@
+"""The training loop, one rank of it: ``deepspeed --module dsrl.train --config run.yaml`` (or ``dsrl train``).
+
+generate -> reward -> logprobs -> update -> sync, each phase timed; the details live below it.
+"""
+
+import logging
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from dsrl.algorithms import grpo_advantages
+from dsrl.config import Config, dump_config, parse_config, validate
+from dsrl.data import PromptDataset
+from dsrl.metrics import MetricsWriter, mean_across_ranks, summary_line, timed
+from dsrl.rewards import load_reward_fn
+from dsrl.rollout import Sample, generate, score
+from dsrl.serving.client import RolloutClient
+from dsrl.serving.servers import ServerFleet, start_fleet
+from dsrl.sync.base import make_checkpoint_engine, sync_weights, verify_weights
+from dsrl.zero.actor import compute_logprobs, logprob_mismatch, update_actor
+from dsrl.zero.checkpoint import export_hf, save_checkpoint
+from dsrl.zero.engine import init_distributed, load_engine, prepare_model_dir, use_cuda
+
+log = logging.getLogger("dsrl")
+
+
+def train(cfg: Config) -> dict[str, float]:
+    init_distributed(cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    validate(cfg, world)
+    run_dir = Path(cfg.logging.run_dir)
+    logging.basicConfig(
+        level=cfg.logging.log_level if rank == 0 else "WARNING", format="%(asctime)s [dsrl] %(message)s", force=True
+    )
+    if rank == 0:
+        dump_config(cfg, run_dir / "config.yaml")
+    torch.manual_seed(cfg.seed + rank)
+
+    model_dir = prepare_model_dir(cfg, run_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    dataset = PromptDataset(cfg.data, tokenizer, cfg.seed)
+    reward_fn = load_reward_fn(cfg.algorithm.reward_fn)
+    actor = load_engine(cfg, model_dir, world, train=True)
+    ref = load_engine(cfg, model_dir, world, train=False) if cfg.algorithm.kl_coef > 0 else None
+
+    fleet = start_rollout_fleet(cfg, model_dir, run_dir, rank)
+    client = RolloutClient(fleet.urls, cfg.rollout.max_concurrency, cfg.rollout.request_timeout_s)
+    writer = MetricsWriter(run_dir, cfg.logging.tensorboard and rank == 0)
+    backend = "nccl" if use_cuda(cfg) else "gloo"
+    ckpt = make_checkpoint_engine(cfg.sync, client, run_dir, backend) if rank == 0 else None
+    colocated = cfg.rollout.placement == "colocate"
+    metrics: dict[str, float] = {}
+    try:
+        push_weights(actor, ckpt, cfg, "0", colocated=False)
+        steps = tqdm(range(cfg.trainer.total_steps), desc="train", disable=rank != 0, dynamic_ncols=True)
+        for step in steps:
+            timings: dict[str, float] = {}
+            with timed(timings, "step"):
+                with timed(timings, "generate"):
+                    samples = generate(
+                        client, dataset.batch(step, cfg.rollout.prompts_per_step, rank, world), cfg.rollout
+                    )
+                if colocated:
+                    release_servers(client, rank)
+                with timed(timings, "reward"):
+                    score(samples, reward_fn, tokenizer)
+                    rewards = torch.tensor([s.reward for s in samples])
+                    advantages = grpo_advantages(rewards, cfg.rollout.n_samples, cfg.algorithm.norm_adv_by_std)
+                with timed(timings, "logprobs"):
+                    compute_logprobs(actor, samples, "old_logprobs", cfg, pad_id)
+                    if ref is not None:
+                        compute_logprobs(ref, samples, "ref_logprobs", cfg, pad_id)
+                with timed(timings, "update"):
+                    stats = update_actor(actor, samples, advantages, cfg, pad_id)
+                with timed(timings, "sync"):
+                    sync_stats = push_weights(actor, ckpt, cfg, str(step + 1), colocated)
+            metrics = mean_across_ranks({**rollout_metrics(samples), **logprob_mismatch(samples), **stats, **timings})
+            if rank == 0:
+                metrics.update(sync_stats)
+                writer.log(step + 1, metrics)
+                steps.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+                log.info(summary_line(step + 1, cfg.trainer.total_steps, metrics))
+            if cfg.logging.save_every and (step + 1) % cfg.logging.save_every == 0:
+                save_checkpoint(actor, run_dir, step + 1, {"step": step + 1, "weight_version": str(step + 1)})
+        if cfg.logging.export_hf:
+            export_hf(actor.module, model_dir, run_dir / "hf", cfg.sync.bucket_bytes)
+    finally:
+        client.close()
+        writer.close()
+        fleet.stop()
+    return metrics
+
+
+def start_rollout_fleet(cfg: Config, model_dir: str, run_dir: Path, rank: int) -> ServerFleet:
+    """Rank 0 starts the servers (or takes external URLs); every rank learns their URLs."""
+    engine = cfg.rollout.engine
+    if engine == "auto":
+        engine = "sglang" if use_cuda(cfg) else "embedded"
+    fleet = [start_fleet(cfg.rollout, model_dir, run_dir, cfg.seed, engine) if rank == 0 else None]
+    urls = [fleet[0].urls if rank == 0 else None]
+    dist.broadcast_object_list(urls, src=0)
+    return fleet[0] or ServerFleet(urls=urls[0])
+
+
+def release_servers(client: RolloutClient, rank: int) -> None:
+    """Colocated: once every rank has its samples, the servers give their memory to the trainer."""
+    dist.barrier()
+    if rank == 0:
+        client.call_all("/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
+
+
+def push_weights(actor, ckpt, cfg: Config, weight_version: str, colocated: bool) -> dict[str, float]:
+    """Sync the actor's weights into the servers (colocated: resume weights -> sync -> resume KV cache)."""
+    if colocated and ckpt is not None:
+        ckpt.client.call_all("/resume_memory_occupation", {"tags": ["weights"]})
+    stats = sync_weights(actor.module, ckpt, weight_version, cfg.sync.bucket_bytes)
+    if cfg.sync.verify:
+        verify_weights(actor.module, ckpt.client if ckpt else None, cfg.sync.bucket_bytes)
+    if colocated and ckpt is not None:
+        ckpt.client.call_all("/resume_memory_occupation", {"tags": ["kv_cache"]})
+    if stats is None:
+        return {}
+    return {"sync/bytes": stats.bytes, "sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}
+
+
+def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
+    rewards = torch.tensor([s.reward for s in samples])
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float)
+    return {
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item(),
+        "response/length_mean": lengths.mean().item(),
+        "response/length_max": lengths.max().item(),
+        "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    # The deepspeed launcher appends --local_rank=N unless told not to; LOCAL_RANK carries it anyway.
+    argv = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("--local_rank")]
+    train(parse_config(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""DeepSpeed ZeRO-3 engines for the actor and the reference model, built from the run config."""
+
+import logging
+import math
+import os
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations import HfDeepSpeedConfig
+
+from dsrl.config import Config
+
+log = logging.getLogger(__name__)
+
+
+def use_cuda(cfg: Config) -> bool:
+    return cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+
+
+def param_dtype(cfg: Config) -> torch.dtype:
+    if cfg.trainer.precision == "auto":
+        return torch.bfloat16 if use_cuda(cfg) else torch.float32
+    return torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
+
+
+def batch_shape(cfg: Config, world: int) -> tuple[int, int]:
+    """(samples per rank per step, gradient-accumulation micro-batches per optimizer step)."""
+    per_rank = cfg.rollout.prompts_per_step // world * cfg.rollout.n_samples
+    return per_rank, per_rank // cfg.trainer.updates_per_step // cfg.trainer.micro_batch_size
+
+
+def ds_config(cfg: Config, world: int, train: bool) -> dict:
+    t = cfg.trainer
+    zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}
+    if train and t.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": use_cuda(cfg)}
+    conf = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": batch_shape(cfg, world)[1],
+        "zero_optimization": zero,
+        "bf16": {"enabled": param_dtype(cfg) == torch.bfloat16},
+        "gradient_clipping": t.grad_clip,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if train:
+        # torch's AdamW: DeepSpeed's fused and CPU Adam JIT-compile for minutes on first use;
+        # ZeRO-Offload needs DeepSpeedCPUAdam, so it is only used there.
+        params = {"lr": t.lr, "betas": list(t.betas), "eps": 1e-8, "weight_decay": t.weight_decay}
+        conf["optimizer"] = {"type": "AdamW", "params": {**params, "torch_adam": not t.offload_optimizer}}
+    return conf
+
+
+def lr_lambda(cfg: Config):
+    t = cfg.trainer
+    total = t.total_steps * t.updates_per_step * t.ppo_epochs
+
+    def factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.lr_scheduler == "constant":
+            return 1.0
+        progress = min(1.0, (step - t.warmup_steps) / max(1, total - t.warmup_steps))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if t.lr_scheduler == "cosine" else 1 - progress
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * decay
+
+    return factor
+
+
+def prepare_model_dir(cfg: Config, run_dir: Path) -> str:
+    """The directory every rank and server loads; with init_from_config, rank 0 writes random weights there first."""
+    if not cfg.model.init_from_config:
+        return cfg.model.path
+    out = run_dir / "init_model"
+    if dist.get_rank() == 0:
+        # Built on rank 0 alone, before any HfDeepSpeedConfig exists (while one does, from_config is a collective).
+        torch.manual_seed(cfg.seed)
+        config = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.save_pretrained(out)
+        AutoTokenizer.from_pretrained(cfg.model.path).save_pretrained(out)
+        log.info("random initial weights from %s/config.json written to %s", cfg.model.path, out)
+    dist.barrier()
+    return str(out)
+
+
+def load_engine(cfg: Config, model_dir: str, world: int, train: bool) -> deepspeed.DeepSpeedEngine:
+    conf = ds_config(cfg, world, train)
+    # While this object lives, from_pretrained builds the model under zero.Init: each rank only
+    # ever holds its partition, and HF's own weight init still runs.
+    hf_ds = HfDeepSpeedConfig(conf)  # noqa: F841
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=param_dtype(cfg), trust_remote_code=cfg.model.trust_remote_code
+    )
+    model.config.use_cache = False
+    if train and cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if train:
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            config=conf,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
+        )
+    else:
+        engine, *_ = deepspeed.initialize(model=model, config=conf)
+        engine.eval()
+    return engine
+
+
+def init_distributed(cfg: Config) -> None:
+    if not use_cuda(cfg):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    deepspeed.init_distributed(dist_backend="nccl" if use_cuda(cfg) else "gloo")
+    if use_cuda(cfg):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
