@@ -198,8 +198,11 @@ def world_size(cfg: Config) -> int | None:
     return cfg.trainer.num_ranks or None
 
 
-def validate(cfg: Config, world: int | None = None) -> None:
-    """Raise ConfigError listing every cross-field problem; `world` is the real world size when known."""
+def validate(cfg: Config, world: int | None = None, check_paths: bool = True) -> None:
+    """Raise ConfigError listing every cross-field problem; `world` is the real world size when known.
+
+    `check_paths=False` skips the checks that files exist (for configs meant for another machine).
+    """
     errors: list[str] = []
 
     def check(ok: bool, flag: str, value: Any, allowed: str) -> None:
@@ -207,9 +210,10 @@ def validate(cfg: Config, world: int | None = None) -> None:
             errors.append(f"--{flag}={value!r}: {allowed}")
 
     r, t, a, s = cfg.rollout, cfg.trainer, cfg.algorithm, cfg.sync
-    model_dir = Path(cfg.model.path)
-    check((model_dir / "config.json").is_file(), "model.path", cfg.model.path, "must be a directory with config.json")
-    check(Path(cfg.data.train_path).is_file(), "data.train_path", cfg.data.train_path, "file not found")
+    if check_paths:
+        has_config = (Path(cfg.model.path) / "config.json").is_file()
+        check(has_config, "model.path", cfg.model.path, "must be a directory with config.json")
+        check(Path(cfg.data.train_path).is_file(), "data.train_path", cfg.data.train_path, "file not found")
     check(
         cfg.data.train_path.endswith((".jsonl", ".json", ".parquet")),
         "data.train_path",
@@ -229,7 +233,7 @@ def validate(cfg: Config, world: int | None = None) -> None:
         check(url.startswith(("http://", "https://")), "rollout.server_urls", url, "each URL must start with http://")
     check(t.total_steps >= 1, "trainer.total_steps", t.total_steps, "must be >= 1")
     check(t.num_ranks >= 0, "trainer.num_ranks", t.num_ranks, "must be >= 0 (0: every visible GPU)")
-    if t.hostfile:
+    if t.hostfile and check_paths:
         check(Path(t.hostfile).is_file(), "trainer.hostfile", t.hostfile, "file not found")
     check(t.micro_batch_size >= 1, "trainer.micro_batch_size", t.micro_batch_size, "must be >= 1")
     check(t.updates_per_step >= 1, "trainer.updates_per_step", t.updates_per_step, "must be >= 1")

@@ -52,7 +52,7 @@ def train(cfg: Config) -> dict[str, float]:
     client = RolloutClient(fleet.urls, cfg.rollout.max_concurrency, cfg.rollout.request_timeout_s)
     writer = MetricsWriter(run_dir, cfg.logging.tensorboard and rank == 0)
     backend = "nccl" if use_cuda(cfg) else "gloo"
-    ckpt = make_checkpoint_engine(cfg.sync, client, run_dir, backend) if rank == 0 else None
+    ckpt = make_checkpoint_engine(cfg.sync, client if rank == 0 else None, run_dir, backend)
     colocated = cfg.rollout.placement == "colocate"
     metrics: dict[str, float] = {}
     try:
@@ -116,13 +116,14 @@ def release_servers(client: RolloutClient, rank: int) -> None:
 
 def push_weights(actor, ckpt, cfg: Config, weight_version: str, colocated: bool) -> dict[str, float]:
     """Sync the actor's weights into the servers (colocated: resume weights -> sync -> resume KV cache)."""
-    if colocated and ckpt is not None:
-        ckpt.client.call_all("/resume_memory_occupation", {"tags": ["weights"]})
-    stats = sync_weights(actor.module, ckpt, weight_version, cfg.sync.bucket_bytes)
+    client = ckpt.client  # None except on rank 0
+    if colocated and client is not None:
+        client.call_all("/resume_memory_occupation", {"tags": ["weights"]})
+    stats = sync_weights(actor.module, ckpt, weight_version)
     if cfg.sync.verify:
-        verify_weights(actor.module, ckpt.client if ckpt else None, cfg.sync.bucket_bytes)
-    if colocated and ckpt is not None:
-        ckpt.client.call_all("/resume_memory_occupation", {"tags": ["kv_cache"]})
+        verify_weights(actor.module, client, cfg.sync.bucket_bytes)
+    if colocated and client is not None:
+        client.call_all("/resume_memory_occupation", {"tags": ["kv_cache"]})
     if stats is None:
         return {}
     return {"sync/bytes": stats.bytes, "sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}

@@ -94,6 +94,7 @@ class Engine:
             self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         self.model.eval()
         self.params = dict(self.model.named_parameters())
+        self.storage, self.offsets = _flatten_parameters(self.model)
         self.context_len = getattr(config, "max_position_embeddings", 1 << 30)
         self.eos_ids = _as_set(config.eos_token_id)
         try:
@@ -110,6 +111,10 @@ class Engine:
         self.groups: dict[str, Any] = {}
         self.cond = threading.Condition()
         self.model_lock = threading.Lock()  # a weight update never lands in the middle of a decode step
+        # Updates receive in arrival order, but one may receive while the previous still loads;
+        # receive buffers are reused (fresh pages cost more than the copy on small hosts).
+        self.recv_lock = threading.Lock()
+        self.free_buffers: dict[int, list[torch.Tensor]] = {}
         self.stopped = False
         self.thread = threading.Thread(target=self._loop, name="embedded-scheduler", daemon=True)
         self.thread.start()
@@ -296,21 +301,46 @@ class Engine:
             )
         names, shapes = body["names"], body["shapes"]
         dtypes = [getattr(torch, d) for d in body["dtypes"]]
-        if body.get("load_format") == "flattened_bucket":
-            # One uint8 broadcast holding every tensor's bytes back to back, in `names` order (SGLang's layout).
-            sizes = [torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for s, d in zip(shapes, dtypes)]
-            flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        if body.get("load_format") != "flattened_bucket":  # one broadcast per tensor, in order
+            tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
+            with self.recv_lock:
+                works = [dist.broadcast(t, group=group, group_src=0, async_op=True) for t in tensors]
+                for work in works:
+                    work.wait()
+            self.load_weights(list(zip(names, tensors)))
+            return
+        # One uint8 broadcast holding every tensor's bytes back to back, in `names` order (SGLang's layout).
+        sizes = [torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for s, d in zip(shapes, dtypes)]
+        in_place = self._storage_slice(names, dtypes, sizes)
+        if in_place is not None:  # the bucket is a run of consecutive parameters: receive straight into them
+            with self.recv_lock, self.model_lock:
+                dist.broadcast(in_place, group=group, group_src=0)
+            return
+        with self.recv_lock:
+            free = self.free_buffers.setdefault(sum(sizes), [])
+            flat = free.pop() if free else torch.empty(sum(sizes), dtype=torch.uint8)
             dist.broadcast(flat, group=group, group_src=0)
+        try:
             tensors, offset = [], 0
             for size, shape, dtype in zip(sizes, shapes, dtypes):
                 tensors.append(flat[offset : offset + size].view(dtype).view(shape))
                 offset += size
-        else:  # one broadcast per tensor, in order
-            tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
-            works = [dist.broadcast(t, group=group, group_src=0, async_op=True) for t in tensors]
-            for work in works:
-                work.wait()
-        self.load_weights(list(zip(names, tensors)))
+            self.load_weights(list(zip(names, tensors)))
+        finally:
+            with self.recv_lock:
+                self.free_buffers[sum(sizes)].append(flat)
+
+    def _storage_slice(self, names: list[str], dtypes: list, sizes: list[int]) -> torch.Tensor | None:
+        start = self.offsets.get(names[0], (None,))[0]
+        if start is None:
+            return None
+        offset = start
+        for name, dtype, size in zip(names, dtypes, sizes):
+            param = self.params.get(name)
+            if param is None or param.dtype != dtype or self.offsets[name] != (offset, size):
+                return None
+            offset += size
+        return self.storage[start:offset]
 
     def update_from_disk(self, model_path: str) -> None:
         from safetensors.torch import load_file
@@ -327,6 +357,24 @@ class Engine:
             self.stopped = True
             self.cond.notify_all()
         self.abort(abort_all=True, message="server shutting down")
+
+
+def _flatten_parameters(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
+    """Move every parameter into one byte buffer, in named_parameters() order (the trainer's bucket order).
+
+    A flattened bucket of consecutive parameters then lands in place, with no copy after the receive.
+    """
+    named = list(model.named_parameters())
+    storage = torch.empty(sum(p.numel() * p.element_size() for _, p in named), dtype=torch.uint8)
+    offsets, offset = {}, 0
+    for name, param in named:
+        size = param.numel() * param.element_size()
+        view = storage[offset : offset + size].view(param.dtype).view(param.shape)
+        view.copy_(param.data)
+        param.data = view
+        offsets[name] = (offset, size)
+        offset += size
+    return storage, offsets
 
 
 def _as_set(ids) -> set[int]:

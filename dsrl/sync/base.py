@@ -1,14 +1,14 @@
 """The checkpoint engine: one small interface, one transport per file, and the one place an update happens.
 
 A weight update is always pause -> flush -> send -> continue, tagged with a weight version
-(`sync_weights`). Every trainer rank takes part, because each bucket is a ZeRO-3 all-gather;
-only rank 0 holds a transport and talks to the servers.
+(`sync_weights`). Every trainer rank holds the transport and runs `update_weights`, because the
+parameters are gathered from every rank's ZeRO-3 partitions; only rank 0 has a client and talks
+to the servers.
 """
 
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +16,7 @@ import torch
 
 from dsrl.config import SyncConfig
 from dsrl.serving.client import RolloutClient
-from dsrl.zero.buckets import NamedTensors, gathered_buckets
+from dsrl.zero.buckets import gathered_buckets
 
 log = logging.getLogger(__name__)
 
@@ -26,20 +26,19 @@ class SyncError(RuntimeError):
 
 
 class CheckpointEngine(ABC):
-    """Moves the trainer's gathered weights into every rollout server (runs on trainer rank 0)."""
+    """Moves the trainer's weights into every rollout server. `client` is None except on rank 0."""
 
-    def __init__(self, cfg: SyncConfig, client: RolloutClient):
+    def __init__(self, cfg: SyncConfig, client: RolloutClient | None):
         self.cfg, self.client = cfg, client
 
-    def connect(self) -> None:  # noqa: B027 -- optional hook, most transports need no set-up
-        """One-time set-up before the first update (e.g. the weight-update group)."""
-
     @abstractmethod
-    def update_weights(self, buckets: Iterator[NamedTensors], weight_version: str, flush_cache: bool) -> int:
-        """Send every bucket; `weight_version` goes live on the servers with the last one. Returns bytes sent."""
+    def update_weights(self, module: torch.nn.Module, weight_version: str, flush_cache: bool) -> int:
+        """Send every parameter; `weight_version` goes live with the last bucket. Returns bytes sent (rank 0)."""
 
 
-def make_checkpoint_engine(cfg: SyncConfig, client: RolloutClient, run_dir: Path, backend: str) -> CheckpointEngine:
+def make_checkpoint_engine(
+    cfg: SyncConfig, client: RolloutClient | None, run_dir: Path, backend: str
+) -> CheckpointEngine:
     if cfg.type == "broadcast":
         from dsrl.sync.broadcast import BroadcastEngine
 
@@ -62,27 +61,21 @@ class SyncStats:
 
 
 def sync_weights(
-    module: torch.nn.Module,
-    engine: CheckpointEngine | None,
-    weight_version: str,
-    bucket_bytes: int,
-    pause_mode: str = "abort",
+    module: torch.nn.Module, engine: CheckpointEngine, weight_version: str, pause_mode: str = "abort"
 ) -> SyncStats | None:
     """Push the current weights to every server as `weight_version`: pause -> flush -> send -> continue.
 
-    Call on every trainer rank; `engine` is None except on rank 0.
+    Call on every trainer rank; returns the stats on rank 0, None elsewhere.
     """
-    buckets = gathered_buckets(module, bucket_bytes)
-    if engine is None:
-        for _ in buckets:  # join each bucket's all-gather
-            pass
-        return None
     client = engine.client
+    if client is None:
+        engine.update_weights(module, weight_version, flush_cache=False)
+        return None
     start = time.perf_counter()
     client.call_all("/pause_generation", {"mode": pause_mode})
     client.call_all("/flush_cache")
     # In-place pauses keep requests on the server, and SGLang dies on a flush that cannot run.
-    sent = engine.update_weights(buckets, weight_version, flush_cache=pause_mode == "abort")
+    sent = engine.update_weights(module, weight_version, flush_cache=pause_mode == "abort")
     client.call_all("/continue_generation", {})
     seconds = time.perf_counter() - start
     versions = client.weight_versions()
@@ -104,9 +97,8 @@ def verify_weights(module: torch.nn.Module, client: RolloutClient | None, bucket
         for name, tensor in bucket:
             want = tensor.detach().float().cpu()
             rows = want.shape[0] if want.dim() else 1
-            for url, got in zip(
-                client.urls, client.call_all("/get_weights_by_name", {"name": name, "truncate_size": rows})
-            ):
+            replies = client.call_all("/get_weights_by_name", {"name": name, "truncate_size": rows})
+            for url, got in zip(client.urls, replies):
                 got = torch.tensor(got, dtype=torch.float32)
                 if got.shape != want.shape:
                     raise SyncError(

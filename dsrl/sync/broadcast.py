@@ -2,14 +2,15 @@
 
 NCCL on GPUs, gloo on CPU. Each bucket is one uint8 tensor holding its tensors' bytes back to
 back, sent with SGLang's `load_format: flattened_bucket` -- one broadcast and one request per
-bucket. The next bucket is gathered and flattened while the current one is in flight.
+bucket. While bucket i is broadcast, bucket i+1 is being gathered onto rank 0 (`Rank0Gatherer`),
+and the servers' replies are collected at the end (a failed one aborts the wait at once).
 """
 
+import asyncio
 import logging
 import socket
-from collections.abc import Iterator
+import time
 from concurrent.futures import Future
-from datetime import timedelta
 from urllib.parse import urlparse
 
 import torch
@@ -20,66 +21,50 @@ from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import free_port
 from dsrl.sync.base import CheckpointEngine, SyncError
 from dsrl.sync.group import init_weight_update_group
-from dsrl.zero.buckets import NamedTensors
+from dsrl.zero.buckets import FlatBucket, Rank0Gatherer
 
 log = logging.getLogger(__name__)
 
-GROUP_NAME = "dsrl_weight_update"
-
-
-def flatten(bucket: NamedTensors) -> tuple[dict, torch.Tensor]:
-    """SGLang's flattened-bucket layout: raw bytes of each tensor, in order, no padding."""
-    meta = {
-        "names": [name for name, _ in bucket],
-        "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-        "shapes": [list(t.shape) for _, t in bucket],
-    }
-    flat = torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for _, t in bucket])
-    return meta, flat
-
 
 class BroadcastEngine(CheckpointEngine):
-    def __init__(self, cfg: SyncConfig, client: RolloutClient, backend: str):
+    def __init__(self, cfg: SyncConfig, client: RolloutClient | None, backend: str):
         super().__init__(cfg, client)
         self.backend = backend
         self.group: dist.ProcessGroup | None = None
+        self.group_name = ""
+        self.gatherer: Rank0Gatherer | None = None
 
     def connect(self) -> None:
-        infos = self.client.call_all("/server_info", method="GET")
-        tp_sizes = [int(info.get("tp_size", 1)) for info in infos]
+        """Form the weight-update group: trainer rank 0 plus every tensor-parallel rank of every server."""
+        client = self.client
+        tp_sizes = [int(info.get("tp_size", 1)) for info in client.call_all("/server_info", method="GET")]
         world = 1 + sum(tp_sizes)
-        hosts = {urlparse(url).hostname for url in self.client.urls}
-        local = hosts <= {"127.0.0.1", "localhost"}
+        local = {urlparse(url).hostname for url in client.urls} <= {"127.0.0.1", "localhost"}
         address = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
         port = free_port("127.0.0.1" if local else "")
-        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
+        # torch refuses a second group of the same name in one process (e.g. after a server restart)
+        self.group_name = f"dsrl_weight_update_{port}"
+        requests = []
+        for i, url in enumerate(client.urls):
+            body = {
+                "master_address": address,
+                "master_port": port,
+                "rank_offset": 1 + sum(tp_sizes[:i]),
+                "world_size": world,
+                "group_name": self.group_name,
+                "backend": self.backend,
+            }
+            requests.append(client.request(url, "/init_weights_update_group", body, timeout_s=self.cfg.timeout_s))
 
         async def join_all():
-            import asyncio
-
-            return await asyncio.gather(
-                *(
-                    self.client.request(
-                        url,
-                        "/init_weights_update_group",
-                        {
-                            "master_address": address,
-                            "master_port": port,
-                            "rank_offset": offset,
-                            "world_size": world,
-                            "group_name": GROUP_NAME,
-                            "backend": self.backend,
-                        },
-                        timeout_s=self.cfg.timeout_s,
-                    )
-                    for url, offset in zip(self.client.urls, offsets)
-                )
-            )
+            return await asyncio.gather(*requests)
 
         # The servers' calls block until every rank has joined, trainer included: run them meanwhile.
-        replies = self.client.submit(join_all())
+        replies = client.submit(join_all())
         try:
-            self.group = init_weight_update_group(address, port, 0, world, GROUP_NAME, self.backend, self.cfg.timeout_s)
+            self.group = init_weight_update_group(
+                address, port, 0, world, self.group_name, self.backend, self.cfg.timeout_s
+            )
         except Exception as e:
             raise SyncError(
                 f"weight-update group ({self.backend}, {address}:{port}, world {world}) did not form within "
@@ -87,47 +72,55 @@ class BroadcastEngine(CheckpointEngine):
                 "and the server logs"
             ) from e
         replies.result(self.cfg.timeout_s)
-        log.info(
-            "weight-update group %s formed: trainer + %d server ranks over %s", GROUP_NAME, world - 1, self.backend
-        )
+        log.info("weight-update group %s: trainer + %d server ranks over %s", self.group_name, world - 1, self.backend)
 
-    def update_weights(self, buckets: Iterator[NamedTensors], weight_version: str, flush_cache: bool) -> int:
+    def update_weights(self, module: torch.nn.Module, weight_version: str, flush_cache: bool) -> int:
+        if self.gatherer is None:
+            self.gatherer = Rank0Gatherer(module, self.cfg.bucket_bytes)
+        if self.client is None:
+            for _ in self.gatherer:  # join each bucket's gather onto rank 0
+                pass
+            return 0
         if self.group is None:
             self.connect()
-        sent, in_flight, ready = 0, None, None
-        for bucket in buckets:  # advancing gathers the next bucket while the previous is in flight
-            flattened = flatten(bucket)
-            if ready is not None:
-                self._wait(in_flight)
-                in_flight = self._send(*ready, weight_version=None, flush_cache=False)
-            ready = flattened
-            sent += flattened[1].numel()
-        self._wait(in_flight)
-        if ready is not None:
-            self._wait(self._send(*ready, weight_version=weight_version, flush_cache=flush_cache))
+        sent, in_flight, replies = 0, None, []
+        for bucket in self.gatherer:  # gathering bucket i+1 overlaps the broadcast of bucket i
+            if in_flight is not None:
+                self._wait(in_flight, replies)  # its buffer is reused two buckets later
+            reply, in_flight = self._send(bucket, weight_version, flush_cache)
+            replies.append(reply)
+            sent += bucket.flat.numel()
+        if in_flight is not None:
+            self._wait(in_flight, replies)
+        for reply in replies:
+            reply.result(self.cfg.timeout_s)
         return sent
 
-    def _send(self, meta: dict, flat: torch.Tensor, weight_version: str | None, flush_cache: bool):
+    def _send(self, bucket: FlatBucket, weight_version: str, flush_cache: bool) -> tuple[Future, dist.Work]:
         payload = {
-            **meta,
-            "group_name": GROUP_NAME,
+            "names": bucket.names,
+            "dtypes": bucket.dtypes,
+            "shapes": bucket.shapes,
+            "group_name": self.group_name,
             "load_format": "flattened_bucket",
-            "flush_cache": flush_cache,
-            "weight_version": weight_version,
+            "flush_cache": flush_cache and bucket.last,
+            "weight_version": weight_version if bucket.last else None,
         }
         reply = self.client.submit(self.client.all_servers("/update_weights_from_distributed", payload))
-        work = dist.broadcast(flat, group=self.group, group_src=0, async_op=True)
-        return reply, work, flat
+        work = dist.broadcast(bucket.flat, group=self.group, group_src=0, async_op=True)
+        return reply, work
 
-    def _wait(self, in_flight: tuple[Future, dist.Work, torch.Tensor] | None) -> None:
-        if in_flight is None:
-            return
-        reply, work, flat = in_flight
-        try:
-            work.wait(timedelta(seconds=self.cfg.timeout_s))
-        except RuntimeError as e:
-            raise SyncError(
-                f"broadcast of a {flat.numel() / 1e6:.1f} MB bucket did not finish within {self.cfg.timeout_s:.0f}s "
-                f"({e}); a server may have died -- check its log"
-            ) from e
-        reply.result(self.cfg.timeout_s)
+    def _wait(self, work: dist.Work, replies: list[Future]) -> None:
+        """Wait for a broadcast, failing fast when a server has already answered with an error."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while not work.is_completed():
+            failed = next((r for r in replies if r.done() and r.exception() is not None), None)
+            if failed is not None:
+                raise SyncError(f"a server failed during the weight update: {failed.exception()}")
+            if time.monotonic() > deadline:
+                raise SyncError(
+                    f"a bucket broadcast did not finish within {self.cfg.timeout_s:.0f}s "
+                    "(--sync.timeout_s); a server may have died: check its log"
+                )
+            time.sleep(0.0005)
+        work.wait()

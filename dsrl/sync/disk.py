@@ -6,30 +6,34 @@ port). The directory must be readable by every server at the same path.
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from dsrl.config import SyncConfig
 from dsrl.serving.client import RolloutClient
 from dsrl.sync.base import CheckpointEngine
-from dsrl.zero.buckets import NamedTensors
+from dsrl.zero.buckets import gathered_buckets
 
 
 class DiskEngine(CheckpointEngine):
-    def __init__(self, cfg: SyncConfig, client: RolloutClient, root: Path):
+    def __init__(self, cfg: SyncConfig, client: RolloutClient | None, root: Path):
         super().__init__(cfg, client)
         self.root = root
         self.previous: Path | None = None
 
-    def update_weights(self, buckets: Iterator[NamedTensors], weight_version: str, flush_cache: bool) -> int:
+    def update_weights(self, module: torch.nn.Module, weight_version: str, flush_cache: bool) -> int:
+        if self.client is None:
+            for _ in gathered_buckets(module, self.cfg.bucket_bytes):  # join the gathers
+                pass
+            return 0
         out = self.root / f"version_{weight_version}"
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         sent, index = 0, {}
-        for i, bucket in enumerate(buckets):
+        for i, bucket in enumerate(gathered_buckets(module, self.cfg.bucket_bytes)):
             file = f"model-{i:05d}.safetensors"
             tensors = {name: t.detach().contiguous().cpu() for name, t in bucket}
             save_file(tensors, tmp / file, metadata={"format": "pt"})

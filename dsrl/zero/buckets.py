@@ -6,9 +6,11 @@ valid only until the next bucket is asked for, so a consumer that keeps them cop
 """
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import deepspeed
 import torch
+import torch.distributed as dist
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -40,3 +42,104 @@ def gathered_buckets(module: torch.nn.Module, bucket_bytes: int) -> Iterator[Nam
         params = [named[i][1] for i in bucket]
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             yield [(named[i][0], named[i][1].data) for i in bucket]
+
+
+@dataclass
+class FlatBucket:
+    """One bucket in SGLang's flattened layout: every tensor's bytes back to back, in `names` order."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    flat: torch.Tensor | None
+    """uint8 tensor on rank 0; None on the other ranks."""
+    last: bool
+
+
+class Rank0Gatherer:
+    """Gathers ZeRO-3 partitions bucket by bucket onto rank 0 alone, straight into SGLang's flat layout.
+
+    `GatheredParameters` all-gathers every bucket to every rank and allocates the full tensors
+    each time; the weight sync only needs them on rank 0. Here every other rank sends each of its
+    partitions point to point, and rank 0 receives each one directly at its final offset in the
+    flat bucket (no packing or reordering copies; gloo's gather and all-gather are several times
+    slower than its send/recv). Bucket i+1 is in flight while bucket i is being sent, and the three
+    flat buffers are kept between syncs: fresh pages cost more than copies on small hosts.
+    """
+
+    SLOTS = 3  # see __iter__ for why three flat buffers are needed
+
+    def __init__(self, module: torch.nn.Module, bucket_bytes: int):
+        self.named = list(module.named_parameters())
+        self.plan = plan_buckets(self.named, bucket_bytes)
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        for name, p in self.named:
+            if p.ds_tensor.ds_numel * self.world != p.ds_numel_aligned:
+                raise ValueError(f"{name}: ZeRO-3 partition layout not understood (hpZ/MiCS are not supported)")
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def _pieces(self, i: int):
+        """(param, rank, offset in the flat bucket, bytes) of every partition piece of bucket i."""
+        dst = 0
+        for j in self.plan[i]:
+            p = self.named[j][1]
+            part = p.ds_tensor.numel() * p.element_size()
+            full = p.ds_numel * p.element_size()
+            for r in range(self.world):  # rank r holds bytes [r * part, (r + 1) * part); the last is padded
+                n = min(part, full - r * part)
+                if n > 0:
+                    yield p, r, dst + r * part, n
+            dst += full
+
+    def _flat(self, i: int) -> torch.Tensor | None:
+        if self.rank != 0:
+            return None
+        params = [self.named[j][1] for j in self.plan[i]]
+        nbytes = sum(p.ds_numel * p.element_size() for p in params)
+        buf = self.buffers.get(i % self.SLOTS)
+        if buf is None or buf.numel() < nbytes or buf.device != params[0].ds_tensor.device:
+            buf = self.buffers[i % self.SLOTS] = torch.empty(
+                nbytes, dtype=torch.uint8, device=params[0].ds_tensor.device
+            )
+        return buf[:nbytes]
+
+    def _post_transfers(self, i: int) -> list:
+        """Rank 0 posts a receive per remote piece of bucket i; every other rank sends its own pieces."""
+        flat, works = self._flat(i), []
+        for p, r, offset, n in self._pieces(i):
+            if self.rank == 0 and r != 0:
+                works.append(dist.irecv(flat[offset : offset + n], src=r))
+            elif self.rank == r and r != 0:
+                works.append(dist.isend(p.ds_tensor.detach().view(torch.uint8)[:n], dst=0))
+        return works
+
+    def _copy_own(self, i: int) -> None:
+        if self.rank == 0:
+            flat = self._flat(i)
+            for p, r, offset, n in self._pieces(i):
+                if r == 0:
+                    flat[offset : offset + n].copy_(p.ds_tensor.detach().view(torch.uint8)[:n])
+
+    def __iter__(self) -> Iterator[FlatBucket]:
+        # Bucket i+1's transfers are posted before bucket i is handed out, and rank 0's own pieces of
+        # i+1 are copied once the consumer has started sending i. At that point bucket i-1 may still
+        # be on the wire (the consumer waits for it only before sending i), but i-2 is done: buffer
+        # (i+1) % 3 is free.
+        if not self.plan:
+            return
+        works = self._post_transfers(0)
+        self._copy_own(0)
+        for i, bucket in enumerate(self.plan):
+            for work in works:
+                work.wait()
+            works = self._post_transfers(i + 1) if i + 1 < len(self.plan) else []
+            params = [self.named[j] for j in bucket]
+            yield FlatBucket(
+                names=[name for name, _ in params],
+                dtypes=[str(p.dtype).removeprefix("torch.") for _, p in params],
+                shapes=[list(p.ds_shape) for _, p in params],
+                flat=self._flat(i),
+                last=i + 1 == len(self.plan),
+            )
+            if i + 1 < len(self.plan):
+                self._copy_own(i + 1)

@@ -1,0 +1,86 @@
+"""Run by test_sync.py under the deepspeed launcher (2 CPU ranks): real ZeRO-3, real embedded server.
+
+For each bucket size, new random weights go into the ZeRO-3 actor, a sync pushes them, and every
+server parameter is compared with the trainer's gathered one. Writes its findings as JSON.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
+from dsrl.serving.client import RolloutClient
+from dsrl.sync.base import SyncError, make_checkpoint_engine, sync_weights, verify_weights
+from dsrl.train import start_rollout_fleet
+from dsrl.zero.buckets import param_bytes, plan_buckets
+from dsrl.zero.engine import init_distributed, load_engine
+
+
+def main(model_dir: str, train_path: str, out: str) -> None:
+    cfg = Config(
+        model=ModelConfig(path=model_dir),
+        data=DataConfig(train_path=train_path),
+        rollout=RolloutConfig(prompts_per_step=2, n_samples=2, num_servers=2),
+    )
+    cfg.trainer.micro_batch_size = 2
+    init_distributed(cfg)
+    rank = dist.get_rank()
+    actor = load_engine(cfg, model_dir, dist.get_world_size(), train=True)
+    run_dir = Path(out).parent
+    fleet = start_rollout_fleet(cfg, model_dir, run_dir, rank)
+    client = RolloutClient(fleet.urls) if rank == 0 else None
+    named = list(actor.module.named_parameters())
+    embed_bytes = param_bytes(named[0][1])
+    results = {"world": dist.get_world_size(), "num_params": len(named), "embed_bytes": embed_bytes, "cases": []}
+    try:
+        cases = [("broadcast", 1), ("broadcast", embed_bytes), ("broadcast", 1 << 30), ("disk", 4096)]
+        for version, (transport, bucket_bytes) in enumerate(cases, start=1):
+            sync_cfg = SyncConfig(type=transport, bucket_bytes=bucket_bytes)
+            engine = make_checkpoint_engine(sync_cfg, client, run_dir, "gloo")
+            with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=0):
+                if rank == 0:
+                    torch.manual_seed(version)
+                    for _, p in named:
+                        p.data.normal_()
+            stats = sync_weights(actor.module, engine, str(version))
+            verify_weights(actor.module, client, bucket_bytes)  # raises on any difference
+            if rank == 0:
+                buckets = plan_buckets(named, bucket_bytes)
+                results["cases"].append(
+                    {
+                        "transport": transport,
+                        "bucket_bytes": bucket_bytes,
+                        "buckets": len(buckets),
+                        "bytes": stats.bytes,
+                        "versions": client.weight_versions(),
+                    }
+                )
+        # A server holding one different tensor must fail verification, naming it.
+        if rank == 0:
+            bad = {named[3][0]: torch.zeros(tuple(named[3][1].ds_shape))}
+            (run_dir / "bad").mkdir()
+            save_file(bad, run_dir / "bad" / "model.safetensors")
+            client.run(
+                client.request(client.urls[1], "/update_weights_from_disk", {"model_path": str(run_dir / "bad")})
+            )
+        try:
+            verify_weights(actor.module, client, 1 << 30)
+            results["corrupt_detected"] = None
+        except SyncError as e:
+            results["corrupt_detected"] = str(e)
+        results["model_bytes"] = sum(param_bytes(p) for _, p in named)
+    finally:
+        if client:
+            client.close()
+        fleet.stop()
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,91 @@
+"""Config parsing: YAML + CLI overrides, help from docstrings, every shipped YAML, errors reported together."""
+
+from pathlib import Path
+
+import pytest
+
+from dsrl.config import ConfigError, build_parser, parse_config, to_config, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+TOY = ["--model.path", str(ROOT / "examples/toy/model"), "--data.train_path", str(ROOT / "examples/toy/train.jsonl")]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_yaml_parses_and_validates(path):
+    parser = build_parser()
+    cfg = to_config(parser, parser.parse_args(["--config", str(path)]))
+    validate(cfg, check_paths=False)
+    header = path.read_text().splitlines()[:12]
+    assert any("dsrl train --config configs/" + path.name in line for line in header), "launch command in header"
+
+
+def test_cli_overrides_yaml():
+    cfg = parse_config(["--config", str(ROOT / "configs/toy_cpu.yaml"), "--rollout.n_samples", "4"])
+    assert cfg.rollout.n_samples == 4
+    assert cfg.algorithm.reward_fn == "dsrl.toy:reward"
+
+
+def test_help_comes_from_field_docstrings(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "--rollout.n_samples" in out and "GRPO group size" in out
+
+
+def test_unknown_key_is_named(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  n_sampels: 4\n")
+    with pytest.raises(SystemExit):
+        parse_config([*TOY, "--config", str(bad)])
+    assert "n_sampels" in capsys.readouterr().err
+
+
+def test_wrong_type_is_named(capsys):
+    with pytest.raises(SystemExit):
+        parse_config([*TOY, "--rollout.n_samples", "many"])
+    err = capsys.readouterr().err
+    assert "rollout.n_samples" in err and "many" in err
+
+
+def test_all_cross_field_errors_reported_together():
+    parser = build_parser()
+    argv = [*TOY, "--rollout.n_samples", "1", "--rollout.top_p", "0", "--algorithm.reward_fn", "nocolon"]
+    argv += ["--rollout.prompts_per_step", "3", "--sync.bucket_bytes", "0"]
+    cfg = to_config(parser, parser.parse_args(argv))
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    errors = info.value.errors
+    flags = [e.split("=")[0] for e in errors]
+    assert flags == [
+        "--rollout.n_samples",
+        "--rollout.top_p",
+        "--algorithm.reward_fn",
+        "--sync.bucket_bytes",
+        "--rollout.prompts_per_step",
+        "--trainer.micro_batch_size",
+    ]
+    assert "--rollout.top_p=0.0: must be in (0, 1]" in errors
+    assert str(info.value).startswith("6 config errors:")
+
+
+def test_config_errors_exit_before_anything_starts(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_config([*TOY, "--trainer.lr", "-1", "--data.train_path", "missing.jsonl"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--trainer.lr=-1.0: must be > 0" in err and "--data.train_path='missing.jsonl': file not found" in err
+
+
+def test_batch_shape_must_split_into_micro_batches():
+    parser = build_parser()
+    cfg = to_config(parser, parser.parse_args([*TOY, "--trainer.micro_batch_size", "7"]))
+    with pytest.raises(ConfigError, match="trainer.micro_batch_size=7"):
+        validate(cfg, world=2)
+
+
+def test_config_module_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, dsrl.config; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

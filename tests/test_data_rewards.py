@@ -1,0 +1,110 @@
+"""Datasets and reward functions: formats, chat templates, bad rows named, rewards checked."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+
+from dsrl import toy
+from dsrl.config import DataConfig
+from dsrl.data import DatasetError, PromptDataset
+from dsrl.rewards import extract_final_number, load_reward_fn, math_reward
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return toy.build_tokenizer()
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_jsonl_and_parquet_give_the_same_prompts(tmp_path, tokenizer):
+    rows = toy.make_rows(10, seed=3)
+    jsonl = write_jsonl(tmp_path / "d.jsonl", rows)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    a = PromptDataset(DataConfig(train_path=jsonl), tokenizer)
+    b = PromptDataset(DataConfig(train_path=str(tmp_path / "d.parquet")), tokenizer)
+    assert [p.prompt_ids for p in a.prompts] == [p.prompt_ids for p in b.prompts]
+    assert a.prompts[0].answer == rows[0]["answer"]
+
+
+def test_configurable_field_names(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "12=", "label": "12"}])
+    ds = PromptDataset(DataConfig(train_path=path, prompt_key="question", answer_key="label"), tokenizer)
+    assert ds.prompts[0].text == "12=" and ds.prompts[0].answer == "12"
+
+
+def test_missing_prompt_field_names_the_row(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1="}, {"prompt": "2="}, {"question": "3="}])
+    with pytest.raises(DatasetError, match=r"row 2: no field 'prompt'"):
+        PromptDataset(DataConfig(train_path=path), tokenizer)
+
+
+def test_invalid_json_names_the_line(tmp_path, tokenizer):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1="}\n{"prompt": \n')
+    with pytest.raises(DatasetError, match="line 2: not valid JSON"):
+        PromptDataset(DataConfig(train_path=str(path)), tokenizer)
+
+
+def test_too_long_prompts_are_skipped_and_counted(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1="}, {"prompt": "123456="}])
+    ds = PromptDataset(DataConfig(train_path=path, max_prompt_tokens=4), tokenizer)
+    assert len(ds) == 1 and ds.skipped_too_long == 1
+
+
+def test_chat_template_is_applied(tmp_path, tokenizer):
+    tokenizer = AutoTokenizer.from_pretrained(str(toy_model_dir()))
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    )
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "12"}, {"prompt": [{"role": "user", "content": "3"}]}])
+    ds = PromptDataset(DataConfig(train_path=path), tokenizer)
+    assert [p.text for p in ds.prompts] == ["12=", "3="]
+
+
+def toy_model_dir():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parents[1] / "examples/toy/model"
+
+
+def test_batches_are_deterministic_and_cover_an_epoch(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", toy.make_rows(8, seed=0))
+    ds = PromptDataset(DataConfig(train_path=path), tokenizer, seed=1)
+    epoch = [p.index for step in range(2) for rank in range(2) for p in ds.batch(step, 4, rank, 2)]
+    assert sorted(epoch) == list(range(8))
+    assert [p.index for p in ds.batch(1, 4, 1, 2)] == [p.index for p in ds.batch(1, 4, 1, 2)]
+
+
+def test_extract_final_number():
+    assert extract_final_number("so 3 + 4 = 7.\n#### 1,234") == 1234.0
+    assert extract_final_number("the answer is \\boxed{42}") == 42.0
+    assert extract_final_number("first 3 then -5.5") == -5.5
+    assert extract_final_number("no digits") is None
+
+
+def test_math_reward():
+    assert math_reward("q", "... so the total is 18", "Janet sells 16 - 3 - 4 = 9 ... #### 18") == 1.0
+    assert math_reward("q", "the total is 17", "#### 18") == 0.0
+    assert math_reward("q", "no idea", "#### 18") == 0.0
+
+
+def test_toy_reward():
+    assert toy.reward("394=", "394", "394") == 1.0
+    assert toy.reward("394=", "3 9 4", "394") == 1.0
+    assert toy.reward("394=", "39", "394") == pytest.approx(2 / 3)
+    assert toy.reward("1=", "11", "1") == 0.5
+
+
+def test_load_reward_fn_errors_name_the_flag():
+    assert load_reward_fn("dsrl.rewards:math_reward") is math_reward
+    with pytest.raises(ValueError, match="cannot import module 'no_such_mod'"):
+        load_reward_fn("no_such_mod:f")
+    with pytest.raises(ValueError, match="has no function 'nope'"):
+        load_reward_fn("dsrl.rewards:nope")

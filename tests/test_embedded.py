@@ -1,0 +1,163 @@
+"""The embedded engine over HTTP, through dsrl's client: SGLang's fields, control endpoints, weight updates."""
+
+import asyncio
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from dsrl.config import RolloutConfig
+from dsrl.serving.client import RolloutClient, ServerError
+from dsrl.serving.servers import free_port, start_fleet
+from dsrl.sync.group import init_weight_update_group
+
+PROMPT = [5, 11, 6, 12]  # "394="
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def server(toy_weights, tmp_path_factory):
+    fleet = start_fleet(RolloutConfig(num_servers=1), str(toy_weights), tmp_path_factory.mktemp("run"), 0, "embedded")
+    client = RolloutClient(fleet.urls, timeout_s=60)
+    yield client
+    client.close()
+    fleet.stop()
+
+
+def gen(client, params, **extra):
+    return client.run(
+        client.generate({"input_ids": PROMPT, "sampling_params": params, "return_logprob": True, **extra})
+    )
+
+
+def test_generate_returns_sglang_fields(server):
+    out = gen(server, {"max_new_tokens": 4, "temperature": 1.0})
+    assert set(out) == {"output_ids", "meta_info"}  # no "text": token-in/token-out like --skip-tokenizer-init
+    meta = out["meta_info"]
+    assert {"id", "finish_reason", "prompt_tokens", "completion_tokens", "weight_version"} <= set(meta)
+    assert meta["prompt_tokens"] == 4 and meta["completion_tokens"] == len(out["output_ids"])
+    assert [tok for _, tok, _ in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(lp <= 0 for lp, _, _ in meta["output_token_logprobs"])
+    reason = meta["finish_reason"]
+    assert reason == {"type": "length", "length": 4} or (reason["type"] == "stop" and out["output_ids"][-1] == EOS)
+
+
+def test_batched_input_ids_return_a_list(server):
+    out = server.run(
+        server.generate({"input_ids": [PROMPT, PROMPT[:2]], "sampling_params": {"max_new_tokens": 2}, "rid": "b"})
+    )
+    assert [o["meta_info"]["id"] for o in out] == ["b_0", "b_1"]
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [4, 2]
+
+
+def test_engine_logprobs_match_a_plain_forward(server, toy_weights):
+    """The logprobs the engine reports are those of the model's own forward pass (temperature-scaled)."""
+    out = gen(server, {"max_new_tokens": 6, "temperature": 0.7, "ignore_eos": True})
+    model = AutoModelForCausalLM.from_pretrained(toy_weights)
+    ids = torch.tensor([PROMPT + out["output_ids"]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(PROMPT) - 1 : -1] / 0.7
+    want = torch.log_softmax(logits, -1).gather(-1, ids[0, len(PROMPT) :, None]).squeeze(-1)
+    got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_greedy_is_deterministic_and_stops_at_stop_tokens(server):
+    first = gen(server, {"max_new_tokens": 6, "temperature": 0})
+    assert gen(server, {"max_new_tokens": 6, "temperature": 0})["output_ids"] == first["output_ids"]
+    stop_at = first["output_ids"][2]
+    stopped = gen(server, {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": [stop_at]})
+    cut = first["output_ids"].index(stop_at) + 1
+    assert stopped["output_ids"] == first["output_ids"][:cut]  # the matched stop token is kept, as SGLang does
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+
+
+def test_sampling_seed_reproduces(server):
+    params = {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 7, "ignore_eos": True}
+    assert gen(server, params)["output_ids"] == gen(server, params)["output_ids"]
+
+
+def test_bad_requests_are_400_with_a_message(server):
+    with pytest.raises(ServerError, match="unknown sampling_params"):
+        gen(server, {"max_new_token": 3})
+    with pytest.raises(ServerError, match="maximum context length"):
+        gen(server, {"max_new_tokens": 1000})
+    with pytest.raises(ServerError, match="send input_ids"):
+        server.run(server.generate({"text": "hello"}))
+
+
+def test_pause_holds_requests_until_continue(server):
+    server.call_all("/pause_generation", {"mode": "in_place"})
+    pending = server.submit(server.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}))
+    with pytest.raises(TimeoutError):
+        pending.result(timeout=0.5)
+    server.call_all("/continue_generation", {})
+    assert len(pending.result(timeout=10)["output_ids"]) <= 2
+
+
+def test_abort_returns_partial_output_with_abort_reason(server):
+    server.call_all("/pause_generation", {"mode": "in_place"})
+    pending = server.submit(
+        server.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}, "rid": "x1"})
+    )
+    server.run(asyncio.sleep(0.2))
+    server.call_all("/abort_request", {"rid": "x1"})
+    out = pending.result(timeout=10)
+    server.call_all("/continue_generation", {})
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert out["output_ids"] == []
+
+
+def test_memory_release_rules(server):
+    server.call_all("/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
+    with pytest.raises(ServerError, match="weights are released"):
+        server.call_all("/update_weights_from_disk", {"model_path": "/nonexistent"})
+    with pytest.raises(ServerError, match=r"\['cuda_graph'\] were not released"):
+        server.call_all("/resume_memory_occupation", {"tags": ["cuda_graph"]})
+    server.call_all("/resume_memory_occupation", {"tags": ["weights"]})
+    server.call_all("/resume_memory_occupation", {"tags": ["kv_cache"]})
+    assert len(gen(server, {"max_new_tokens": 1})["output_ids"]) == 1
+
+
+def test_flattened_and_per_tensor_updates_over_gloo(server, toy_weights):
+    port = free_port()
+    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
+    joining = server.submit(
+        server.all_servers("/init_weights_update_group", {**body, "group_name": "t", "backend": "gloo"})
+    )
+    group = init_weight_update_group("127.0.0.1", port, 0, 2, "t", "gloo", timeout_s=30)
+    joining.result(30)
+
+    torch.manual_seed(1)
+    fresh = list(AutoModelForCausalLM.from_pretrained(toy_weights).named_parameters())
+    for _, p in fresh:
+        p.data.normal_()
+    names = [n for n, _ in fresh]
+    meta = {"names": names, "dtypes": ["float32"] * len(names), "shapes": [list(p.shape) for _, p in fresh]}
+    payload = {**meta, "group_name": "t", "load_format": "flattened_bucket", "weight_version": "5"}
+    reply = server.submit(server.all_servers("/update_weights_from_distributed", payload))
+    dist.broadcast(torch.cat([p.detach().view(-1).view(torch.uint8) for _, p in fresh]), group=group, group_src=0)
+    reply.result(30)
+    for name, p in fresh:
+        got = server.call_all("/get_weights_by_name", {"name": name, "truncate_size": 10_000})[0]
+        assert torch.equal(torch.tensor(got), p.detach()), name
+    assert server.weight_versions() == ["5"]
+
+    one = fresh[0][1].detach() * 2
+    payload = {"names": names[:1], "dtypes": ["float32"], "shapes": [list(one.shape)], "group_name": "t"}
+    reply = server.submit(server.all_servers("/update_weights_from_distributed", payload))
+    dist.broadcast(one.clone(), group=group, group_src=0)
+    reply.result(30)
+    got = server.call_all("/get_weights_by_name", {"name": names[0], "truncate_size": 10_000})[0]
+    assert torch.equal(torch.tensor(got), one)
+    assert server.weight_versions() == ["5"]  # no version given: unchanged
+
+
+def test_client_retries_idempotent_calls_then_names_the_server():
+    client = RolloutClient([f"http://127.0.0.1:{free_port()}"], timeout_s=5, retries=1)
+    try:
+        with pytest.raises(ServerError, match=r"/model_info: connection failed.*is the server running"):
+            client.weight_versions()
+    finally:
+        client.close()

@@ -1,0 +1,56 @@
+"""Weight sync under real ZeRO-3 (2 gloo ranks) into real embedded servers: equal weights after every sync."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dsrl.serving.servers import free_port
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def sync_results(toy_weights, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sync") / "results.json"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_accelerators", "2", "--master_port"]
+    cmd += [str(free_port()), "--no_local_rank", str(ROOT / "tests/_sync_worker.py")]
+    cmd += [str(toy_weights), str(ROOT / "examples/toy/train.jsonl"), str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def case(results, transport, bucket_bytes):
+    return next(c for c in results["cases"] if c["transport"] == transport and c["bucket_bytes"] == bucket_bytes)
+
+
+def test_bucket_smaller_than_any_tensor(sync_results):
+    c = case(sync_results, "broadcast", 1)
+    assert c["buckets"] == sync_results["num_params"]  # one tensor per bucket
+    assert c["bytes"] == sync_results["model_bytes"]
+    assert c["versions"] == ["1", "1"]
+
+
+def test_bucket_equal_to_one_tensor(sync_results):
+    c = case(sync_results, "broadcast", sync_results["embed_bytes"])
+    assert 1 < c["buckets"] < sync_results["num_params"]
+    assert c["versions"] == ["2", "2"]
+
+
+def test_bucket_larger_than_the_model(sync_results):
+    c = case(sync_results, "broadcast", 1 << 30)
+    assert c["buckets"] == 1 and c["bytes"] == sync_results["model_bytes"]
+    assert c["versions"] == ["3", "3"]
+
+
+def test_disk_transport(sync_results):
+    assert case(sync_results, "disk", 4096)["versions"] == ["4", "4"]
+
+
+def test_verification_names_the_differing_parameter(sync_results):
+    assert sync_results["world"] == 2
+    message = sync_results["corrupt_detected"]
+    assert message is not None and "model.layers.0.self_attn.k_proj.weight" in message and "differs" in message
