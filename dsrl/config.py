@@ -64,6 +64,12 @@ class RolloutConfig:
     """URLs of running SGLang servers to use instead of starting any (e.g. http://10.0.0.5:30000)."""
     num_servers: int = 1
     """Servers dsrl starts when `server_urls` is empty."""
+    tp_size: int = 1
+    """Tensor-parallel GPUs per started SGLang server."""
+    mem_fraction_static: float = 0.5
+    """Fraction of GPU memory a started SGLang server takes for weights and KV cache (lower it when colocated)."""
+    first_gpu: int = 0
+    """First GPU of the first started server; servers take consecutive GPUs (disaggregated: after the trainer's)."""
     placement: Literal["colocate", "disaggregate"] = "colocate"
     """colocate: servers share the trainer's devices and sleep while it trains; disaggregate: their own devices."""
     max_concurrency: int = 256
@@ -73,7 +79,7 @@ class RolloutConfig:
     startup_timeout_s: float = 300.0
     """Seconds a started server has to answer /health."""
     server_args: dict[str, Any] = field(default_factory=dict)
-    """Extra launch arguments for started servers, e.g. {mem_fraction_static: 0.5}."""
+    """Extra launch arguments for started servers, e.g. {attention_backend: triton}; true adds a bare flag."""
 
 
 @dataclass
@@ -114,12 +120,16 @@ class TrainerConfig:
 
 @dataclass
 class SyncConfig:
-    type: Literal["broadcast", "disk"] = "broadcast"
-    """Checkpoint-engine transport: broadcast (NCCL on GPU, gloo on CPU) or disk (safetensors on shared storage)."""
+    type: Literal["auto", "ipc", "broadcast", "disk"] = "auto"
+    """Checkpoint-engine transport: ipc (CUDA IPC, colocated GPUs), broadcast (NCCL on GPU, gloo on CPU),
+    disk (safetensors on shared storage); auto = ipc when colocated on GPUs, else broadcast."""
     bucket_bytes: int = 256 << 20
     """Bytes of gathered parameters sent per bucket; a larger tensor travels alone."""
-    verify: bool = False
-    """After every sync, compare each server's weights with the trainer's and fail naming the first mismatch."""
+    verify: Literal["off", "weights", "probe"] = "off"
+    """Check every sync: weights = each server parameter equals the trainer's (embedded engine, Llama-family
+    SGLang); probe = the servers' logprobs of fixed probe tokens match the trainer's forward (any model)."""
+    probe_tolerance: float = 0.05
+    """Largest mean |logprob difference| a probe accepts (bf16 kernels differ by ~1e-2)."""
     timeout_s: float = 300.0
     """Seconds a weight-update group set-up or one bucket's transfer may take."""
     disk_dir: str | None = None
@@ -228,6 +238,14 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
     check(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", r.top_k, "must be -1 (all tokens) or >= 1")
     check(r.num_servers >= 1, "rollout.num_servers", r.num_servers, "must be >= 1")
+    check(r.tp_size >= 1, "rollout.tp_size", r.tp_size, "must be >= 1")
+    check(0 < r.mem_fraction_static < 1, "rollout.mem_fraction_static", r.mem_fraction_static, "must be in (0, 1)")
+    check(
+        s.type != "ipc" or r.placement == "colocate",
+        "sync.type",
+        s.type,
+        "ipc needs --rollout.placement colocate (trainer and server on the same GPUs)",
+    )
     check(r.max_concurrency >= 1, "rollout.max_concurrency", r.max_concurrency, "must be >= 1")
     for url in r.server_urls:
         check(url.startswith(("http://", "https://")), "rollout.server_urls", url, "each URL must start with http://")
@@ -252,6 +270,7 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     )
     check(s.bucket_bytes > 0, "sync.bucket_bytes", s.bucket_bytes, "must be > 0")
     check(s.timeout_s > 0, "sync.timeout_s", s.timeout_s, "must be > 0")
+    check(s.probe_tolerance > 0, "sync.probe_tolerance", s.probe_tolerance, "must be > 0")
     check(cfg.logging.save_every >= 0, "logging.save_every", cfg.logging.save_every, "must be >= 0")
 
     world = world or world_size(cfg)

@@ -14,11 +14,19 @@ log = logging.getLogger("dsrl")
 
 @contextmanager
 def timed(timings: dict[str, float], phase: str) -> Iterator[None]:
+    """Add the phase's seconds to timing/<phase>; on GPU also record its peak memory."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     try:
         yield
     finally:
         timings[f"timing/{phase}"] = timings.get(f"timing/{phase}", 0.0) + time.perf_counter() - start
+        if cuda:
+            free, total = torch.cuda.mem_get_info()
+            timings[f"memory/{phase}_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+            timings[f"memory/{phase}_device_used_gb"] = (total - free) / 1e9
 
 
 def mean_across_ranks(values: dict[str, float]) -> dict[str, float]:

@@ -5,6 +5,7 @@ generate -> reward -> logprobs -> update -> sync, each phase timed; the details 
 
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -13,17 +14,24 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from dsrl.algorithms import grpo_advantages
-from dsrl.config import Config, dump_config, parse_config, validate
+from dsrl.config import Config, SyncConfig, dump_config, parse_config, validate
 from dsrl.data import PromptDataset
 from dsrl.metrics import MetricsWriter, mean_across_ranks, summary_line, timed
 from dsrl.rewards import load_reward_fn
 from dsrl.rollout import Sample, generate, score
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import ServerFleet, start_fleet
-from dsrl.sync.base import make_checkpoint_engine, sync_weights, verify_weights
+from dsrl.sync.base import make_checkpoint_engine, sync_weights, verify_probe, verify_weights
 from dsrl.zero.actor import compute_logprobs, logprob_mismatch, update_actor
 from dsrl.zero.checkpoint import export_hf, save_checkpoint
-from dsrl.zero.engine import init_distributed, load_engine, prepare_model_dir, use_cuda
+from dsrl.zero.engine import (
+    init_distributed,
+    load_engine,
+    offload_states,
+    prepare_model_dir,
+    reload_states,
+    use_cuda,
+)
 
 log = logging.getLogger("dsrl")
 
@@ -47,16 +55,24 @@ def train(cfg: Config) -> dict[str, float]:
     reward_fn = load_reward_fn(cfg.algorithm.reward_fn)
     actor = load_engine(cfg, model_dir, world, train=True)
     ref = load_engine(cfg, model_dir, world, train=False) if cfg.algorithm.kl_coef > 0 else None
+    colocated = cfg.rollout.placement == "colocate"
+    offload = colocated and use_cuda(cfg)  # the trainer lends the GPU to the servers between updates
+    if offload:  # before any server starts: it sizes its KV cache from the memory it finds free
+        offload_states(actor, params=False)
 
     fleet = start_rollout_fleet(cfg, model_dir, run_dir, rank)
     client = RolloutClient(fleet.urls, cfg.rollout.max_concurrency, cfg.rollout.request_timeout_s)
     writer = MetricsWriter(run_dir, cfg.logging.tensorboard and rank == 0)
-    backend = "nccl" if use_cuda(cfg) else "gloo"
-    ckpt = make_checkpoint_engine(cfg.sync, client if rank == 0 else None, run_dir, backend)
-    colocated = cfg.rollout.placement == "colocate"
+    ckpt = make_checkpoint_engine(
+        resolve_sync(cfg),
+        client if rank == 0 else None,
+        run_dir,
+        "nccl" if use_cuda(cfg) else "gloo",
+        cfg.rollout.tp_size,
+    )
     metrics: dict[str, float] = {}
     try:
-        push_weights(actor, ckpt, cfg, "0", colocated=False)
+        push_weights(actor, ckpt, cfg, "0", wake_servers=False, offload=offload)
         steps = tqdm(range(cfg.trainer.total_steps), desc="train", disable=rank != 0, dynamic_ncols=True)
         for step in steps:
             timings: dict[str, float] = {}
@@ -66,7 +82,10 @@ def train(cfg: Config) -> dict[str, float]:
                         client, dataset.batch(step, cfg.rollout.prompts_per_step, rank, world), cfg.rollout
                     )
                 if colocated:
-                    release_servers(client, rank)
+                    with timed(timings, "release"):
+                        release_servers(client, rank)
+                        if offload:
+                            reload_states(actor)
                 with timed(timings, "reward"):
                     score(samples, reward_fn, tokenizer)
                     rewards = torch.tensor([s.reward for s in samples])
@@ -78,7 +97,7 @@ def train(cfg: Config) -> dict[str, float]:
                 with timed(timings, "update"):
                     stats = update_actor(actor, samples, advantages, cfg, pad_id)
                 with timed(timings, "sync"):
-                    sync_stats = push_weights(actor, ckpt, cfg, str(step + 1), colocated)
+                    sync_stats = push_weights(actor, ckpt, cfg, str(step + 1), colocated, offload)
             metrics = mean_across_ranks({**rollout_metrics(samples), **logprob_mismatch(samples), **stats, **timings})
             if rank == 0:
                 metrics.update(sync_stats)
@@ -86,7 +105,13 @@ def train(cfg: Config) -> dict[str, float]:
                 steps.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
                 log.info(summary_line(step + 1, cfg.trainer.total_steps, metrics))
             if cfg.logging.save_every and (step + 1) % cfg.logging.save_every == 0:
+                if offload:
+                    reload_states(actor)
                 save_checkpoint(actor, run_dir, step + 1, {"step": step + 1, "weight_version": str(step + 1)})
+                if offload:
+                    offload_states(actor, params=True)
+        if offload:
+            reload_states(actor)
         if cfg.logging.export_hf:
             export_hf(actor.module, model_dir, run_dir / "hf", cfg.sync.bucket_bytes)
     finally:
@@ -114,19 +139,38 @@ def release_servers(client: RolloutClient, rank: int) -> None:
         client.call_all("/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
 
 
-def push_weights(actor, ckpt, cfg: Config, weight_version: str, colocated: bool) -> dict[str, float]:
-    """Sync the actor's weights into the servers (colocated: resume weights -> sync -> resume KV cache)."""
+def resolve_sync(cfg: Config) -> SyncConfig:
+    if cfg.sync.type != "auto":
+        return cfg.sync
+    ipc = cfg.rollout.placement == "colocate" and use_cuda(cfg)
+    return replace(cfg.sync, type="ipc" if ipc else "broadcast")
+
+
+def push_weights(actor, ckpt, cfg: Config, weight_version: str, wake_servers: bool, offload: bool) -> dict:
+    """Sync the actor's weights into the servers.
+
+    Colocated on GPUs the order matters: trainer states out -> server weights back -> sync ->
+    trainer params out -> server KV cache back (the KV cache needs the memory the params held).
+    """
     client = ckpt.client  # None except on rank 0
-    if colocated and client is not None:
+    if offload:
+        offload_states(actor, params=False)
+    if wake_servers and client is not None:
         client.call_all("/resume_memory_occupation", {"tags": ["weights"]})
     stats = sync_weights(actor.module, ckpt, weight_version)
-    if cfg.sync.verify:
+    probe = None
+    if cfg.sync.verify == "weights":
         verify_weights(actor.module, client, cfg.sync.bucket_bytes)
-    if colocated and client is not None:
+    elif cfg.sync.verify == "probe":
+        probe = verify_probe(actor, client, actor.module.config.vocab_size, cfg.sync.probe_tolerance)
+    if offload:
+        offload_states(actor, params=True)
+    if wake_servers and client is not None:
         client.call_all("/resume_memory_occupation", {"tags": ["kv_cache"]})
     if stats is None:
         return {}
-    return {"sync/bytes": stats.bytes, "sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}
+    out = {"sync/bytes": stats.bytes, "sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}
+    return out if probe is None else {**out, "sync/probe_logprob_diff": probe}
 
 
 def rollout_metrics(samples: list[Sample]) -> dict[str, float]:

@@ -18,7 +18,7 @@ def toy_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("toy_run")
     cmd = [sys.executable, "-m", "dsrl.cli", "train", "--config", str(ROOT / "configs/toy_cpu.yaml")]
     cmd += ["--trainer.total_steps", str(STEPS), "--logging.run_dir", str(run_dir), "--logging.save_every", "30"]
-    cmd += ["--sync.verify", "true"]
+    cmd += ["--sync.verify", "weights"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     events = EventAccumulator(str(run_dir / "tensorboard"))

@@ -181,6 +181,15 @@ class Engine:
         self.running.remove(req)
         req.finish(finish_reason, self.weight_version)
 
+    @torch.no_grad()
+    def prompt_logprobs(self, input_ids: list[int], start: int) -> list[list]:
+        """SGLang's input_token_logprobs: unscaled logprob of each prompt token given the ones before it."""
+        with self.model_lock:
+            logits = self.model(input_ids=torch.tensor([input_ids])).logits[0, :-1].float()
+        logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(input_ids[1:])[:, None])[:, 0].tolist()
+        rows = [[None, input_ids[0], None]] + [[lp, tok, None] for lp, tok in zip(logprobs, input_ids[1:])]
+        return rows[start:]
+
     def abort(self, rid: str = "", abort_all: bool = False, message: str = "Aborted") -> int:
         with self.cond:
             hits = [r for r in self.running if abort_all or (rid and r.rid.startswith(rid))]
@@ -451,6 +460,10 @@ def build_app(engine: Engine) -> web.Application:
         if not body.get("return_logprob"):
             for res in results:
                 res["meta_info"].pop("output_token_logprobs")
+        elif body.get("logprob_start_len", -1) not in (None, -1):
+            for res, ids in zip(results, batch):
+                rows = await asyncio.to_thread(engine.prompt_logprobs, ids, int(body["logprob_start_len"]))
+                res["meta_info"]["input_token_logprobs"] = rows
         return web.json_response(results if batched else results[0])
 
     @routes.get("/health")

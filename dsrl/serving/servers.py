@@ -81,12 +81,36 @@ def wait_healthy(server: ServerProcess, timeout_s: float) -> None:
     )
 
 
-def embedded_command(model_path: str, host: str, port: int, seed: int, extra: dict) -> list[str]:
+def as_flags(args: dict) -> list[str]:
+    """{mem_fraction_static: 0.5, enable_foo: true} -> ['--mem-fraction-static', '0.5', '--enable-foo']."""
+    flags = []
+    for key, value in args.items():
+        flag = f"--{key.replace('_', '-')}"
+        if value is True:
+            flags.append(flag)
+        elif value not in (False, None):
+            flags += [flag, str(value)]
+    return flags
+
+
+def embedded_command(cfg: RolloutConfig, model_path: str, host: str, port: int, seed: int) -> list[str]:
     cmd = [sys.executable, "-m", "dsrl.serving.embedded", "--model-path", model_path, "--host", host]
-    cmd += ["--port", str(port), "--seed", str(seed)]
-    for key, value in extra.items():
-        cmd += [f"--{key.replace('_', '-')}", str(value)]
-    return cmd
+    return cmd + ["--port", str(port), "--seed", str(seed), *as_flags(cfg.server_args)]
+
+
+def sglang_command(cfg: RolloutConfig, model_path: str, host: str, port: int, seed: int, colocated: bool) -> list[str]:
+    args = {
+        "model_path": model_path,
+        "host": host,
+        "port": port,
+        "tp_size": cfg.tp_size,
+        "mem_fraction_static": cfg.mem_fraction_static,
+        "random_seed": seed,
+        "skip_tokenizer_init": True,  # token-in/token-out: dsrl never re-tokenises
+        "enable_memory_saver": colocated,  # lets /release_memory_occupation really free the GPU
+        **cfg.server_args,
+    }
+    return [sys.executable, "-m", "sglang.launch_server", *as_flags(args)]
 
 
 @dataclass
@@ -108,23 +132,35 @@ class ServerFleet:
 
 
 def start_fleet(cfg: RolloutConfig, model_path: str, run_dir: Path, seed: int, engine: str) -> ServerFleet:
-    """Start `cfg.num_servers` servers of the given engine ('embedded' here; SGLang comes with GPUs)."""
+    """Start `cfg.num_servers` servers: the embedded engine, or SGLang on consecutive GPUs from `first_gpu`."""
     if cfg.server_urls:
         return ServerFleet(urls=list(cfg.server_urls))
-    if engine != "embedded":
-        raise ValueError(f"--rollout.engine={engine!r}: only the embedded engine can be started on this machine")
+    if engine not in ("embedded", "sglang"):
+        raise ValueError(f"--rollout.engine={engine!r}: expected embedded or sglang")
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
-    env["OMP_NUM_THREADS"] = "1"
+    # The deepspeed launcher narrows CUDA_VISIBLE_DEVICES to the trainer's GPUs; servers pick
+    # theirs with --base-gpu-id among the GPUs `dsrl train` saw.
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if os.environ.get("DSRL_CUDA_VISIBLE_DEVICES"):
+        env["CUDA_VISIBLE_DEVICES"] = os.environ["DSRL_CUDA_VISIBLE_DEVICES"]
+    env.setdefault("OMP_NUM_THREADS", "1" if engine == "embedded" else "8")
     fleet = ServerFleet(urls=[])
     try:
         for i in range(cfg.num_servers):
             host, port = "127.0.0.1", free_port()
             log_path = log_dir / f"server_{i}.log"
+            if engine == "embedded":
+                cmd = embedded_command(cfg, model_path, host, port, seed + i)
+            else:
+                gpus = range(cfg.first_gpu + i * cfg.tp_size, cfg.first_gpu + (i + 1) * cfg.tp_size)
+                cmd = sglang_command(cfg, model_path, host, port, seed + i, cfg.placement == "colocate")
+                cmd += ["--base-gpu-id", str(gpus[0])]
+            log.info("starting rollout server %d: %s", i, " ".join(cmd))
             with open(log_path, "ab") as log_file:
                 proc = subprocess.Popen(
-                    embedded_command(model_path, host, port, seed + i, cfg.server_args),
+                    cmd,
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
                     env=env,

@@ -37,8 +37,13 @@ class CheckpointEngine(ABC):
 
 
 def make_checkpoint_engine(
-    cfg: SyncConfig, client: RolloutClient | None, run_dir: Path, backend: str
+    cfg: SyncConfig, client: RolloutClient | None, run_dir: Path, backend: str, tp_size: int = 1
 ) -> CheckpointEngine:
+    """The transport named by --sync.type ('auto' must be resolved by the caller)."""
+    if cfg.type == "ipc":
+        from dsrl.sync.ipc import IpcEngine
+
+        return IpcEngine(cfg, client, tp_size)
     if cfg.type == "broadcast":
         from dsrl.sync.broadcast import BroadcastEngine
 
@@ -47,7 +52,7 @@ def make_checkpoint_engine(
         from dsrl.sync.disk import DiskEngine
 
         return DiskEngine(cfg, client, Path(cfg.disk_dir or run_dir / "weights"))
-    raise ValueError(f"--sync.type={cfg.type!r}: expected broadcast or disk")
+    raise ValueError(f"--sync.type={cfg.type!r}: expected ipc, broadcast or disk")
 
 
 @dataclass
@@ -107,3 +112,43 @@ def verify_weights(module: torch.nn.Module, client: RolloutClient | None, bucket
                 if not torch.equal(got, want):
                     diff = (got - want).abs().max().item()
                     raise SyncError(f"{url}: parameter {name!r} differs from the trainer's (max |diff| {diff:.3g})")
+
+
+def probe_ids(vocab_size: int, sequences: int = 4, length: int = 32, seed: int = 1234) -> list[list[int]]:
+    """Fixed pseudo-random token ids: the same probe for every check of a run."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (sequences, length), generator=gen).tolist()
+
+
+@torch.no_grad()
+def verify_probe(engine, client: RolloutClient | None, vocab_size: int, tolerance: float) -> float | None:
+    """Compare each server's logprobs of fixed probe tokens with the trainer's own forward on them.
+
+    Works for any model (SGLang 0.5.17 has no /get_weights_by_name for Qwen2): prompt logprobs
+    come from /generate with logprob_start_len=0, after /flush_cache so no cached prefix is reused.
+    Call on every rank (the forward is a ZeRO-3 collective); returns the largest mean |diff| on rank 0.
+    """
+    ids = probe_ids(vocab_size)
+    tokens = torch.tensor(ids, device=engine.device)
+    logits = engine(input_ids=tokens).logits[:, :-1].float()
+    want = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0].cpu()
+    if client is None:
+        return None
+    client.call_all("/flush_cache")
+    payload = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    worst = 0.0
+    for url, outs in zip(client.urls, client.call_all("/generate", payload)):
+        got = torch.tensor([[lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs])
+        diff = (got - want).abs()
+        if diff.mean() > tolerance:
+            raise SyncError(
+                f"{url}: logprobs of the probe tokens differ from the trainer's by {diff.mean():.3g} on average "
+                f"(max {diff.max():.3g}, --sync.probe_tolerance {tolerance}): the server holds other weights"
+            )
+        worst = max(worst, diff.mean().item())
+    return worst

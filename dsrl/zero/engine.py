@@ -112,9 +112,28 @@ def load_engine(cfg: Config, model_dir: str, world: int, train: bool) -> deepspe
 
 
 def init_distributed(cfg: Config) -> None:
-    if not use_cuda(cfg):
+    if use_cuda(cfg):
+        # SGLang's processes run NCCL with cuMem off; a trainer with it on breaks the weight-update
+        # group ("Cuda failure 'invalid argument'" on the server, the trainer's broadcast hangs).
+        os.environ["NCCL_CUMEM_ENABLE"] = "0"
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     deepspeed.init_distributed(dist_backend="nccl" if use_cuda(cfg) else "gloo")
-    if use_cuda(cfg):
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def offload_states(engine, params: bool) -> None:
+    """Colocated on GPUs: move optimizer states, fp32 master weights and grads (and the bf16
+    params when `params`) to CPU, so the rollout server can have the memory."""
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
+
+    states = [State.optim_states, State.hp_params, State.lp_grads, State.contiguous_grad_buffer]
+    engine.offload_states(include=states + ([State.lp_params] if params else []))
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def reload_states(engine) -> None:
+    engine.reload_states()
+    torch.cuda.synchronize()
