@@ -14,11 +14,13 @@ from pathlib import Path
 VOCAB = ["<pad>", "<eos>", *"0123456789", "=", "+"]
 
 
-def build_tokenizer():
+def build_tokenizer(vocab_size: int = len(VOCAB)):
+    """The toy tokenizer; a larger `vocab_size` pads it with unused tokens to match a bigger model."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    core = Tokenizer(models.WordLevel({tok: i for i, tok in enumerate(VOCAB)}, unk_token="<pad>"))
+    vocab = VOCAB + [f"<unused_{i}>" for i in range(vocab_size - len(VOCAB))]
+    core = Tokenizer(models.WordLevel({tok: i for i, tok in enumerate(vocab)}, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"\S"), behavior="isolated")
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
 

@@ -1,17 +1,26 @@
-"""Benchmark the checkpoint engine's broadcast path against a raw torch.distributed.broadcast.
+"""Benchmark the checkpoint engine against the hardware's own limit, measured in the same run.
 
-On CPU: 2 ZeRO-3 ranks over gloo and one embedded server; the sync path (pause -> flush ->
-gather buckets -> broadcast -> server load -> continue -> version check) is timed end to end, and
-in the same run trainer rank 0 broadcasts the same bucket sizes to a bare receiver process over
-gloo. Prints both and their ratio.
+Modes:
+  cpu   2 ZeRO-3 ranks over gloo -> one embedded server; limit: a raw gloo broadcast of the same
+        bucket sizes from trainer rank 0 to a bare receiver process.
+  ipc   1 GPU: ZeRO-3 trainer and SGLang colocated, CUDA IPC flattened buckets; limit: a
+        device-to-device copy of the same bytes.
+  nccl  2 GPUs: trainer on GPU 0, SGLang on GPU 1, NCCL broadcast; limit: a raw NCCL broadcast of
+        the same bucket sizes to a bare receiver on GPU 1.
 
-    python tools/bench_sync.py                       # ~600 MB fp32 model, 256 MB buckets
-    python tools/bench_sync.py --hidden 512 --layers 4 --bucket-mb 64
+The sync path is timed end to end as the trainer runs it: pause -> flush -> gather/flatten ->
+send -> server load -> continue -> version check. Each figure is the best of --repeats.
+
+    python tools/bench_sync.py                                   # cpu, ~750 MB fp32 model
+    python tools/bench_sync.py --mode ipc --models 0.5b 1.5b 3b --bucket-mb 64 256 1024 0
+    python tools/bench_sync.py --mode nccl --models 0.5b 1.5b 3b --bucket-mb 64 256 1024 0
+(--bucket-mb 0 = the whole model in one bucket)
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -19,28 +28,30 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--bucket-mb", type=float, default=256)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--ranks", type=int, default=2, help="ZeRO-3 trainer ranks.")
-    p.add_argument("--workdir", default=None, help="Where the model and logs go (default: a temporary directory).")
-    p.add_argument("--receiver", nargs=3, metavar=("PORT", "SIZES_JSON", "REPEATS"), help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=["cpu", "ipc", "nccl"], default="cpu")
+    p.add_argument("--models", nargs="+", default=["cpu-750mb"], help="0.5b 1.5b 3b on GPU")
+    p.add_argument("--bucket-mb", nargs="+", type=float, default=[256], help="0 = whole model")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--ranks", type=int, default=2, help="ZeRO-3 trainer ranks (cpu mode).")
+    p.add_argument("--workdir", default=None, help="Models, logs, results (default: a temporary directory).")
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--receiver", nargs=4, metavar=("PORT", "SIZES", "REPEATS", "BACKEND"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
-def make_model(workdir: Path, hidden: int, layers: int, vocab: int) -> Path:
+def make_cpu_model(out: Path, hidden: int = 1024, layers: int = 8, vocab: int = 32000) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from dsrl.toy import build_tokenizer
 
-    out = workdir / "model"
+    if (out / "config.json").is_file():
+        return out
     config = Qwen2Config(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -57,110 +68,187 @@ def make_model(workdir: Path, hidden: int, layers: int, vocab: int) -> Path:
     return out
 
 
-def receiver(port: int, sizes: list[int], repeats: int) -> None:
-    """Rank 1 of a bare gloo group: receive the same buffers the sync path sends, nothing else."""
+def receiver(port: int, sizes: list[int], repeats: int, backend: str) -> None:
+    """Rank 1 of a bare group: receive the buffers the sync path would send, nothing else."""
     import torch
     import torch.distributed as dist
 
     from dsrl.sync.group import init_weight_update_group
 
-    group = init_weight_update_group("127.0.0.1", port, 1, 2, "raw", "gloo", 120)
-    buffers = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(1)
+        device = "cuda"
+    group = init_weight_update_group("127.0.0.1", port, 1, 2, "raw", backend, 300)
+    buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
     for _ in range(repeats + 1):
         for buf in buffers:
             dist.broadcast(buf, group=group, group_src=0)
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
-def rank_main(args, model_dir: Path, workdir: Path) -> None:
+def raw_limit(mode: str, sizes: list[int], repeats: int) -> float:
+    """Seconds the hardware needs to move the same buckets: best of `repeats` after one warm-up."""
     import torch
+    import torch.distributed as dist
+
+    from dsrl.serving.servers import free_port
+    from dsrl.sync.group import init_weight_update_group
+
+    if mode == "ipc":  # a device-to-device copy of the same bytes
+        src = torch.empty(sum(sizes), dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        times = []
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        del src, dst
+        torch.cuda.empty_cache()
+        return min(times[1:])
+    backend = "nccl" if mode == "nccl" else "gloo"
+    device = "cuda" if mode == "nccl" else "cpu"
+    port = free_port()
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    cmd = [sys.executable, __file__, "--receiver", str(port), json.dumps(sizes), str(repeats), backend]
+    peer = subprocess.Popen(cmd, env=env)
+    group = init_weight_update_group("127.0.0.1", port, 0, 2, "raw", backend, 300)
+    buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+    times = []
+    for _ in range(repeats + 1):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for buf in buffers:
+            dist.broadcast(buf, group=group, group_src=0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    peer.wait(120)
+    return min(times[1:])
+
+
+def rank_main(args) -> None:
     import torch.distributed as dist
 
     from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
     from dsrl.serving.client import RolloutClient
-    from dsrl.serving.servers import free_port
-    from dsrl.sync.base import make_checkpoint_engine, sync_weights
-    from dsrl.sync.group import init_weight_update_group
+    from dsrl.sync.base import make_checkpoint_engine, sync_weights, verify_probe
     from dsrl.train import start_rollout_fleet
     from dsrl.zero.buckets import param_bytes, plan_buckets
     from dsrl.zero.engine import init_distributed, load_engine
 
-    bucket_bytes = int(args.bucket_mb * (1 << 20))
+    gpu = args.mode != "cpu"
+    model_dir = Path(args.model_dir)
+    workdir = Path(args.workdir)
+    rollout = RolloutConfig(prompts_per_step=2, n_samples=2)
+    if gpu:
+        rollout.engine = "sglang"
+        rollout.placement = "colocate" if args.mode == "ipc" else "disaggregate"
+        rollout.first_gpu = 0 if args.mode == "ipc" else 1
+        rollout.mem_fraction_static = 0.35
+        rollout.startup_timeout_s = 600
+        rollout.server_args = {"attention_backend": "triton", "sampling_backend": "pytorch", "disable_cuda_graph": True}
     cfg = Config(
-        model=ModelConfig(path=str(model_dir)),
-        data=DataConfig(train_path=str(ROOT / "examples/toy/train.jsonl")),
-        rollout=RolloutConfig(prompts_per_step=2, n_samples=2),
-        sync=SyncConfig(bucket_bytes=bucket_bytes),
+        model=ModelConfig(path=str(model_dir)), data=DataConfig(train_path=str(ROOT / "examples/toy/train.jsonl"))
     )
+    cfg.rollout = rollout
     cfg.trainer.micro_batch_size = 2
+    cfg.trainer.device = "cuda" if gpu else "cpu"
     init_distributed(cfg)
     rank = dist.get_rank()
     actor = load_engine(cfg, str(model_dir), dist.get_world_size(), train=False)
-    fleet = start_rollout_fleet(cfg, str(model_dir), workdir, rank)
+    fleet = start_rollout_fleet(cfg, str(model_dir), workdir / model_dir.name, rank)
     client = RolloutClient(fleet.urls) if rank == 0 else None
-    engine = make_checkpoint_engine(cfg.sync, client, workdir, "gloo")
+    named = list(actor.module.named_parameters())
+    total = sum(param_bytes(p) for _, p in named)
+    rows = []
+    transport = {"cpu": "broadcast", "ipc": "ipc", "nccl": "broadcast"}[args.mode]
+    engine = make_checkpoint_engine(SyncConfig(type=transport), client, workdir, "nccl" if gpu else "gloo")
     try:
-        sync_weights(actor.module, engine, "warmup")  # forms the group, first-touch allocations
-        sync_times = []
-        for i in range(args.repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            stats = sync_weights(actor.module, engine, str(i))
-            dist.barrier()
-            sync_times.append(time.perf_counter() - start)
-        if rank != 0:
-            return
-        named = list(actor.module.named_parameters())
-        sizes = [sum(param_bytes(named[j][1]) for j in b) for b in plan_buckets(named, bucket_bytes)]
-        port = free_port()
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-        peer = subprocess.Popen(
-            [sys.executable, __file__, "--receiver", str(port), json.dumps(sizes), str(args.repeats)], env=env
-        )
-        group = init_weight_update_group("127.0.0.1", port, 0, 2, "raw", "gloo", 120)
-        buffers = [torch.empty(n, dtype=torch.uint8) for n in sizes]
-        raw_times = []
-        for i in range(args.repeats + 1):
-            start = time.perf_counter()
-            for buf in buffers:
-                dist.broadcast(buf, group=group, group_src=0)
-            if i:  # the first round warms up
-                raw_times.append(time.perf_counter() - start)
-        peer.wait(60)
-        total = stats.bytes
-        sync_s, raw_s = min(sync_times), min(raw_times)
-        print(
-            f"\nmodel {total / 1e6:.0f} MB fp32, {len(named)} tensors, bucket {args.bucket_mb:g} MB -> "
-            f"{len(sizes)} buckets, {dist.get_world_size()} ZeRO-3 ranks (gloo), 1 embedded server\n"
-            f"sync path   : {sync_s * 1e3:8.1f} ms  {total / sync_s / 1e9:6.2f} GB/s  (best of {args.repeats})\n"
-            f"raw gloo bcast: {raw_s * 1e3:6.1f} ms  {total / raw_s / 1e9:6.2f} GB/s  (same bucket sizes)\n"
-            f"ratio (sync / raw bandwidth): {raw_s / sync_s:.2f}   goal >= 0.8",
-            flush=True,
-        )
+        for bucket_mb in args.bucket_mb:
+            bucket_bytes = int(bucket_mb * (1 << 20)) if bucket_mb > 0 else total
+            engine.cfg = SyncConfig(type=transport, bucket_bytes=bucket_bytes)
+            engine.gatherer = None  # re-plan the buckets (broadcast)
+            sync_weights(actor.module, engine, "warmup")  # forms the group, first-touch allocations
+            probe = verify_probe(actor, client, actor.module.config.vocab_size, 0.05) if gpu else None
+            times = []
+            for i in range(args.repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                sync_weights(actor.module, engine, f"{bucket_mb}-{i}")
+                dist.barrier()
+                times.append(time.perf_counter() - start)
+            if rank == 0:
+                sizes = [sum(param_bytes(named[j][1]) for j in b) for b in plan_buckets(named, bucket_bytes)]
+                limit = raw_limit(args.mode, sizes, args.repeats)
+                best = min(times)
+                rows.append(
+                    {
+                        "model": model_dir.name,
+                        "gb": total / 1e9,
+                        "bucket_mb": bucket_mb or "whole",
+                        "buckets": len(sizes),
+                        "sync_ms": best * 1e3,
+                        "sync_median_ms": statistics.median(times) * 1e3,
+                        "limit_ms": limit * 1e3,
+                        "fraction": limit / best,
+                        "probe_diff": probe,
+                    }
+                )
+                print(json.dumps(rows[-1]), flush=True)
     finally:
         if client:
             client.close()
         fleet.stop()
+    if rank == 0:
+        with open(workdir / "results.jsonl", "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 def main() -> None:
     args = parse_args()
-    sys.path.insert(0, str(ROOT))
     if args.receiver:
-        port, sizes, repeats = args.receiver
-        receiver(int(port), json.loads(sizes), int(repeats))
+        port, sizes, repeats, backend = args.receiver
+        receiver(int(port), json.loads(sizes), int(repeats), backend)
+        return
+    if "RANK" in os.environ:
+        rank_main(args)
         return
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dsrl_bench_sync_"))
-    if "RANK" in os.environ:
-        rank_main(args, workdir / "model", workdir)
-        return
     workdir.mkdir(parents=True, exist_ok=True)
-    make_model(workdir, args.hidden, args.layers, args.vocab)
+    (workdir / "results.jsonl").unlink(missing_ok=True)
     from dsrl.serving.servers import free_port
 
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_accelerators", str(args.ranks)]
-    cmd += ["--master_port", str(free_port()), "--no_local_rank", __file__, *sys.argv[1:], "--workdir", str(workdir)]
-    sys.exit(subprocess.call(cmd, env=env))
+    for name in args.models:
+        if args.mode == "cpu":
+            model_dir = make_cpu_model(workdir / name)
+            env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+            launch = ["--num_accelerators", str(args.ranks)]
+        else:
+            from tools.gpu_models import build
+
+            model_dir = build(workdir / name, name)
+            env = dict(os.environ, NCCL_CUMEM_ENABLE="0", PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}")
+            launch = ["--include", "localhost:0"]
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", *launch, "--master_port", str(free_port())]
+        cmd += ["--no_local_rank", __file__, *sys.argv[1:], "--workdir", str(workdir), "--model-dir", str(model_dir)]
+        if subprocess.call(cmd, env=env) != 0:
+            print(f"bench for {name} failed", file=sys.stderr)
+    rows = (
+        [json.loads(line) for line in open(workdir / "results.jsonl")] if (workdir / "results.jsonl").exists() else []
+    )
+    limit_name = {"cpu": "raw gloo bcast", "ipc": "D2D copy", "nccl": "raw NCCL bcast"}[args.mode]
+    print(f"\n{args.mode} sync | model | GB | bucket MB | buckets | sync ms (best/median) | {limit_name} ms | fraction")
+    for r in rows:
+        print(
+            f"{args.mode} | {r['model']} | {r['gb']:.2f} | {r['bucket_mb']} | {r['buckets']} | "
+            f"{r['sync_ms']:.1f} / {r['sync_median_ms']:.1f} | {r['limit_ms']:.1f} | {r['fraction']:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,56 @@
+"""Random-init Qwen2-architecture models of the 0.5B, 1.5B and 3B shapes, bf16, for GPU runs.
+
+Nothing can be downloaded on the GPU machine, so the models are built from their configs (on the
+GPU, which is fast) with a tokenizer of the matching vocabulary (the toy tokenizer, padded).
+
+    python tools/gpu_models.py /tmp/models 0.5b 1.5b 3b
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dsrl.toy import VOCAB, build_tokenizer  # noqa: E402
+
+SHAPES = {  # hidden, intermediate, layers, heads, kv heads (Qwen2.5 shapes)
+    "0.5b": (896, 4864, 24, 14, 2),
+    "1.5b": (1536, 8960, 28, 12, 2),
+    "3b": (2048, 11008, 36, 16, 2),
+}
+
+
+def build(out: Path, size: str, vocab: int = 151936) -> Path:
+    if (out / "config.json").is_file():
+        return out
+    hidden, inter, layers, heads, kv = SHAPES[size]
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=VOCAB.index("<eos>"),
+        pad_token_id=VOCAB.index("<pad>"),
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    build_tokenizer(vocab).save_pretrained(out)
+    return out
+
+
+if __name__ == "__main__":
+    root = Path(sys.argv[1])
+    for size in sys.argv[2:]:
+        print(build(root / size, size), flush=True)

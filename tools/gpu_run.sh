@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# What the GPU machine runs, stage by stage; each stage logs to $OUT/<stage>.log and the summary
+# of every stage is printed last. Usage (on the GPU machine, from the repo root):
+#   source .gpu/setup.sh; bash tools/gpu_run.sh setup colocate toy greedy rollout   # 1 GPU
+#   source .gpu/setup.sh; bash tools/gpu_run.sh setup bench_ipc                      # 1 GPU
+#   source .gpu/setup.sh; bash tools/gpu_run.sh setup disaggregate bench_nccl        # 2 GPUs
+set -u
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT" /tmp/models
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+SUMMARY=$OUT/summary.txt
+: > "$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+stage() {  # stage NAME TIMEOUT_S COMMAND...
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  note "== $name: rc=$rc in $((SECONDS - start))s"
+  return $rc
+}
+
+for s in "$@"; do
+  case $s in
+    setup)
+      if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+          > "$OUT/pip.log" 2>&1 || note "wheel install failed (see pip.log)"
+      fi
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$SUMMARY"
+      python3 -c "import torch, sglang, deepspeed, transformers, aiohttp, jsonargparse, tqdm; print('torch', torch.__version__, 'sglang', sglang.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)" 2>&1 | tail -1 | tee -a "$SUMMARY"
+      python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null || note "no tensorboard here: runs pass --logging.tensorboard false"
+      stage models 300 python3 tools/gpu_models.py /tmp/models 0.5b 1.5b 3b
+      ;;
+    colocate)
+      TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
+      stage colocate 480 python3 -m dsrl.cli train --config configs/gpu_colocate.yaml --logging.tensorboard $TB \
+        --logging.run_dir /tmp/runs/gpu_colocate
+      grep -a "\[dsrl\] step\|Error\|error" "$OUT/colocate.log" | tail -5 | tee -a "$SUMMARY"
+      ;;
+    toy)
+      TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
+      stage toy 480 python3 -m dsrl.cli train --config configs/toy_gpu.yaml --logging.tensorboard $TB \
+        --logging.run_dir /tmp/runs/toy_gpu
+      grep -a "\[dsrl\] step" "$OUT/toy.log" | sed -n '1p;$p' | tee -a "$SUMMARY"
+      grep -a "Error" "$OUT/toy.log" | tail -3 | tee -a "$SUMMARY"
+      ;;
+    greedy)
+      stage greedy 300 python3 tools/gpu_greedy_check.py /tmp/runs/toy_gpu/hf --new-tokens 4
+      tail -5 "$OUT/greedy.log" | tee -a "$SUMMARY"
+      ;;
+    rollout)
+      stage rollout 420 python3 tools/bench_rollout.py --model /tmp/models/0.5b --engine sglang --requests 256 \
+        --server-args '{"attention_backend": "triton", "sampling_backend": "pytorch"}'
+      tail -2 "$OUT/rollout.log" | tee -a "$SUMMARY"
+      ;;
+    bench_ipc)
+      stage bench_ipc 560 python3 tools/bench_sync.py --mode ipc --models 0.5b 1.5b 3b --bucket-mb 64 256 1024 0 \
+        --repeats 5 --workdir /tmp/models
+      grep -a "^ipc\|^$" "$OUT/bench_ipc.log" | tail -14 | tee -a "$SUMMARY"
+      ;;
+    disaggregate)
+      TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
+      stage disaggregate 480 python3 -m dsrl.cli train --config configs/gpu_disaggregate.yaml \
+        --logging.tensorboard $TB --logging.run_dir /tmp/runs/gpu_disaggregate
+      grep -a "\[dsrl\] step\|Error\|error" "$OUT/disaggregate.log" | tail -5 | tee -a "$SUMMARY"
+      ;;
+    bench_nccl)
+      stage bench_nccl 560 python3 tools/bench_sync.py --mode nccl --models 0.5b 1.5b 3b --bucket-mb 64 256 1024 0 \
+        --repeats 5 --workdir /tmp/models
+      grep -a "^nccl\|^$" "$OUT/bench_nccl.log" | tail -14 | tee -a "$SUMMARY"
+      ;;
+    *) note "unknown stage $s" ;;
+  esac
+done
+[ -d /tmp/jitcache ] && tar czf "$OUT/jitcache.tar.gz" -C /tmp/jitcache . 2>/dev/null
+for d in /tmp/runs/*/logs; do [ -d "$d" ] && tail -n 30 "$d"/server_0.log > "$OUT/server_$(basename "$(dirname "$d")").log" 2>/dev/null; done
+echo; echo "=== summary"; cat "$SUMMARY"
