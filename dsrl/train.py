@@ -21,7 +21,7 @@ from dsrl.rewards import load_reward_fn
 from dsrl.rollout import Sample, generate, score
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import ServerFleet, start_fleet
-from dsrl.sync.base import make_checkpoint_engine, sync_weights, verify_probe, verify_weights
+from dsrl.sync.base import make_checkpoint_engine, probe_reference, sync_weights, verify_probe, verify_weights
 from dsrl.zero.actor import compute_logprobs, logprob_mismatch, update_actor
 from dsrl.zero.checkpoint import export_hf, save_checkpoint
 from dsrl.zero.engine import (
@@ -158,15 +158,17 @@ def push_weights(actor, ckpt, cfg: Config, weight_version: str, wake_servers: bo
     if wake_servers and client is not None:
         client.call_all("/resume_memory_occupation", {"tags": ["weights"]})
     stats = sync_weights(actor.module, ckpt, weight_version)
-    probe = None
     if cfg.sync.verify == "weights":
         verify_weights(actor.module, client, cfg.sync.bucket_bytes)
-    elif cfg.sync.verify == "probe":
-        probe = verify_probe(actor, client, actor.module.config.vocab_size, cfg.sync.probe_tolerance)
+    if cfg.sync.verify == "probe":  # the trainer's side now, while its params are still on the GPU
+        probe_ids, reference = probe_reference(actor, actor.module.config.vocab_size)
     if offload:
         offload_states(actor, params=True)
     if wake_servers and client is not None:
         client.call_all("/resume_memory_occupation", {"tags": ["kv_cache"]})
+    probe = None
+    if cfg.sync.verify == "probe" and client is not None:  # the servers' side needs their KV cache back
+        probe = verify_probe(client, probe_ids, reference, cfg.sync.probe_tolerance)
     if stats is None:
         return {}
     out = {"sync/bytes": stats.bytes, "sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}

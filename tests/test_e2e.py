@@ -18,7 +18,7 @@ def toy_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("toy_run")
     cmd = [sys.executable, "-m", "dsrl.cli", "train", "--config", str(ROOT / "configs/toy_cpu.yaml")]
     cmd += ["--trainer.total_steps", str(STEPS), "--logging.run_dir", str(run_dir), "--logging.save_every", "30"]
-    cmd += ["--sync.verify", "weights"]
+    cmd += ["--sync.verify", "probe", "--sync.probe_tolerance", "1e-4"]  # fp32 on both sides
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     events = EventAccumulator(str(run_dir / "tensorboard"))
@@ -52,6 +52,7 @@ def test_metrics_are_logged(toy_run):
         "sync/gb_per_s",
         "sync/bytes",
         "mismatch/logprob_abs_diff",
+        "sync/probe_logprob_diff",
         *(f"timing/{phase}" for phase in ("generate", "reward", "logprobs", "update", "sync", "step")),
     ]:
         assert tag in tags, tag

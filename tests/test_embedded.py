@@ -116,6 +116,8 @@ def test_memory_release_rules(server):
     with pytest.raises(ServerError, match=r"\['cuda_graph'\] were not released"):
         server.call_all("/resume_memory_occupation", {"tags": ["cuda_graph"]})
     server.call_all("/resume_memory_occupation", {"tags": ["weights"]})
+    with pytest.raises(ServerError, match=r"memory \['kv_cache'\] is released"):
+        gen(server, {"max_new_tokens": 1})  # SGLang's scheduler crashes on this
     server.call_all("/resume_memory_occupation", {"tags": ["kv_cache"]})
     assert len(gen(server, {"max_new_tokens": 1})["output_ids"]) == 1
 

@@ -137,7 +137,7 @@ def rank_main(args) -> None:
 
     from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
     from dsrl.serving.client import RolloutClient
-    from dsrl.sync.base import make_checkpoint_engine, sync_weights, verify_probe
+    from dsrl.sync.base import make_checkpoint_engine, probe_reference, sync_weights, verify_probe
     from dsrl.train import start_rollout_fleet
     from dsrl.zero.buckets import param_bytes, plan_buckets
     from dsrl.zero.engine import init_distributed, load_engine
@@ -175,7 +175,10 @@ def rank_main(args) -> None:
             engine.cfg = SyncConfig(type=transport, bucket_bytes=bucket_bytes)
             engine.gatherer = None  # re-plan the buckets (broadcast)
             sync_weights(actor.module, engine, "warmup")  # forms the group, first-touch allocations
-            probe = verify_probe(actor, client, actor.module.config.vocab_size, 0.05) if gpu else None
+            probe = None
+            if gpu:
+                ids, reference = probe_reference(actor, actor.module.config.vocab_size)
+                probe = verify_probe(client, ids, reference, 0.05) if rank == 0 else None
             times = []
             for i in range(args.repeats):
                 dist.barrier()

@@ -8,6 +8,9 @@ set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT" /tmp/models
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export TORCH_EXTENSIONS_DIR=/tmp/jitcache/torch_extensions  # DeepSpeed's FusedAdam build, kept in jitcache
+# DeepSpeed 0.19.8's op builder cannot parse arch suffixes ("9.0a" -> ValueError) when compiling FusedAdam
+export TORCH_CUDA_ARCH_LIST=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
 SUMMARY=$OUT/summary.txt
 : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
@@ -32,6 +35,14 @@ for s in "$@"; do
       python3 -c "import torch, sglang, deepspeed, transformers, aiohttp, jsonargparse, tqdm; print('torch', torch.__version__, 'sglang', sglang.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)" 2>&1 | tail -1 | tee -a "$SUMMARY"
       python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null || note "no tensorboard here: runs pass --logging.tensorboard false"
       stage models 300 python3 tools/gpu_models.py /tmp/models 0.5b 1.5b 3b
+      ;;
+    smoke)
+      stage smoke 300 python3 tools/gpu_sglang_smoke.py /tmp/models/0.5b
+      grep -a "^OK\|^FAIL\|^sleep\|PASSED" "$OUT/smoke.log" | tee -a "$SUMMARY"
+      ;;
+    smoke_nosaver)
+      stage smoke_nosaver 300 python3 tools/gpu_sglang_smoke.py /tmp/models/0.5b --no-memory-saver
+      grep -a "^OK\|^FAIL\|PASSED" "$OUT/smoke_nosaver.log" | tee -a "$SUMMARY"
       ;;
     colocate)
       TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
@@ -75,5 +86,6 @@ for s in "$@"; do
   esac
 done
 [ -d /tmp/jitcache ] && tar czf "$OUT/jitcache.tar.gz" -C /tmp/jitcache . 2>/dev/null
-for d in /tmp/runs/*/logs; do [ -d "$d" ] && tail -n 30 "$d"/server_0.log > "$OUT/server_$(basename "$(dirname "$d")").log" 2>/dev/null; done
+mkdir -p "$OUT/logs"
+for d in /tmp/runs/*/logs; do [ -d "$d" ] && tail -c 200000 "$d"/server_0.log > "$OUT/logs/server_$(basename "$(dirname "$d")").log" 2>/dev/null; done
 echo; echo "=== summary"; cat "$SUMMARY"

@@ -447,6 +447,8 @@ def build_app(engine: Engine) -> web.Application:
             rids = rid
         else:
             rids = [f"{rid}_{i}" for i in range(len(batch))] if batched and len(batch) > 1 else [rid]
+        if engine.released:  # SGLang's scheduler dies on this; fail loudly here so CPU tests catch the order
+            raise BadRequest(f"memory {sorted(engine.released)} is released; /resume_memory_occupation first")
         loop = asyncio.get_running_loop()
         reqs = [engine.make_request(ids, p, r, loop) for ids, p, r in zip(batch, params, rids)]
         for req in reqs:

@@ -121,19 +121,21 @@ def probe_ids(vocab_size: int, sequences: int = 4, length: int = 32, seed: int =
 
 
 @torch.no_grad()
-def verify_probe(engine, client: RolloutClient | None, vocab_size: int, tolerance: float) -> float | None:
-    """Compare each server's logprobs of fixed probe tokens with the trainer's own forward on them.
-
-    Works for any model (SGLang 0.5.17 has no /get_weights_by_name for Qwen2): prompt logprobs
-    come from /generate with logprob_start_len=0, after /flush_cache so no cached prefix is reused.
-    Call on every rank (the forward is a ZeRO-3 collective); returns the largest mean |diff| on rank 0.
-    """
+def probe_reference(engine, vocab_size: int) -> tuple[list[list[int]], torch.Tensor]:
+    """The probe token ids and the trainer's logprobs of them (call on every rank: a ZeRO-3 forward)."""
     ids = probe_ids(vocab_size)
     tokens = torch.tensor(ids, device=engine.device)
     logits = engine(input_ids=tokens).logits[:, :-1].float()
-    want = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0].cpu()
-    if client is None:
-        return None
+    return ids, torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0].cpu()
+
+
+def verify_probe(client: RolloutClient, ids: list[list[int]], reference: torch.Tensor, tolerance: float) -> float:
+    """Compare each server's logprobs of the probe tokens with the trainer's; return the worst mean |diff|.
+
+    Works for any model (SGLang 0.5.17 has no /get_weights_by_name for Qwen2): prompt logprobs
+    come from /generate with logprob_start_len=0, after /flush_cache so no cached prefix is reused.
+    The servers must hold their KV cache: SGLang dies generating while it is released.
+    """
     client.call_all("/flush_cache")
     payload = {
         "input_ids": ids,
@@ -144,7 +146,7 @@ def verify_probe(engine, client: RolloutClient | None, vocab_size: int, toleranc
     worst = 0.0
     for url, outs in zip(client.urls, client.call_all("/generate", payload)):
         got = torch.tensor([[lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs])
-        diff = (got - want).abs()
+        diff = (got - reference).abs()
         if diff.mean() > tolerance:
             raise SyncError(
                 f"{url}: logprobs of the probe tokens differ from the trainer's by {diff.mean():.3g} on average "

@@ -47,10 +47,12 @@ def ds_config(cfg: Config, world: int, train: bool) -> dict:
         "wall_clock_breakdown": False,
     }
     if train:
-        # torch's AdamW: DeepSpeed's fused and CPU Adam JIT-compile for minutes on first use;
-        # ZeRO-Offload needs DeepSpeedCPUAdam, so it is only used there.
+        # On CPU torch's AdamW: DeepSpeed's CPU Adam JIT-compiles for minutes on first use (ZeRO-Offload
+        # needs it, so it is used there). On GPU FusedAdam: DeepSpeed can only move its states off the
+        # GPU between phases (colocated runs) for FusedAdam; it JIT-compiles once (~1 min, cached).
         params = {"lr": t.lr, "betas": list(t.betas), "eps": 1e-8, "weight_decay": t.weight_decay}
-        conf["optimizer"] = {"type": "AdamW", "params": {**params, "torch_adam": not t.offload_optimizer}}
+        torch_adam = not (use_cuda(cfg) or t.offload_optimizer)
+        conf["optimizer"] = {"type": "AdamW", "params": {**params, "torch_adam": torch_adam}}
     return conf
 
 
