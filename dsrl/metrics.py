@@ -32,7 +32,8 @@ def timed(timings: dict[str, float], phase: str) -> Iterator[None]:
 def mean_across_ranks(values: dict[str, float]) -> dict[str, float]:
     """Mean of each metric over trainer ranks (every rank must pass the same keys)."""
     keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     t /= dist.get_world_size()
     return dict(zip(keys, t.tolist()))

@@ -3,6 +3,7 @@
 generate -> reward -> logprobs -> update -> sync, each phase timed; the details live below it.
 """
 
+import json
 import logging
 import sys
 from dataclasses import replace
@@ -110,6 +111,8 @@ def train(cfg: Config) -> dict[str, float]:
                 save_checkpoint(actor, run_dir, step + 1, {"step": step + 1, "weight_version": str(step + 1)})
                 if offload:
                     offload_states(actor, params=True)
+        if rank == 0 and metrics:
+            log.info("final metrics: %s", json.dumps({k: round(v, 6) for k, v in sorted(metrics.items())}))
         if offload:
             reload_states(actor)
         if cfg.logging.export_hf:

@@ -33,7 +33,9 @@ def payloads(n: int, prompt_len: int, new_tokens: int, vocab: int) -> list[dict]
 
 
 async def plain(url: str, reqs: list[dict]) -> list[dict]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+    # no connection cap (aiohttp's default is 100), as dsrl's client has none either
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600), connector=connector) as session:
 
         async def one(body):
             async with session.post(url + "/generate", json=body) as resp:

@@ -48,13 +48,14 @@ for s in "$@"; do
       TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
       stage colocate 480 python3 -m dsrl.cli train --config configs/gpu_colocate.yaml --logging.tensorboard $TB \
         --logging.run_dir /tmp/runs/gpu_colocate
-      grep -a "\[dsrl\] step\|Error\|error" "$OUT/colocate.log" | tail -5 | tee -a "$SUMMARY"
+      grep -a "\[dsrl\] step\|Error\|final metrics" "$OUT/colocate.log" | tail -5 | sed 's/.*\[dsrl\]//' | tee -a "$SUMMARY"
       ;;
     toy)
       TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
       stage toy 480 python3 -m dsrl.cli train --config configs/toy_gpu.yaml --logging.tensorboard $TB \
         --logging.run_dir /tmp/runs/toy_gpu
-      grep -a "\[dsrl\] step" "$OUT/toy.log" | sed -n '1p;$p' | tee -a "$SUMMARY"
+      grep -a "\[dsrl\] step" "$OUT/toy.log" | sed -n '1p;$p' | sed 's/.*\[dsrl\]//' | tee -a "$SUMMARY"
+      grep -a "final metrics" "$OUT/toy.log" | tee -a "$SUMMARY"
       grep -a "Error" "$OUT/toy.log" | tail -3 | tee -a "$SUMMARY"
       ;;
     greedy)
@@ -68,14 +69,14 @@ for s in "$@"; do
       ;;
     bench_ipc)
       stage bench_ipc 560 python3 tools/bench_sync.py --mode ipc --models 0.5b 1.5b 3b --bucket-mb 64 256 1024 0 \
-        --repeats 5 --workdir /tmp/models
+        --repeats 3 --workdir /tmp/models
       grep -a "^ipc\|^$" "$OUT/bench_ipc.log" | tail -14 | tee -a "$SUMMARY"
       ;;
     disaggregate)
       TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
       stage disaggregate 480 python3 -m dsrl.cli train --config configs/gpu_disaggregate.yaml \
         --logging.tensorboard $TB --logging.run_dir /tmp/runs/gpu_disaggregate
-      grep -a "\[dsrl\] step\|Error\|error" "$OUT/disaggregate.log" | tail -5 | tee -a "$SUMMARY"
+      grep -a "\[dsrl\] step\|Error\|final metrics" "$OUT/disaggregate.log" | tail -5 | sed 's/.*\[dsrl\]//' | tee -a "$SUMMARY"
       ;;
     bench_nccl)
       stage bench_nccl 560 python3 tools/bench_sync.py --mode nccl --models 0.5b 1.5b 3b --bucket-mb 64 256 1024 0 \
