@@ -79,7 +79,7 @@ def receiver(port: int, sizes: list[int], repeats: int, backend: str) -> None:
     if backend == "nccl":
         torch.cuda.set_device(1)
         device = "cuda"
-    group = init_weight_update_group("127.0.0.1", port, 1, 2, "raw", backend, 300)
+    group = init_weight_update_group("127.0.0.1", port, 1, 2, f"raw_{port}", backend, 300)
     buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
     for _ in range(repeats + 1):
         for buf in buffers:
@@ -116,7 +116,7 @@ def raw_limit(mode: str, sizes: list[int], repeats: int) -> float:
     env = {k: v for k, v in os.environ.items() if k not in drop}
     cmd = [sys.executable, __file__, "--receiver", str(port), json.dumps(sizes), str(repeats), backend]
     peer = subprocess.Popen(cmd, env=env)
-    group = init_weight_update_group("127.0.0.1", port, 0, 2, "raw", backend, 300)
+    group = init_weight_update_group("127.0.0.1", port, 0, 2, f"raw_{port}", backend, 300)
     buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
     times = []
     for _ in range(repeats + 1):

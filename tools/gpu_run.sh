@@ -34,7 +34,7 @@ for s in "$@"; do
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$SUMMARY"
       python3 -c "import torch, sglang, deepspeed, transformers, aiohttp, jsonargparse, tqdm; print('torch', torch.__version__, 'sglang', sglang.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)" 2>&1 | tail -1 | tee -a "$SUMMARY"
       python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null || note "no tensorboard here: runs pass --logging.tensorboard false"
-      stage models 300 python3 tools/gpu_models.py /tmp/models 0.5b 1.5b 3b
+      stage models 300 python3 tools/gpu_models.py /tmp/models ${MODELS:-0.5b 1.5b 3b}
       ;;
     smoke)
       stage smoke 300 python3 tools/gpu_sglang_smoke.py /tmp/models/0.5b
@@ -79,8 +79,8 @@ for s in "$@"; do
       grep -a "\[dsrl\] step\|Error\|final metrics" "$OUT/disaggregate.log" | tail -5 | sed 's/.*\[dsrl\]//' | tee -a "$SUMMARY"
       ;;
     bench_nccl)
-      stage bench_nccl 560 python3 tools/bench_sync.py --mode nccl --models 0.5b 1.5b 3b --bucket-mb 64 256 1024 0 \
-        --repeats 5 --workdir /tmp/models
+      stage bench_nccl 560 python3 tools/bench_sync.py --mode nccl --models ${NCCL_MODELS:-0.5b 1.5b 3b} \
+        --bucket-mb 64 256 1024 0 --repeats ${REPEATS:-3} --workdir /tmp/models
       grep -a "^nccl\|^$" "$OUT/bench_nccl.log" | tail -14 | tee -a "$SUMMARY"
       ;;
     *) note "unknown stage $s" ;;
