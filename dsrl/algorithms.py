@@ -53,6 +53,23 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     raise ValueError(f"--algorithm.kl_estimator={estimator!r}: expected one of k1, k2, k3")
 
 
+def importance_weights(
+    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mode: str, cap: float
+) -> torch.Tensor:
+    """Per-token weights exp(old - behaviour) correcting for samples drawn by the engine's policy.
+
+    `old` is the trainer's recomputed (proximal) policy, `behaviour` the engine's sampling logprobs.
+    tis: the weight clamped at `cap` (truncated importance sampling). decoupled: decoupled PPO's
+    behaviour weight, with tokens above `cap` dropped (weight 0).
+    """
+    ratio = torch.exp(old_logprobs - behaviour_logprobs)
+    if mode == "tis":
+        return ratio.clamp(max=cap)
+    if mode == "decoupled":
+        return torch.where(ratio <= cap, ratio, torch.zeros_like(ratio))
+    raise ValueError(f"--algorithm.off_policy={mode!r}: expected none, decoupled or tis")
+
+
 def ppo_clip_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -63,11 +80,13 @@ def ppo_clip_loss(
     agg: LossAgg,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip: max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)), aggregated.
 
-    `advantages` is per token ([B, T]) or per sequence ([B]). Returns the loss and detached
-    metrics: clip fraction (tokens whose clipped term was the one used) and approx KL(old || new).
+    `advantages` is per token ([B, T]) or per sequence ([B]); `is_weights` (per token) multiplies
+    each token's term (off-policy correction). Returns the loss and detached metrics: clip fraction
+    (tokens whose clipped term was the one used) and approx KL(old || new).
     """
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logprobs)
@@ -75,7 +94,10 @@ def ppo_clip_loss(
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    loss = aggregate(torch.maximum(unclipped, clipped), mask, agg, num_tokens, num_seqs)
+    per_token = torch.maximum(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * is_weights
+    loss = aggregate(per_token, mask, agg, num_tokens, num_seqs)
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         metrics = {

@@ -72,6 +72,14 @@ class RolloutConfig:
     """First GPU of the first started server; servers take consecutive GPUs (disaggregated: after the trainer's)."""
     placement: Literal["colocate", "disaggregate"] = "colocate"
     """colocate: servers share the trainer's devices and sleep while it trains; disaggregate: their own devices."""
+    max_staleness: int = 0
+    """Disaggregated: how many weight versions a trained sample may lag the trainer (0 synchronous,
+    1 one-step-off, k fully async). Generation runs ahead by at most this many batches."""
+    interrupt: Literal["wait", "abort", "partial"] = "partial"
+    """In-flight requests at a weight update: wait for them, abort and restart them, or abort and resume
+    them from the tokens so far under the new weights (partial rollout)."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (no GRPO signal) and generate other prompts instead."""
     max_concurrency: int = 256
     """Most /generate requests in flight at once, per trainer rank."""
     request_timeout_s: float = 600.0
@@ -154,6 +162,12 @@ class AlgorithmConfig:
     """KL estimator: k1 = log-ratio, k2 = half squared log-ratio, k3 = low-variance (exp(-r) - 1 + r)."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus; entropy is always logged."""
+    off_policy: Literal["none", "decoupled", "tis"] = "none"
+    """Correction for samples the engine drew from older or slightly different weights: decoupled PPO
+    (weight by trainer/engine probability ratio, drop tokens above is_cap) or truncated importance sampling
+    (the same ratio clamped at is_cap)."""
+    is_cap: float = 2.0
+    """Cap C of the importance weight exp(trainer logprob - engine logprob)."""
     reward_fn: str = "dsrl.rewards:math_reward"
     """Reward function as module:function, called as fn(prompt, response, answer) -> float."""
 
@@ -247,6 +261,13 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
         "ipc needs --rollout.placement colocate (trainer and server on the same GPUs)",
     )
     check(r.max_concurrency >= 1, "rollout.max_concurrency", r.max_concurrency, "must be >= 1")
+    check(r.max_staleness >= 0, "rollout.max_staleness", r.max_staleness, "must be >= 0")
+    check(
+        r.max_staleness == 0 or r.placement == "disaggregate",
+        "rollout.max_staleness",
+        r.max_staleness,
+        "asynchronous rollout needs --rollout.placement disaggregate (colocated servers sleep while the trainer runs)",
+    )
     for url in r.server_urls:
         check(url.startswith(("http://", "https://")), "rollout.server_urls", url, "each URL must start with http://")
     check(t.total_steps >= 1, "trainer.total_steps", t.total_steps, "must be >= 1")
@@ -262,6 +283,7 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     check(0 <= a.clip_low < 1, "algorithm.clip_low", a.clip_low, "must be in [0, 1)")
     check(a.clip_high >= 0, "algorithm.clip_high", a.clip_high, "must be >= 0")
     check(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
+    check(a.is_cap >= 1, "algorithm.is_cap", a.is_cap, "must be >= 1")
     check(
         a.reward_fn.count(":") == 1 and all(a.reward_fn.split(":")),
         "algorithm.reward_fn",

@@ -3,7 +3,7 @@
 import json
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,8 @@ class Prompt:
     text: str
     """The prompt as the reward function sees it (chat messages rendered to text when templated)."""
     answer: Any
+    sampling: dict[str, Any] = field(default_factory=dict)
+    """Per-prompt overrides of the sampling parameters (the row's `sampling_params` field)."""
 
 
 def read_rows(path: str) -> list[dict]:
@@ -79,7 +81,10 @@ class PromptDataset:
             if len(ids) > cfg.max_prompt_tokens:
                 self.skipped_too_long += 1
                 continue
-            self.prompts.append(Prompt(i, ids, text, row.get(cfg.answer_key)))
+            overrides = row.get("sampling_params") or {}
+            if not isinstance(overrides, dict):
+                raise DatasetError(f"{cfg.train_path}, row {i}: sampling_params must be a mapping, got {overrides!r}")
+            self.prompts.append(Prompt(i, ids, text, row.get(cfg.answer_key), overrides))
         if self.skipped_too_long:
             log.warning(
                 "%d prompts longer than --data.max_prompt_tokens=%d skipped",

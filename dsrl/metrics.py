@@ -47,10 +47,12 @@ class MetricsWriter:
 
             self.writer = SummaryWriter(str(run_dir / "tensorboard"))
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], histograms: dict[str, list[float]] | None = None) -> None:
         if self.writer is not None:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, value, step)
+            for key, values in (histograms or {}).items():
+                self.writer.add_histogram(key, torch.tensor(values, dtype=torch.float), step)
             self.writer.flush()
 
     def close(self) -> None:

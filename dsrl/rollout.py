@@ -25,7 +25,11 @@ class Sample:
     weight_version: str
     reward: float = 0.0
     extras: dict[str, Any] = field(default_factory=dict)
-    """Per-token arrays the trainer fills in (old_logprobs, ref_logprobs)."""
+    """spans: [(first token index, weight version)] of the response; per-token arrays the trainer fills in."""
+
+    @property
+    def oldest_version(self) -> int:
+        return min(version for _, version in self.extras["spans"])
 
 
 def sampling_params(cfg: RolloutConfig) -> dict:
@@ -38,6 +42,7 @@ def sampling_params(cfg: RolloutConfig) -> dict:
 
 
 async def generate_sample(client: RolloutClient, prompt: Prompt, params: dict) -> Sample:
+    params = {**params, **prompt.sampling}
     out = await client.generate({"input_ids": prompt.prompt_ids, "sampling_params": params, "return_logprob": True})
     meta = out["meta_info"]
     logprobs = [lp for lp, _, _ in meta["output_token_logprobs"]]
@@ -47,6 +52,7 @@ async def generate_sample(client: RolloutClient, prompt: Prompt, params: dict) -
         engine_logprobs=logprobs,
         finish_reason=meta["finish_reason"]["type"],
         weight_version=str(meta["weight_version"]),
+        extras={"spans": [(0, int(meta["weight_version"]))]},
     )
 
 
@@ -61,16 +67,44 @@ def generate(client: RolloutClient, prompts: list[Prompt], cfg: RolloutConfig) -
     return client.run(all_samples())
 
 
+def score_one(sample: Sample, reward_fn: RewardFn, tokenizer) -> float:
+    """The reward of one sample; a reward function that raises or returns a non-number names the row."""
+    response = tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+    try:
+        value = reward_fn(sample.prompt.text, response, sample.prompt.answer)
+    except Exception as e:
+        raise RuntimeError(f"reward function failed on dataset row {sample.prompt.index}: {e!r}") from e
+    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(
+            f"reward function returned {value!r} for dataset row {sample.prompt.index}; expected a finite float"
+        )
+    return float(value)
+
+
 def score(samples: list[Sample], reward_fn: RewardFn, tokenizer) -> None:
-    """Set each sample's reward; a reward function that raises or returns a non-number names the row."""
     for s in samples:
-        response = tokenizer.decode(s.response_ids, skip_special_tokens=True)
-        try:
-            value = reward_fn(s.prompt.text, response, s.prompt.answer)
-        except Exception as e:
-            raise RuntimeError(f"reward function failed on dataset row {s.prompt.index}: {e!r}") from e
-        if not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise TypeError(
-                f"reward function returned {value!r} for dataset row {s.prompt.index}; expected a finite float"
-            )
-        s.reward = float(value)
+        s.reward = score_one(s, reward_fn, tokenizer)
+
+
+class SyncRollouts:
+    """The synchronous schedule: each step's batch is generated with the current weights, then scored."""
+
+    def __init__(self, client: RolloutClient, cfg: RolloutConfig, dataset, reward_fn: RewardFn, tokenizer, rank, world):
+        self.client, self.cfg, self.dataset = client, cfg, dataset
+        self.reward_fn, self.tokenizer, self.rank, self.world = reward_fn, tokenizer, rank, world
+
+    def collect(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+        samples = generate(
+            self.client, self.dataset.batch(step, self.cfg.prompts_per_step, self.rank, self.world), self.cfg
+        )
+        score(samples, self.reward_fn, self.tokenizer)
+        return samples, {}
+
+    def before_update(self) -> None:
+        pass
+
+    def after_update(self, version: int) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass

@@ -19,7 +19,8 @@ from dsrl.config import Config, SyncConfig, dump_config, parse_config, validate
 from dsrl.data import PromptDataset
 from dsrl.metrics import MetricsWriter, mean_across_ranks, summary_line, timed
 from dsrl.rewards import load_reward_fn
-from dsrl.rollout import Sample, generate, score
+from dsrl.rollout import Sample, SyncRollouts
+from dsrl.rollout_manager import PromptStream, RolloutManager
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import ServerFleet, start_fleet
 from dsrl.sync.base import make_checkpoint_engine, probe_reference, sync_weights, verify_probe, verify_weights
@@ -64,45 +65,50 @@ def train(cfg: Config) -> dict[str, float]:
     fleet = start_rollout_fleet(cfg, model_dir, run_dir, rank)
     client = RolloutClient(fleet.urls, cfg.rollout.max_concurrency, cfg.rollout.request_timeout_s)
     writer = MetricsWriter(run_dir, cfg.logging.tensorboard and rank == 0)
+    backend = "nccl" if use_cuda(cfg) else "gloo"
     ckpt = make_checkpoint_engine(
-        resolve_sync(cfg),
-        client if rank == 0 else None,
-        run_dir,
-        "nccl" if use_cuda(cfg) else "gloo",
-        cfg.rollout.tp_size,
+        resolve_sync(cfg), client if rank == 0 else None, run_dir, backend, cfg.rollout.tp_size
     )
+    if colocated:
+        rollouts = SyncRollouts(client, cfg.rollout, dataset, reward_fn, tokenizer, rank, world)
+    else:  # disaggregated: generation runs ahead of training by up to max_staleness versions
+        stream = PromptStream(dataset, cfg.rollout.prompts_per_step, rank, world)
+        rollouts = RolloutManager(client, cfg, stream, reward_fn, tokenizer)
     metrics: dict[str, float] = {}
     try:
         push_weights(actor, ckpt, cfg, "0", wake_servers=False, offload=offload)
+        if not colocated:
+            rollouts.start()
         steps = tqdm(range(cfg.trainer.total_steps), desc="train", disable=rank != 0, dynamic_ncols=True)
         for step in steps:
             timings: dict[str, float] = {}
             with timed(timings, "step"):
                 with timed(timings, "generate"):
-                    samples = generate(
-                        client, dataset.batch(step, cfg.rollout.prompts_per_step, rank, world), cfg.rollout
-                    )
+                    samples, rollout_stats = rollouts.collect(step)
                 if colocated:
                     with timed(timings, "release"):
                         release_servers(client, rank)
                         if offload:
                             reload_states(actor)
-                with timed(timings, "reward"):
-                    score(samples, reward_fn, tokenizer)
-                    rewards = torch.tensor([s.reward for s in samples])
-                    advantages = grpo_advantages(rewards, cfg.rollout.n_samples, cfg.algorithm.norm_adv_by_std)
                 with timed(timings, "logprobs"):
                     compute_logprobs(actor, samples, "old_logprobs", cfg, pad_id)
                     if ref is not None:
                         compute_logprobs(ref, samples, "ref_logprobs", cfg, pad_id)
                 with timed(timings, "update"):
+                    rewards = torch.tensor([s.reward for s in samples])
+                    advantages = grpo_advantages(rewards, cfg.rollout.n_samples, cfg.algorithm.norm_adv_by_std)
                     stats = update_actor(actor, samples, advantages, cfg, pad_id)
                 with timed(timings, "sync"):
+                    rollouts.before_update()
+                    dist.barrier()  # every rank's rollouts are ready for the servers' pause
                     sync_stats = push_weights(actor, ckpt, cfg, str(step + 1), colocated, offload)
-            metrics = mean_across_ranks({**rollout_metrics(samples), **logprob_mismatch(samples), **stats, **timings})
+                    rollouts.after_update(step + 1)
+            metrics = mean_across_ranks(
+                {**rollout_metrics(samples, step), **rollout_stats, **logprob_mismatch(samples), **stats, **timings}
+            )
             if rank == 0:
                 metrics.update(sync_stats)
-                writer.log(step + 1, metrics)
+                writer.log(step + 1, metrics, {"rollout/staleness": [step - s.oldest_version for s in samples]})
                 steps.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
                 log.info(summary_line(step + 1, cfg.trainer.total_steps, metrics))
             if cfg.logging.save_every and (step + 1) % cfg.logging.save_every == 0:
@@ -113,11 +119,13 @@ def train(cfg: Config) -> dict[str, float]:
                     offload_states(actor, params=True)
         if rank == 0 and metrics:
             log.info("final metrics: %s", json.dumps({k: round(v, 6) for k, v in sorted(metrics.items())}))
+        rollouts.stop()
         if offload:
             reload_states(actor)
         if cfg.logging.export_hf:
             export_hf(actor.module, model_dir, run_dir / "hf", cfg.sync.bucket_bytes)
     finally:
+        rollouts.stop()
         client.close()
         writer.close()
         fleet.stop()
@@ -178,10 +186,14 @@ def push_weights(actor, ckpt, cfg: Config, weight_version: str, wake_servers: bo
     return out if probe is None else {**out, "sync/probe_logprob_diff": probe}
 
 
-def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
+def rollout_metrics(samples: list[Sample], trainer_version: int) -> dict[str, float]:
     rewards = torch.tensor([s.reward for s in samples])
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float)
+    staleness = torch.tensor([trainer_version - s.oldest_version for s in samples], dtype=torch.float)
     return {
+        "rollout/staleness_mean": staleness.mean().item(),
+        "rollout/staleness_max": staleness.max().item(),
+        "rollout/versions_per_batch": float(len({v for s in samples for _, v in s.extras["spans"]})),
         "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item(),
         "response/length_mean": lengths.mean().item(),

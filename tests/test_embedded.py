@@ -18,7 +18,8 @@ EOS = 1
 
 @pytest.fixture(scope="module")
 def server(toy_weights, tmp_path_factory):
-    fleet = start_fleet(RolloutConfig(num_servers=1), str(toy_weights), tmp_path_factory.mktemp("run"), 0, "embedded")
+    cfg = RolloutConfig(num_servers=1, server_args={"decode_delay_ms": 5})  # long requests stay in flight a while
+    fleet = start_fleet(cfg, str(toy_weights), tmp_path_factory.mktemp("run"), 0, "embedded")
     client = RolloutClient(fleet.urls, timeout_s=60)
     yield client
     client.close()
@@ -97,16 +98,29 @@ def test_pause_holds_requests_until_continue(server):
 
 
 def test_abort_returns_partial_output_with_abort_reason(server):
-    server.call_all("/pause_generation", {"mode": "in_place"})
-    pending = server.submit(
-        server.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}, "rid": "x1"})
-    )
-    server.run(asyncio.sleep(0.2))
+    params = {"max_new_tokens": 40, "ignore_eos": True}
+    body = {"input_ids": PROMPT, "sampling_params": params, "rid": "x1", "return_logprob": True}
+    pending = server.submit(server.generate(body))
+    server.run(asyncio.sleep(0.05))
     server.call_all("/abort_request", {"rid": "x1"})
     out = pending.result(timeout=10)
-    server.call_all("/continue_generation", {})
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
-    assert out["output_ids"] == []
+    assert 0 < len(out["output_ids"]) < 40
+    assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
+
+
+def test_pause_abort_ends_requests_in_flight_and_holds_new_ones(server):
+    params = {"max_new_tokens": 40, "ignore_eos": True}
+    running = server.submit(server.generate({"input_ids": PROMPT, "sampling_params": params}))
+    server.run(asyncio.sleep(0.05))
+    server.call_all("/pause_generation", {"mode": "abort"})
+    assert running.result(timeout=10)["meta_info"]["finish_reason"]["type"] == "abort"
+    waiting = server.submit(server.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}))
+    server.call_all("/flush_cache")  # the waiting request is not in the scheduler, as in SGLang
+    with pytest.raises(TimeoutError):
+        waiting.result(timeout=0.3)
+    server.call_all("/continue_generation", {})
+    assert waiting.result(timeout=10)["meta_info"]["finish_reason"]["type"] in ("length", "stop")
 
 
 def test_memory_release_rules(server):

@@ -82,7 +82,7 @@ def _resolve(future: asyncio.Future, result: dict) -> None:
 
 
 class Engine:
-    def __init__(self, model_path: str, seed: int = 0, max_batch_tokens: int = 16384):
+    def __init__(self, model_path: str, seed: int = 0, max_batch_tokens: int = 16384, decode_delay_ms: float = 0.0):
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
         self.model_path = model_path
@@ -104,6 +104,7 @@ class Engine:
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
         self.generator = torch.Generator().manual_seed(seed)
         self.max_batch_tokens = max_batch_tokens
+        self.decode_delay_s = decode_delay_ms / 1000  # emulate a slower engine (tests, benchmarks)
         self.weight_version = "default"
         self.running: list[Request] = []
         self.paused = False
@@ -141,6 +142,8 @@ class Engine:
                     batch.append(req)
             with self.model_lock:
                 next_ids, logprobs = self._step(batch)
+            if self.decode_delay_s:
+                time.sleep(self.decode_delay_s)
             with self.cond:
                 for req, tok, lp in zip(batch, next_ids, logprobs):
                     if req.abort_message is not None:
@@ -408,6 +411,8 @@ def _filter_top_k_top_p(probs: torch.Tensor, top_k: int, top_p: float) -> torch.
 
 def build_app(engine: Engine) -> web.Application:
     routes = web.RouteTableDef()
+    unpaused = asyncio.Event()
+    unpaused.set()
 
     def ok(**fields) -> web.Response:
         return web.json_response({"success": True, **fields})
@@ -449,6 +454,7 @@ def build_app(engine: Engine) -> web.Application:
             rids = [f"{rid}_{i}" for i in range(len(batch))] if batched and len(batch) > 1 else [rid]
         if engine.released:  # SGLang's scheduler dies on this; fail loudly here so CPU tests catch the order
             raise BadRequest(f"memory {sorted(engine.released)} is released; /resume_memory_occupation first")
+        await unpaused.wait()  # like SGLang, requests sent while paused wait outside the scheduler
         loop = asyncio.get_running_loop()
         reqs = [engine.make_request(ids, p, r, loop) for ids, p, r in zip(batch, params, rids)]
         for req in reqs:
@@ -515,11 +521,13 @@ def build_app(engine: Engine) -> web.Application:
     @routes.post("/pause_generation")
     async def pause_generation(request: web.Request) -> web.Response:
         engine.pause((await body_of(request)).get("mode", "abort"))
+        unpaused.clear()
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     @routes.post("/continue_generation")
     async def continue_generation(request: web.Request) -> web.Response:
         engine.resume()
+        unpaused.set()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     @routes.post("/abort_request")
@@ -600,10 +608,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--seed", type=int, default=0, help="Seed for sampling and for random init.")
     parser.add_argument("--max-batch-tokens", type=int, default=16384, help="Tokens per decode step, at most.")
+    parser.add_argument(
+        "--decode-delay-ms", type=float, default=0.0, help="Sleep per decode step (emulates a slower engine)."
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # shares a small CPU with the trainer ranks
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    engine = Engine(args.model_path, seed=args.seed, max_batch_tokens=args.max_batch_tokens)
+    engine = Engine(args.model_path, args.seed, args.max_batch_tokens, args.decode_delay_ms)
     log.info("embedded engine for %s on http://%s:%d", args.model_path, args.host, args.port)
     web.run_app(build_app(engine), host=args.host, port=args.port, print=None, access_log=None)
 

@@ -4,7 +4,7 @@ from collections import defaultdict
 
 import torch
 
-from dsrl.algorithms import aggregate, entropy_from_logits, kl_estimate, ppo_clip_loss
+from dsrl.algorithms import aggregate, entropy_from_logits, importance_weights, kl_estimate, ppo_clip_loss
 from dsrl.config import Config
 from dsrl.rollout import Sample
 
@@ -67,7 +67,10 @@ def update_actor(engine, samples: list[Sample], advantages: torch.Tensor, cfg: C
     """PPO-clip epochs over the batch: `updates_per_step` optimizer steps per epoch, micro-batched."""
     a, t = cfg.algorithm, cfg.trainer
     mini_size = len(samples) // t.updates_per_step
+    for s in samples:
+        s.extras["engine_logprobs"] = torch.tensor(s.engine_logprobs)
     sums: dict[str, float] = defaultdict(float)
+    maxima: dict[str, float] = {}
     tokens_seen, grad_norms, lrs = 0.0, [], []
     for _ in range(t.ppo_epochs):
         for m in range(0, len(samples), mini_size):
@@ -80,9 +83,18 @@ def update_actor(engine, samples: list[Sample], advantages: torch.Tensor, cfg: C
                 old = per_token(chunk, "old_logprobs", width, engine.device)
                 adv = advantages[m + i : m + i + len(chunk)].to(engine.device)
                 logprobs, entropy = forward_logprobs(engine, input_ids, attention, cfg.rollout.temperature, True)
+                weights = None
+                if a.off_policy != "none":
+                    behaviour = per_token(chunk, "engine_logprobs", width, engine.device)
+                    weights = importance_weights(old, behaviour, a.off_policy, a.is_cap)
                 loss, stats = ppo_clip_loss(
-                    logprobs, old, adv, mask, a.clip_low, a.clip_high, a.loss_agg, num_tokens, len(mini)
+                    logprobs, old, adv, mask, a.clip_low, a.clip_high, a.loss_agg, num_tokens, len(mini), weights
                 )
+                if weights is not None:
+                    raw = torch.exp(old - behaviour)
+                    stats["is_weight_mean"] = (weights * mask).sum() / mask.sum()
+                    stats["is_weight_max"] = (raw * mask).max()
+                    stats["is_capped_frac"] = ((raw > a.is_cap).float() * mask).sum() / mask.sum()
                 stats["pg_loss"] = loss.detach()
                 if a.kl_coef > 0:
                     kl = kl_estimate(logprobs, per_token(chunk, "ref_logprobs", width, engine.device), a.kl_estimator)
@@ -96,6 +108,8 @@ def update_actor(engine, samples: list[Sample], advantages: torch.Tensor, cfg: C
                 engine.backward(loss, scale_wrt_gas=False)
                 engine.step()
                 weight = mask.sum().item()
+                for key in [k for k in stats if k.endswith("_max")]:
+                    maxima[key] = max(maxima.get(key, 0.0), stats.pop(key).item())
                 for key, value in stats.items():
                     # pg_loss is a share of the mini-batch loss already; the rest are per-token means
                     sums[key] += value.item() * (num_tokens if key == "pg_loss" else weight)
@@ -103,6 +117,7 @@ def update_actor(engine, samples: list[Sample], advantages: torch.Tensor, cfg: C
             grad_norms.append(float(engine.get_global_grad_norm() or 0.0))
             lrs.append(engine.get_lr()[0])
     out = {f"actor/{k}": v / tokens_seen for k, v in sums.items()}
+    out.update({f"actor/{k}": v for k, v in maxima.items()})
     out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["actor/lr"] = lrs[-1]
     return out

@@ -1,0 +1,277 @@
+"""Asynchronous rollout with bounded staleness: generation keeps running while the trainer trains.
+
+The manager lives on the rollout client's event loop. It admits one GRPO group (a prompt and its
+n samples) at a time, as long as
+
+    groups admitted so far  <=  (weight version + max_staleness + 1) * groups per step
+
+(AReaL's rule, in groups so GRPO groups stay whole). Admission is what keeps generation from
+running ahead; a check at consumption is what makes the bound a guarantee: a group may finish
+late (long tail), and a group whose oldest token span is more than `max_staleness` versions
+behind the trainer is dropped and its prompt generated again, never trained on.
+
+Around a weight update the in-flight requests are handled by `rollout.interrupt`:
+  wait     stop admitting, let every in-flight request finish, then sync;
+  abort    the sync's pause aborts them; each sample restarts from its prompt afterwards;
+  partial  the sync's pause aborts them; each resumes afterwards from prompt + tokens so far,
+           under the new weights. Every sample records the weight version of each token span.
+Requests resubmitted while the servers are paused wait there until /continue_generation.
+"""
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+from dsrl.config import Config
+from dsrl.data import Prompt, PromptDataset
+from dsrl.rewards import RewardFn
+from dsrl.rollout import Sample, sampling_params, score_one
+from dsrl.serving.client import RolloutClient
+
+log = logging.getLogger(__name__)
+
+
+class PromptStream:
+    """This rank's prompts in the order the synchronous loop would use them; returned prompts go first."""
+
+    def __init__(self, dataset: PromptDataset, prompts_per_step: int, rank: int, world: int, position: int = 0):
+        self.dataset, self.per_rank = dataset, prompts_per_step // world
+        self.prompts_per_step, self.rank = prompts_per_step, rank
+        self.position = position  # prompts of this rank handed out so far
+        self.returned: deque[Prompt] = deque()
+
+    def next(self) -> Prompt:
+        if self.returned:
+            return self.returned.popleft()
+        step, j = divmod(self.position, self.per_rank)
+        self.position += 1
+        return self.dataset.batch(step, self.prompts_per_step, self.rank, self.prompts_per_step // self.per_rank)[j]
+
+    def give_back(self, prompt: Prompt) -> None:
+        self.returned.append(prompt)
+
+
+@dataclass
+class Group:
+    prompt: Prompt
+    samples: list[Sample | None]
+    pending: int
+
+    @property
+    def oldest_version(self) -> int:
+        return min(s.oldest_version for s in self.samples)
+
+
+@dataclass
+class ManagerStats:
+    interrupted: int = 0
+    resumed: int = 0
+    restarted: int = 0
+    dropped_stale: int = 0
+    filtered: int = 0
+    gen_idle_s: float = 0.0
+
+
+class RolloutManager:
+    def __init__(self, client: RolloutClient, cfg: Config, stream: PromptStream, reward_fn: RewardFn, tokenizer):
+        self.client, self.cfg, self.stream = client, cfg, stream
+        self.reward_fn, self.tokenizer = reward_fn, tokenizer
+        r = cfg.rollout
+        self.n, self.k, self.mode = r.n_samples, r.max_staleness, r.interrupt
+        self.groups_per_step = stream.per_rank
+        self.params = sampling_params(r)
+        self.version = 0  # the weight version the servers hold (or are about to)
+        self.admitted = 0  # groups admitted; drops give their slot back
+        self.in_flight = 0  # requests out at the servers
+        self.ready: deque[Group] = deque()
+        self.generating: set[int] = set()  # ids of groups with samples still out
+        self.groups: dict[int, Group] = {}
+        self.filtered_rows: list[int] = []  # prompts skipped by dynamic sampling (all rewards equal)
+        self.paused = False  # no admissions while a weight update is prepared
+        self.stopped = False
+        self.error: BaseException | None = None
+        self.stats = ManagerStats()
+        self.idle_since: float | None = None
+        self.cond: asyncio.Condition | None = None
+        self.tasks: set[asyncio.Task] = set()
+
+    # -- called from the trainer thread --------------------------------------------------------
+
+    def start(self) -> None:
+        self.client.run(self._start())
+
+    def stop(self) -> None:
+        if self.cond is not None:
+            self.client.run(self._stop())
+
+    def collect(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+        """The next batch: groups_per_step complete groups within the staleness bound (trainer version = step)."""
+        start = time.perf_counter()
+        groups = self.client.run(self._next_batch(step))
+        waited = time.perf_counter() - start
+        stats = asdict(self.take_stats())
+        metrics = {f"rollout/{k}": float(v) for k, v in stats.items()}
+        metrics.update({"rollout/trainer_idle_s": waited, "rollout/queue_depth": float(len(self.ready))})
+        return [s for g in groups for s in g.samples], metrics
+
+    def before_update(self) -> None:
+        """Stop admitting; in `wait` mode also let every in-flight request finish."""
+        self.client.run(self._before_update())
+
+    def after_update(self, version: int) -> None:
+        self.client.run(self._after_update(version))
+
+    def take_stats(self) -> ManagerStats:
+        stats, self.stats = self.stats, ManagerStats()
+        if self.idle_since is not None:  # count the idle time so far into this step
+            now = time.perf_counter()
+            stats.gen_idle_s += now - self.idle_since
+            self.idle_since = now
+        return stats
+
+    def outstanding(self) -> list[int]:
+        """Dataset rows handed out but not yet trained on: generating, queued, or waiting to be generated again."""
+        groups = [self.groups[i] for i in self.generating] + list(self.ready)
+        return [g.prompt.index for g in groups] + [p.index for p in self.stream.returned]
+
+    # -- on the event loop ---------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        self.cond = asyncio.Condition()
+        self.idle_since = time.perf_counter()
+        self._spawn(self._admit_loop())
+
+    async def _stop(self) -> None:
+        async with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self.error is None:
+            self.error = task.exception()
+            asyncio.get_running_loop().create_task(self._wake())
+
+    async def _wake(self) -> None:
+        async with self.cond:
+            self.cond.notify_all()
+
+    def _capacity_left(self) -> bool:
+        return self.admitted < (self.version + self.k + 1) * self.groups_per_step
+
+    async def _admit_loop(self) -> None:
+        while True:
+            async with self.cond:
+                await self.cond.wait_for(lambda: self.stopped or (not self.paused and self._capacity_left()))
+                if self.stopped:
+                    return
+                self.admitted += 1
+                group = Group(self.stream.next(), [None] * self.n, self.n)
+                self.generating.add(id(group))
+                self.groups[id(group)] = group
+            for slot in range(self.n):
+                self._spawn(self._run_sample(group, slot, None))
+
+    async def _run_sample(self, group: Group, slot: int, partial: Sample | None) -> None:
+        prompt = group.prompt
+        done = partial.response_ids if partial else []
+        params = {**self.params, **prompt.sampling}
+        params["max_new_tokens"] -= len(done)
+        body = {"input_ids": prompt.prompt_ids + done, "sampling_params": params, "return_logprob": True}
+        self._request_started()
+        try:
+            out = await self.client.generate(body)
+        finally:
+            await self._request_finished()
+        meta = out["meta_info"]
+        reason = meta["finish_reason"]["type"]
+        version = int(meta["weight_version"])
+        tokens = out["output_ids"]
+        logprobs = [lp for lp, _, _ in meta.get("output_token_logprobs", [])]
+        sample = partial or Sample(prompt, [], [], "", str(version), extras={"spans": []})
+        if tokens:
+            sample.extras["spans"].append((len(sample.response_ids), version))
+            sample.response_ids = sample.response_ids + tokens
+            sample.engine_logprobs = sample.engine_logprobs + logprobs
+        if reason == "abort":
+            self.stats.interrupted += 1
+            if self.mode == "partial" and sample.response_ids:
+                self.stats.resumed += 1
+                self._spawn(self._run_sample(group, slot, sample))
+            else:  # abort mode (or nothing generated yet): start this sample over
+                self.stats.restarted += 1
+                self._spawn(self._run_sample(group, slot, None))
+            return
+        sample.finish_reason = reason
+        sample.weight_version = str(version)
+        group.samples[slot] = sample
+        group.pending -= 1
+        if group.pending == 0:
+            await self._group_done(group)
+
+    def _request_started(self) -> None:
+        if self.in_flight == 0 and self.idle_since is not None:
+            self.stats.gen_idle_s += time.perf_counter() - self.idle_since
+            self.idle_since = None
+        self.in_flight += 1
+
+    async def _request_finished(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle_since = time.perf_counter()
+            async with self.cond:
+                self.cond.notify_all()
+
+    async def _group_done(self, group: Group) -> None:
+        for s in group.samples:
+            s.reward = score_one(s, self.reward_fn, self.tokenizer)
+        async with self.cond:
+            self.generating.discard(id(group))
+            self.groups.pop(id(group))
+            if self.cfg.rollout.dynamic_sampling and len({s.reward for s in group.samples}) == 1:
+                self.stats.filtered += 1  # no learning signal: skip this prompt and admit another
+                self.filtered_rows.append(group.prompt.index)
+                self.admitted -= 1
+            else:
+                self.ready.append(group)
+            self.cond.notify_all()
+
+    async def _next_batch(self, trainer_version: int) -> list[Group]:
+        batch: list[Group] = []
+        async with self.cond:
+            while len(batch) < self.groups_per_step:
+                await self.cond.wait_for(lambda: self.error is not None or self.ready)
+                if self.error is not None:
+                    raise RuntimeError(f"rollout failed: {self.error!r}") from self.error
+                group = self.ready.popleft()
+                staleness = trainer_version - group.oldest_version
+                if staleness > self.k:  # finished too late: never train on it; generate the prompt again
+                    self.stats.dropped_stale += 1
+                    self.stream.give_back(group.prompt)
+                    self.admitted -= 1
+                    self.cond.notify_all()
+                    continue
+                batch.append(group)
+        return batch
+
+    async def _before_update(self) -> None:
+        async with self.cond:
+            self.paused = True
+            if self.mode == "wait":
+                await self.cond.wait_for(lambda: self.in_flight == 0 or self.error is not None)
+
+    async def _after_update(self, version: int) -> None:
+        async with self.cond:
+            self.version = version
+            self.paused = False
+            self.cond.notify_all()
