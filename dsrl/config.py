@@ -124,6 +124,8 @@ class TrainerConfig:
     """Parameter and compute precision: auto = bf16 on GPU, fp32 on CPU."""
     offload_optimizer: bool = False
     """Keep optimizer states in CPU memory (ZeRO-Offload)."""
+    max_bad_steps: int = 3
+    """Steps in a row with non-finite logprobs or advantages (each skipped) before the run stops."""
 
 
 @dataclass
@@ -180,6 +182,11 @@ class LoggingConfig:
     """Write tensorboard event files (rank 0) under <run_dir>/tensorboard."""
     save_every: int = 0
     """Write a DeepSpeed checkpoint every N steps (0: never) under <run_dir>/checkpoints/step_<N>."""
+    keep_last: int = 2
+    """Checkpoints to keep; older ones are deleted after a new one is complete (0 keeps all)."""
+    resume: str = "auto"
+    """auto: continue from <run_dir>/checkpoints/latest when there is one; never: start over; or a
+    checkpoint directory to start from."""
     export_hf: bool = True
     """At the end, export the actor as a Hugging Face model (safetensors + config + tokenizer) to <run_dir>/hf."""
     log_level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"
@@ -280,6 +287,7 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     check(t.lr > 0, "trainer.lr", t.lr, "must be > 0")
     check(0 <= t.min_lr_ratio <= 1, "trainer.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
     check(t.grad_clip >= 0, "trainer.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
+    check(t.max_bad_steps >= 1, "trainer.max_bad_steps", t.max_bad_steps, "must be >= 1")
     check(0 <= a.clip_low < 1, "algorithm.clip_low", a.clip_low, "must be in [0, 1)")
     check(a.clip_high >= 0, "algorithm.clip_high", a.clip_high, "must be >= 0")
     check(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
@@ -294,6 +302,7 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     check(s.timeout_s > 0, "sync.timeout_s", s.timeout_s, "must be > 0")
     check(s.probe_tolerance > 0, "sync.probe_tolerance", s.probe_tolerance, "must be > 0")
     check(cfg.logging.save_every >= 0, "logging.save_every", cfg.logging.save_every, "must be >= 0")
+    check(cfg.logging.keep_last >= 0, "logging.keep_last", cfg.logging.keep_last, "must be >= 0 (0 keeps all)")
 
     world = world or world_size(cfg)
     if world and r.prompts_per_step > 0 and r.n_samples > 0:

@@ -39,6 +39,13 @@ def mean_across_ranks(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
+def all_ranks(ok: bool) -> bool:
+    """True on every rank when `ok` holds on every rank."""
+    flag = torch.tensor([float(ok)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 class MetricsWriter:
     def __init__(self, run_dir: Path, enabled: bool):
         self.writer = None
@@ -66,9 +73,9 @@ def summary_line(step: int, total: int, m: dict[str, float]) -> str:
         f"reward {m['reward/mean']:.3f}±{m['reward/std']:.3f}",
         f"len {m['response/length_mean']:.1f}",
         f"kl {m.get('actor/kl', 0.0):.4f}",
-        f"ent {m['actor/entropy']:.3f}",
-        f"clip {m['actor/clip_frac']:.3f}",
-        f"gnorm {m['actor/grad_norm']:.3f}",
+        f"ent {m.get('actor/entropy', float('nan')):.3f}",
+        f"clip {m.get('actor/clip_frac', float('nan')):.3f}",
+        f"gnorm {m.get('actor/grad_norm', float('nan')):.3f}",
         f"sync {m.get('sync/gb_per_s', 0.0):.2f} GB/s",
         f"{m['timing/step']:.2f}s",
     ]

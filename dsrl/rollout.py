@@ -7,7 +7,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsrl.config import RolloutConfig
+from dsrl.config import Config, RolloutConfig
 from dsrl.data import Prompt
 from dsrl.rewards import RewardFn
 from dsrl.serving.client import RolloutClient
@@ -41,6 +41,14 @@ def sampling_params(cfg: RolloutConfig) -> dict:
     }
 
 
+def request_seed(*parts: int) -> int:
+    """A sampling seed fixed by (run seed, step, row, sample): rollouts repeat exactly on resume."""
+    seed = 0
+    for part in parts:
+        seed = (seed * 1_000_003 + part) % (2**31 - 1)
+    return seed
+
+
 async def generate_sample(client: RolloutClient, prompt: Prompt, params: dict) -> Sample:
     params = {**params, **prompt.sampling}
     out = await client.generate({"input_ids": prompt.prompt_ids, "sampling_params": params, "return_logprob": True})
@@ -56,12 +64,16 @@ async def generate_sample(client: RolloutClient, prompt: Prompt, params: dict) -
     )
 
 
-def generate(client: RolloutClient, prompts: list[Prompt], cfg: RolloutConfig) -> list[Sample]:
+def generate(client: RolloutClient, prompts: list[Prompt], cfg: RolloutConfig, seed: int = 0) -> list[Sample]:
     """n_samples responses per prompt, one request each, groups contiguous in prompt order."""
     params = sampling_params(cfg)
 
     async def all_samples() -> list[Sample]:
-        jobs = [generate_sample(client, p, params) for p in prompts for _ in range(cfg.n_samples)]
+        jobs = [
+            generate_sample(client, p, {**params, "sampling_seed": request_seed(seed, p.index, j)})
+            for p in prompts
+            for j in range(cfg.n_samples)
+        ]
         return await asyncio.gather(*jobs)
 
     return client.run(all_samples())
@@ -89,16 +101,18 @@ def score(samples: list[Sample], reward_fn: RewardFn, tokenizer) -> None:
 class SyncRollouts:
     """The synchronous schedule: each step's batch is generated with the current weights, then scored."""
 
-    def __init__(self, client: RolloutClient, cfg: RolloutConfig, dataset, reward_fn: RewardFn, tokenizer, rank, world):
+    def __init__(self, client: RolloutClient, cfg: Config, dataset, reward_fn: RewardFn, tokenizer, rank, world):
         self.client, self.cfg, self.dataset = client, cfg, dataset
         self.reward_fn, self.tokenizer, self.rank, self.world = reward_fn, tokenizer, rank, world
 
     def collect(self, step: int) -> tuple[list[Sample], dict[str, float]]:
-        samples = generate(
-            self.client, self.dataset.batch(step, self.cfg.prompts_per_step, self.rank, self.world), self.cfg
-        )
+        prompts = self.dataset.batch(step, self.cfg.rollout.prompts_per_step, self.rank, self.world)
+        samples = generate(self.client, prompts, self.cfg.rollout, request_seed(self.cfg.seed, step))
         score(samples, self.reward_fn, self.tokenizer)
         return samples, {}
+
+    def start(self) -> None:
+        pass
 
     def before_update(self) -> None:
         pass
@@ -107,4 +121,10 @@ class SyncRollouts:
         pass
 
     def stop(self) -> None:
+        pass
+
+    def state(self) -> dict:  # the data position follows from the step
+        return {}
+
+    def restore(self, state: dict, version: int) -> None:
         pass

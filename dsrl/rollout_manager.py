@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from dsrl.config import Config
 from dsrl.data import Prompt, PromptDataset
 from dsrl.rewards import RewardFn
-from dsrl.rollout import Sample, sampling_params, score_one
+from dsrl.rollout import Sample, request_seed, sampling_params, score_one
 from dsrl.serving.client import RolloutClient
 
 log = logging.getLogger(__name__)
@@ -131,6 +131,19 @@ class RolloutManager:
             self.idle_since = now
         return stats
 
+    def state(self) -> dict:
+        """What a checkpoint needs: the stream position and the rows handed out but not trained on yet."""
+        return {"position": self.stream.position, "outstanding": self.outstanding()}
+
+    def restore(self, state: dict, version: int) -> None:
+        """Continue after a restart: outstanding rows are generated again (partial rollouts are not kept),
+        and admission counts only what was trained, so the staleness bound holds from the first batch."""
+        by_row = {p.index: p for p in self.stream.dataset.prompts}
+        self.stream.position = state["position"]
+        self.stream.returned = deque(by_row[row] for row in state["outstanding"])
+        self.version = version
+        self.admitted = version * self.groups_per_step
+
     def outstanding(self) -> list[int]:
         """Dataset rows handed out but not yet trained on: generating, queued, or waiting to be generated again."""
         groups = [self.groups[i] for i in self.generating] + list(self.ready)
@@ -187,6 +200,7 @@ class RolloutManager:
         done = partial.response_ids if partial else []
         params = {**self.params, **prompt.sampling}
         params["max_new_tokens"] -= len(done)
+        params["sampling_seed"] = request_seed(self.cfg.seed, prompt.index, slot, self.version, len(done))
         body = {"input_ids": prompt.prompt_ids + done, "sampling_params": params, "return_logprob": True}
         self._request_started()
         try:

@@ -1,12 +1,12 @@
 """The training loop, one rank of it: ``deepspeed --module dsrl.train --config run.yaml`` (or ``dsrl train``).
 
-generate -> reward -> logprobs -> update -> sync, each phase timed; the details live below it.
+generate -> logprobs -> update -> sync, each phase timed; the details live below it.
 """
 
 import json
 import logging
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -17,39 +17,105 @@ from transformers import AutoTokenizer
 from dsrl.algorithms import grpo_advantages
 from dsrl.config import Config, SyncConfig, dump_config, parse_config, validate
 from dsrl.data import PromptDataset
-from dsrl.metrics import MetricsWriter, mean_across_ranks, summary_line, timed
+from dsrl.metrics import MetricsWriter, all_ranks, mean_across_ranks, summary_line, timed
 from dsrl.rewards import load_reward_fn
 from dsrl.rollout import Sample, SyncRollouts
 from dsrl.rollout_manager import PromptStream, RolloutManager
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import ServerFleet, start_fleet
-from dsrl.sync.base import make_checkpoint_engine, probe_reference, sync_weights, verify_probe, verify_weights
-from dsrl.zero.actor import compute_logprobs, logprob_mismatch, update_actor
-from dsrl.zero.checkpoint import export_hf, save_checkpoint
-from dsrl.zero.engine import (
-    init_distributed,
-    load_engine,
-    offload_states,
-    prepare_model_dir,
-    reload_states,
-    use_cuda,
+from dsrl.sync.base import (
+    CheckpointEngine,
+    make_checkpoint_engine,
+    probe_reference,
+    sync_weights,
+    verify_probe,
+    verify_weights,
 )
+from dsrl.zero.actor import compute_logprobs, logprob_mismatch, update_actor
+from dsrl.zero.checkpoint import export_hf, find_checkpoint, load_checkpoint, save_checkpoint
+from dsrl.zero.engine import init_distributed, load_engine, offload_states, prepare_model_dir, reload_states, use_cuda
 
 log = logging.getLogger("dsrl")
 
 
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. too many non-finite steps in a row)."""
+
+
 def train(cfg: Config) -> dict[str, float]:
+    run = setup(cfg)
+    start = run.start_step
+    metrics: dict[str, float] = {}
+    try:
+        push_weights(run, str(start), wake_servers=False)  # every server holds the trainer's weights first
+        run.rollouts.start()
+        steps = tqdm(range(start, cfg.trainer.total_steps), desc="train", disable=run.rank != 0, dynamic_ncols=True)
+        for step in steps:
+            timings: dict[str, float] = {}
+            with timed(timings, "step"):
+                with timed(timings, "generate"):
+                    samples, rollout_stats = run.rollouts.collect(step)
+                if run.colocated:
+                    with timed(timings, "release"):
+                        release_servers(run)
+                with timed(timings, "logprobs"):
+                    finite = compute_all_logprobs(run, samples)
+                with timed(timings, "update"):
+                    stats = update(run, samples, finite)
+                with timed(timings, "sync"):
+                    sync_stats = sync(run, step + 1)
+            metrics = log_step(run, step, samples, {**rollout_stats, **stats, **timings}, sync_stats)
+            steps.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+            if cfg.logging.save_every and (step + 1) % cfg.logging.save_every == 0:
+                checkpoint(run, step + 1)
+        finish(run, metrics)
+    finally:
+        run.close()
+    return metrics
+
+
+@dataclass
+class Run:
+    """Everything a rank holds for one training run."""
+
+    cfg: Config
+    rank: int
+    world: int
+    run_dir: Path
+    model_dir: str
+    tokenizer: object
+    pad_id: int
+    actor: object
+    ref: object | None
+    fleet: ServerFleet
+    client: RolloutClient
+    ckpt: CheckpointEngine
+    rollouts: SyncRollouts | RolloutManager
+    writer: MetricsWriter
+    colocated: bool
+    offload: bool
+    start_step: int
+    bad_steps: int = 0
+
+    def close(self) -> None:
+        self.rollouts.stop()
+        self.client.close()
+        self.writer.close()
+        self.fleet.stop()
+
+
+def setup(cfg: Config) -> Run:
     init_distributed(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     validate(cfg, world)
-    run_dir = Path(cfg.logging.run_dir)
     logging.basicConfig(
         level=cfg.logging.log_level if rank == 0 else "WARNING", format="%(asctime)s [dsrl] %(message)s", force=True
     )
+    run_dir = Path(cfg.logging.run_dir)
     if rank == 0:
+        check_writable(run_dir)
         dump_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(cfg.seed + rank)
-
     model_dir = prepare_model_dir(cfg, run_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
@@ -57,79 +123,123 @@ def train(cfg: Config) -> dict[str, float]:
     reward_fn = load_reward_fn(cfg.algorithm.reward_fn)
     actor = load_engine(cfg, model_dir, world, train=True)
     ref = load_engine(cfg, model_dir, world, train=False) if cfg.algorithm.kl_coef > 0 else None
+    start_step, rank_state = resume(cfg, run_dir, actor, rank)
     colocated = cfg.rollout.placement == "colocate"
     offload = colocated and use_cuda(cfg)  # the trainer lends the GPU to the servers between updates
     if offload:  # before any server starts: it sizes its KV cache from the memory it finds free
         offload_states(actor, params=False)
-
     fleet = start_rollout_fleet(cfg, model_dir, run_dir, rank)
     client = RolloutClient(fleet.urls, cfg.rollout.max_concurrency, cfg.rollout.request_timeout_s)
-    writer = MetricsWriter(run_dir, cfg.logging.tensorboard and rank == 0)
     backend = "nccl" if use_cuda(cfg) else "gloo"
     ckpt = make_checkpoint_engine(
         resolve_sync(cfg), client if rank == 0 else None, run_dir, backend, cfg.rollout.tp_size
     )
     if colocated:
-        rollouts = SyncRollouts(client, cfg.rollout, dataset, reward_fn, tokenizer, rank, world)
+        rollouts = SyncRollouts(client, cfg, dataset, reward_fn, tokenizer, rank, world)
     else:  # disaggregated: generation runs ahead of training by up to max_staleness versions
-        stream = PromptStream(dataset, cfg.rollout.prompts_per_step, rank, world)
-        rollouts = RolloutManager(client, cfg, stream, reward_fn, tokenizer)
-    metrics: dict[str, float] = {}
+        rollouts = RolloutManager(client, cfg, PromptStream(dataset, cfg.rollout.prompts_per_step, rank, world),
+                                  reward_fn, tokenizer)  # fmt: skip
+    if rank_state is not None:
+        rollouts.restore(rank_state["rollouts"], start_step)
+    writer = MetricsWriter(run_dir, cfg.logging.tensorboard and rank == 0)
+    return Run(cfg, rank, world, run_dir, model_dir, tokenizer, pad_id, actor, ref, fleet, client, ckpt, rollouts,
+               writer, colocated, offload, start_step)  # fmt: skip
+
+
+def check_writable(run_dir: Path) -> None:
+    probe = run_dir / "checkpoints" / ".write_test"
     try:
-        push_weights(actor, ckpt, cfg, "0", wake_servers=False, offload=offload)
-        if not colocated:
-            rollouts.start()
-        steps = tqdm(range(cfg.trainer.total_steps), desc="train", disable=rank != 0, dynamic_ncols=True)
-        for step in steps:
-            timings: dict[str, float] = {}
-            with timed(timings, "step"):
-                with timed(timings, "generate"):
-                    samples, rollout_stats = rollouts.collect(step)
-                if colocated:
-                    with timed(timings, "release"):
-                        release_servers(client, rank)
-                        if offload:
-                            reload_states(actor)
-                with timed(timings, "logprobs"):
-                    compute_logprobs(actor, samples, "old_logprobs", cfg, pad_id)
-                    if ref is not None:
-                        compute_logprobs(ref, samples, "ref_logprobs", cfg, pad_id)
-                with timed(timings, "update"):
-                    rewards = torch.tensor([s.reward for s in samples])
-                    advantages = grpo_advantages(rewards, cfg.rollout.n_samples, cfg.algorithm.norm_adv_by_std)
-                    stats = update_actor(actor, samples, advantages, cfg, pad_id)
-                with timed(timings, "sync"):
-                    rollouts.before_update()
-                    dist.barrier()  # every rank's rollouts are ready for the servers' pause
-                    sync_stats = push_weights(actor, ckpt, cfg, str(step + 1), colocated, offload)
-                    rollouts.after_update(step + 1)
-            metrics = mean_across_ranks(
-                {**rollout_metrics(samples, step), **rollout_stats, **logprob_mismatch(samples), **stats, **timings}
-            )
-            if rank == 0:
-                metrics.update(sync_stats)
-                writer.log(step + 1, metrics, {"rollout/staleness": [step - s.oldest_version for s in samples]})
-                steps.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
-                log.info(summary_line(step + 1, cfg.trainer.total_steps, metrics))
-            if cfg.logging.save_every and (step + 1) % cfg.logging.save_every == 0:
-                if offload:
-                    reload_states(actor)
-                save_checkpoint(actor, run_dir, step + 1, {"step": step + 1, "weight_version": str(step + 1)})
-                if offload:
-                    offload_states(actor, params=True)
-        if rank == 0 and metrics:
-            log.info("final metrics: %s", json.dumps({k: round(v, 6) for k, v in sorted(metrics.items())}))
-        rollouts.stop()
-        if offload:
-            reload_states(actor)
-        if cfg.logging.export_hf:
-            export_hf(actor.module, model_dir, run_dir / "hf", cfg.sync.bucket_bytes)
-    finally:
-        rollouts.stop()
-        client.close()
-        writer.close()
-        fleet.stop()
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise PermissionError(f"--logging.run_dir={str(run_dir)!r}: cannot write checkpoints there ({e})") from e
+
+
+def resume(cfg: Config, run_dir: Path, actor, rank: int) -> tuple[int, dict | None]:
+    """Restore the latest checkpoint when there is one: (the step to start from, this rank's saved state)."""
+    path = find_checkpoint(run_dir, cfg.logging.resume)
+    step, rank_state = 0, None
+    if path is not None:
+        state, rank_state = load_checkpoint(actor, path)
+        step = state["step"]
+        log.info("resumed from %s at step %d", path, step)
+    if rank == 0:
+        trim_trace(run_dir / "trained_prompts.jsonl", step)
+    return step, rank_state
+
+
+def checkpoint(run: Run, step: int) -> None:
+    if run.offload:
+        reload_states(run.actor)
+    state = {"step": step, "weight_version": str(step)}
+    save_checkpoint(run.actor, run.run_dir, state, {"rollouts": run.rollouts.state()}, run.cfg.logging.keep_last)
+    if run.offload:
+        offload_states(run.actor, params=True)
+
+
+def trim_trace(path: Path, step: int) -> None:
+    """Keep the trained-prompt trace consistent with a resumed run: drop steps after the checkpoint."""
+    if path.exists():
+        lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] < step]
+        path.write_text("".join(line + "\n" for line in lines))
+
+
+def compute_all_logprobs(run: Run, samples: list[Sample]) -> bool:
+    """Old (and reference) logprobs; False on every rank when any rank saw a non-finite value."""
+    compute_logprobs(run.actor, samples, "old_logprobs", run.cfg, run.pad_id)
+    if run.ref is not None:
+        compute_logprobs(run.ref, samples, "ref_logprobs", run.cfg, run.pad_id)
+    values = [s.extras[k] for s in samples for k in ("old_logprobs", "ref_logprobs") if k in s.extras]
+    return all_ranks(all(torch.isfinite(v).all() for v in values))
+
+
+def update(run: Run, samples: list[Sample], finite: bool) -> dict[str, float]:
+    """GRPO advantages and the PPO update; a step with non-finite inputs is skipped and counted."""
+    rewards = torch.tensor([s.reward for s in samples])
+    advantages = grpo_advantages(rewards, run.cfg.rollout.n_samples, run.cfg.algorithm.norm_adv_by_std)
+    if finite and all_ranks(bool(torch.isfinite(advantages).all())):
+        run.bad_steps = 0
+        return {**update_actor(run.actor, samples, advantages, run.cfg, run.pad_id), "train/skipped_step": 0.0}
+    run.bad_steps += 1
+    log.warning("non-finite logprobs or advantages: step skipped (%d in a row)", run.bad_steps)
+    if run.bad_steps >= run.cfg.trainer.max_bad_steps:
+        raise TrainingError(
+            f"{run.bad_steps} steps in a row had non-finite logprobs or advantages (--trainer.max_bad_steps="
+            f"{run.cfg.trainer.max_bad_steps}); check the rewards' scale and the learning rate"
+        )
+    return {"train/skipped_step": 1.0}
+
+
+def sync(run: Run, version: int) -> dict[str, float]:
+    run.rollouts.before_update()
+    dist.barrier()  # every rank's rollouts are ready for the servers' pause
+    stats = push_weights(run, str(version), wake_servers=run.colocated)
+    run.rollouts.after_update(version)
+    return stats
+
+
+def log_step(run: Run, step: int, samples: list[Sample], local: dict, sync_stats: dict) -> dict[str, float]:
+    metrics = mean_across_ranks({**rollout_metrics(samples, step), **logprob_mismatch(samples), **local})
+    rows = [None] * run.world
+    dist.all_gather_object(rows, [s.prompt.index for s in samples[:: run.cfg.rollout.n_samples]])
+    if run.rank == 0:
+        metrics.update(sync_stats)
+        run.writer.log(step + 1, metrics, {"rollout/staleness": [step - s.oldest_version for s in samples]})
+        with open(run.run_dir / "trained_prompts.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "rows": [row for rank_rows in rows for row in rank_rows]}) + "\n")
+        log.info(summary_line(step + 1, run.cfg.trainer.total_steps, metrics))
     return metrics
+
+
+def finish(run: Run, metrics: dict[str, float]) -> None:
+    if run.rank == 0 and metrics:
+        log.info("final metrics: %s", json.dumps({k: round(v, 6) for k, v in sorted(metrics.items())}))
+    run.rollouts.stop()
+    if run.offload:
+        reload_states(run.actor)
+    if run.cfg.logging.export_hf:
+        export_hf(run.actor.module, run.model_dir, run.run_dir / "hf", run.cfg.sync.bucket_bytes)
 
 
 def start_rollout_fleet(cfg: Config, model_dir: str, run_dir: Path, rank: int) -> ServerFleet:
@@ -143,11 +253,13 @@ def start_rollout_fleet(cfg: Config, model_dir: str, run_dir: Path, rank: int) -
     return fleet[0] or ServerFleet(urls=urls[0])
 
 
-def release_servers(client: RolloutClient, rank: int) -> None:
+def release_servers(run: Run) -> None:
     """Colocated: once every rank has its samples, the servers give their memory to the trainer."""
     dist.barrier()
-    if rank == 0:
-        client.call_all("/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
+    if run.rank == 0:
+        run.client.call_all("/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
+    if run.offload:
+        reload_states(run.actor)
 
 
 def resolve_sync(cfg: Config) -> SyncConfig:
@@ -157,33 +269,32 @@ def resolve_sync(cfg: Config) -> SyncConfig:
     return replace(cfg.sync, type="ipc" if ipc else "broadcast")
 
 
-def push_weights(actor, ckpt, cfg: Config, weight_version: str, wake_servers: bool, offload: bool) -> dict:
+def push_weights(run: Run, weight_version: str, wake_servers: bool) -> dict[str, float]:
     """Sync the actor's weights into the servers.
 
     Colocated on GPUs the order matters: trainer states out -> server weights back -> sync ->
     trainer params out -> server KV cache back (the KV cache needs the memory the params held).
     """
-    client = ckpt.client  # None except on rank 0
-    if offload:
+    cfg, client, actor = run.cfg, run.ckpt.client, run.actor  # client: None except on rank 0
+    if run.offload:
         offload_states(actor, params=False)
     if wake_servers and client is not None:
         client.call_all("/resume_memory_occupation", {"tags": ["weights"]})
-    stats = sync_weights(actor.module, ckpt, weight_version)
+    stats = sync_weights(actor.module, run.ckpt, weight_version)
     if cfg.sync.verify == "weights":
         verify_weights(actor.module, client, cfg.sync.bucket_bytes)
     if cfg.sync.verify == "probe":  # the trainer's side now, while its params are still on the GPU
         probe_ids, reference = probe_reference(actor, actor.module.config.vocab_size)
-    if offload:
+    if run.offload:
         offload_states(actor, params=True)
     if wake_servers and client is not None:
         client.call_all("/resume_memory_occupation", {"tags": ["kv_cache"]})
-    probe = None
-    if cfg.sync.verify == "probe" and client is not None:  # the servers' side needs their KV cache back
-        probe = verify_probe(client, probe_ids, reference, cfg.sync.probe_tolerance)
     if stats is None:
         return {}
     out = {"sync/bytes": stats.bytes, "sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}
-    return out if probe is None else {**out, "sync/probe_logprob_diff": probe}
+    if cfg.sync.verify == "probe":  # the servers' side needs their KV cache back
+        out["sync/probe_logprob_diff"] = verify_probe(client, probe_ids, reference, cfg.sync.probe_tolerance)
+    return out
 
 
 def rollout_metrics(samples: list[Sample], trainer_version: int) -> dict[str, float]:

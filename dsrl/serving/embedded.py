@@ -82,7 +82,14 @@ def _resolve(future: asyncio.Future, result: dict) -> None:
 
 
 class Engine:
-    def __init__(self, model_path: str, seed: int = 0, max_batch_tokens: int = 16384, decode_delay_ms: float = 0.0):
+    def __init__(
+        self,
+        model_path: str,
+        seed: int = 0,
+        max_batch_tokens: int = 16384,
+        decode_delay_ms: float = 0.0,
+        deterministic: bool = False,
+    ):
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
         self.model_path = model_path
@@ -105,6 +112,7 @@ class Engine:
         self.generator = torch.Generator().manual_seed(seed)
         self.max_batch_tokens = max_batch_tokens
         self.decode_delay_s = decode_delay_ms / 1000  # emulate a slower engine (tests, benchmarks)
+        self.deterministic = deterministic  # batch-invariant: each request's forward runs alone
         self.weight_version = "default"
         self.running: list[Request] = []
         self.paused = False
@@ -141,7 +149,11 @@ class Engine:
                         break
                     batch.append(req)
             with self.model_lock:
-                next_ids, logprobs = self._step(batch)
+                if self.deterministic:
+                    steps = [self._step([req]) for req in batch]
+                    next_ids, logprobs = [s[0][0] for s in steps], [s[1][0] for s in steps]
+                else:
+                    next_ids, logprobs = self._step(batch)
             if self.decode_delay_s:
                 time.sleep(self.decode_delay_s)
             with self.cond:
@@ -608,13 +620,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--seed", type=int, default=0, help="Seed for sampling and for random init.")
     parser.add_argument("--max-batch-tokens", type=int, default=16384, help="Tokens per decode step, at most.")
+    parser.add_argument("--decode-delay-ms", type=float, default=0.0, help="Sleep per decode step (slower engine).")
     parser.add_argument(
-        "--decode-delay-ms", type=float, default=0.0, help="Sleep per decode step (emulates a slower engine)."
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="Batch-invariant results (each request's forward alone), as SGLang's flag of that name.",
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # shares a small CPU with the trainer ranks
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    engine = Engine(args.model_path, args.seed, args.max_batch_tokens, args.decode_delay_ms)
+    engine = Engine(
+        args.model_path, args.seed, args.max_batch_tokens, args.decode_delay_ms, args.enable_deterministic_inference
+    )
     log.info("embedded engine for %s on http://%s:%d", args.model_path, args.host, args.port)
     web.run_app(build_app(engine), host=args.host, port=args.port, print=None, access_log=None)
 

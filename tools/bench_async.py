@@ -1,0 +1,94 @@
+"""Asynchronous rollout on a long-tail workload: wall time for the same trained samples, and final reward.
+
+The toy task, but one prompt in ten must generate 12x longer (its row carries sampling_params
+{max_new_tokens: 60, ignore_eos: true}), and the embedded engine is slowed to --decode-delay-ms
+per decode step so that generation, as on GPUs, is the long pole. Each schedule trains the same
+number of steps on the same data; time is the sum of the steps (start-up excluded).
+
+    python tools/bench_async.py                    # CPU, embedded engine
+    python tools/bench_async.py --steps 150 --decode-delay-ms 8
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dsrl.toy import make_rows  # noqa: E402
+
+SCHEDULES = [  # (label, max_staleness, interrupt)
+    ("synchronous", 0, "wait"),
+    ("one-step-off", 1, "wait"),
+    ("one-step-off + partial", 1, "partial"),
+    ("async k=4", 4, "wait"),
+    ("async k=4 + partial", 4, "partial"),
+]
+
+
+def long_tail_rows(n: int, seed: int) -> list[dict]:
+    rows = make_rows(n, seed)
+    for i, row in enumerate(rows):
+        if i % 10 == 0:
+            row["sampling_params"] = {"max_new_tokens": 60, "ignore_eos": True}
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--decode-delay-ms", type=float, default=5.0)
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--extra", nargs="*", default=[], help="more dsrl train flags for every run")
+    args = p.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="dsrl_bench_async_"))
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / "long_tail.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in long_tail_rows(4096, 0)))
+    results = []
+    for label, k, interrupt in SCHEDULES:
+        run_dir = work / f"k{k}_{interrupt}"
+        cmd = [sys.executable, "-m", "dsrl.cli", "train", "--config", str(ROOT / "configs/toy_cpu_async.yaml")]
+        cmd += ["--data.train_path", str(data), "--trainer.total_steps", str(args.steps)]
+        cmd += ["--rollout.max_staleness", str(k), "--rollout.interrupt", interrupt]
+        cmd += ["--rollout.server_args", json.dumps({"decode_delay_ms": args.decode_delay_ms})]
+        cmd += ["--logging.run_dir", str(run_dir), "--logging.export_hf", "false", *args.extra]
+        print(f"== {label}: {' '.join(cmd)}", flush=True)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            continue
+        events = EventAccumulator(str(run_dir / "tensorboard"))
+        events.Reload()
+        values = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+        reward = values["reward/mean"]
+        results.append(
+            {
+                "label": label,
+                "seconds": sum(values["timing/step"]),
+                "final_reward": sum(reward[-10:]) / 10,
+                "staleness_max": max(values["rollout/staleness_max"]),
+                "trainer_idle_s": sum(values["rollout/trainer_idle_s"]),
+                "resumed": sum(values["rollout/resumed"]),
+            }
+        )
+        print(json.dumps(results[-1]), flush=True)
+    base = results[0]["seconds"] if results and results[0]["label"] == "synchronous" else None
+    print(f"\n{args.steps} steps x 256 samples, long tail 1 in 10 x12, decode delay {args.decode_delay_ms} ms")
+    print("schedule | wall s (steps) | speed-up | final reward (last 10) | max staleness | trainer idle s | resumed")
+    for r in results:
+        speedup = f"{base / r['seconds']:.2f}x" if base else "-"
+        print(
+            f"{r['label']} | {r['seconds']:.1f} | {speedup} | {r['final_reward']:.3f} | {r['staleness_max']:.0f} | "
+            f"{r['trainer_idle_s']:.1f} | {r['resumed']:.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
