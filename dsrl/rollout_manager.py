@@ -12,17 +12,20 @@ behind the trainer is dropped and its prompt generated again, never trained on.
 
 Around a weight update the in-flight requests are handled by `rollout.interrupt`:
   wait     stop admitting, let every in-flight request finish, then sync;
-  abort    the sync's pause aborts them; each sample restarts from its prompt afterwards;
-  partial  the sync's pause aborts them; each resumes afterwards from prompt + tokens so far,
-           under the new weights. Every sample records the weight version of each token span.
-Requests resubmitted while the servers are paused wait there until /continue_generation.
+  abort    abort them before the sync; each sample restarts from its prompt once the new weights are live;
+  partial  abort them before the sync; each resumes from prompt + tokens so far under the new weights.
+Every sample records the weight version of each token span. In abort and partial modes a group at
+the edge of the bound (it must be in the next batch or it is too stale) is not interrupted but
+finishes under the current weights -- interrupted, it could only be dropped, and a long request
+would never finish; a group already past the edge is restarted from scratch.
 """
 
 import asyncio
 import logging
 import time
+import uuid
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from dsrl.config import Config
 from dsrl.data import Prompt, PromptDataset
@@ -55,13 +58,22 @@ class PromptStream:
 
 @dataclass
 class Group:
+    gid: int
     prompt: Prompt
     samples: list[Sample | None]
     pending: int
+    started: dict[str, int] = field(default_factory=dict)  # rid in flight -> oldest version of its tokens
 
     @property
     def oldest_version(self) -> int:
         return min(s.oldest_version for s in self.samples)
+
+    def n_done(self) -> int:
+        return sum(s is not None for s in self.samples)
+
+    def oldest_so_far(self) -> int:
+        """The oldest weight version among finished samples and requests in flight."""
+        return min([s.oldest_version for s in self.samples if s is not None] + list(self.started.values()))
 
 
 @dataclass
@@ -81,6 +93,7 @@ class RolloutManager:
         r = cfg.rollout
         self.n, self.k, self.mode = r.n_samples, r.max_staleness, r.interrupt
         self.groups_per_step = stream.per_rank
+        self.rid_prefix = f"dsrl-r{stream.rank}"
         self.params = sampling_params(r)
         self.version = 0  # the weight version the servers hold (or are about to)
         self.admitted = 0  # groups admitted; drops give their slot back
@@ -88,6 +101,9 @@ class RolloutManager:
         self.ready: deque[Group] = deque()
         self.generating: set[int] = set()  # ids of groups with samples still out
         self.groups: dict[int, Group] = {}
+        self.interrupted: list[tuple[Group, int, Sample | None]] = []  # resubmitted once the new weights are live
+        self.doomed: set[int] = set()  # groups past the staleness edge: restarted from scratch
+        self.next_gid = 0
         self.filtered_rows: list[int] = []  # prompts skipped by dynamic sampling (all rewards equal)
         self.paused = False  # no admissions while a weight update is prepared
         self.stopped = False
@@ -189,7 +205,8 @@ class RolloutManager:
                 if self.stopped:
                     return
                 self.admitted += 1
-                group = Group(self.stream.next(), [None] * self.n, self.n)
+                group = Group(self.next_gid, self.stream.next(), [None] * self.n, self.n)
+                self.next_gid += 1
                 self.generating.add(id(group))
                 self.groups[id(group)] = group
             for slot in range(self.n):
@@ -201,11 +218,15 @@ class RolloutManager:
         params = {**self.params, **prompt.sampling}
         params["max_new_tokens"] -= len(done)
         params["sampling_seed"] = request_seed(self.cfg.seed, prompt.index, slot, self.version, len(done))
-        body = {"input_ids": prompt.prompt_ids + done, "sampling_params": params, "return_logprob": True}
+        # the rid's prefix names the group, so one /abort_request can stop all of its samples
+        rid = f"{self.rid_prefix}-g{group.gid}-s{slot}-{uuid.uuid4().hex[:8]}"
+        body = {"input_ids": prompt.prompt_ids + done, "sampling_params": params, "return_logprob": True, "rid": rid}
+        group.started[rid] = partial.oldest_version if partial else self.version
         self._request_started()
         try:
             out = await self.client.generate(body)
         finally:
+            group.started.pop(rid)
             await self._request_finished()
         meta = out["meta_info"]
         reason = meta["finish_reason"]["type"]
@@ -217,14 +238,12 @@ class RolloutManager:
             sample.extras["spans"].append((len(sample.response_ids), version))
             sample.response_ids = sample.response_ids + tokens
             sample.engine_logprobs = sample.engine_logprobs + logprobs
-        if reason == "abort":
+        if reason == "abort":  # resubmitted by _after_update, under the new weights
             self.stats.interrupted += 1
-            if self.mode == "partial" and sample.response_ids:
-                self.stats.resumed += 1
-                self._spawn(self._run_sample(group, slot, sample))
-            else:  # abort mode (or nothing generated yet): start this sample over
-                self.stats.restarted += 1
-                self._spawn(self._run_sample(group, slot, None))
+            resume = self.mode == "partial" and sample.response_ids
+            self.stats.resumed += bool(resume)
+            self.stats.restarted += not resume
+            self.interrupted.append((group, slot, sample if resume else None))
             return
         sample.finish_reason = reason
         sample.weight_version = str(version)
@@ -281,11 +300,30 @@ class RolloutManager:
     async def _before_update(self) -> None:
         async with self.cond:
             self.paused = True
-            if self.mode == "wait":
-                await self.cond.wait_for(lambda: self.in_flight == 0 or self.error is not None)
+            if self.mode != "wait":
+                # The next batch is trained at version + 1: a group whose oldest tokens are at `edge`
+                # must make it, so it finishes now; newer groups are interrupted; older ones restart.
+                edge = self.version + 1 - self.k
+                groups = [self.groups[i] for i in self.generating if self.groups[i].started]
+                stop = [g for g in groups if g.oldest_so_far() != edge]
+                self.doomed |= {g.gid for g in stop if g.oldest_so_far() < edge}
+                prefixes = [f"{self.rid_prefix}-g{g.gid}-" for g in stop]
+                await asyncio.gather(*(self.client.all_servers("/abort_request", {"rid": p}) for p in prefixes))
+            await self.cond.wait_for(lambda: self.in_flight == 0 or self.error is not None)
 
     async def _after_update(self, version: int) -> None:
         async with self.cond:
             self.version = version
             self.paused = False
             self.cond.notify_all()
+        interrupted, self.interrupted = self.interrupted, []
+        restart = {g.gid: g for g, _, _ in interrupted if g.gid in self.doomed}
+        self.doomed = set()
+        for group, slot, partial in interrupted:
+            if group.gid not in restart:
+                self._spawn(self._run_sample(group, slot, partial))
+        for group in restart.values():  # too stale to train on: every sample from scratch
+            self.stats.restarted += group.n_done()
+            group.samples, group.pending = [None] * self.n, self.n
+            for slot in range(self.n):
+                self._spawn(self._run_sample(group, slot, None))

@@ -21,10 +21,11 @@ from dsrl.metrics import MetricsWriter, all_ranks, mean_across_ranks, summary_li
 from dsrl.rewards import load_reward_fn
 from dsrl.rollout import Sample, SyncRollouts
 from dsrl.rollout_manager import PromptStream, RolloutManager
-from dsrl.serving.client import RolloutClient
+from dsrl.serving.client import RolloutClient, ServerError
 from dsrl.serving.servers import ServerFleet, start_fleet
 from dsrl.sync.base import (
     CheckpointEngine,
+    SyncError,
     make_checkpoint_engine,
     probe_reference,
     sync_weights,
@@ -212,11 +213,50 @@ def update(run: Run, samples: list[Sample], finite: bool) -> dict[str, float]:
 
 
 def sync(run: Run, version: int) -> dict[str, float]:
+    """Bring every server to `version`; a server that died is restarted (or dropped) and the sync retried."""
     run.rollouts.before_update()
     dist.barrier()  # every rank's rollouts are ready for the servers' pause
-    stats = push_weights(run, str(version), wake_servers=run.colocated)
+    for attempt in range(2):
+        heal_fleet(run)
+        try:
+            stats, ok = push_weights(run, str(version), wake_servers=run.colocated), True
+        except (SyncError, ServerError) as e:  # only rank 0 talks to the servers
+            stats, ok, error = {}, False, e
+        if all_ranks(ok):
+            break
+        if run.rank == 0:
+            log.warning("weight sync to version %d failed (%s); checking the servers and syncing again", version, error)
+            run.client.down.extend(u for u in run.client.urls if not healthy(run.client, u))
+        if attempt == 1:
+            raise SyncError(f"weight sync to version {version} failed twice") from (error if run.rank == 0 else None)
     run.rollouts.after_update(version)
     return stats
+
+
+def heal_fleet(run: Run) -> None:
+    """Servers that went down are restarted (when dsrl started them) or dropped; every rank adopts the new fleet.
+
+    A restarted server joins before the sync that follows, so it never serves other weights.
+    """
+    down = [None] * run.world
+    dist.all_gather_object(down, run.client.down)
+    new_urls = [None]
+    if run.rank == 0:
+        dead = {u for urls in down for u in urls} | {u for u in run.client.urls if not healthy(run.client, u)}
+        if dead:
+            new_urls = [run.fleet.replace(dead)]
+    dist.broadcast_object_list(new_urls, src=0)
+    if new_urls[0] is not None:
+        run.client.set_urls(new_urls[0])
+        run.ckpt.reset()
+
+
+def healthy(client: RolloutClient, url: str) -> bool:
+    try:
+        client.run(client.request(url, "/health", method="GET", timeout_s=30))
+        return True
+    except ServerError:
+        return False
 
 
 def log_step(run: Run, step: int, samples: list[Sample], local: dict, sync_stats: dict) -> dict[str, float]:

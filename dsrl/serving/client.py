@@ -35,9 +35,13 @@ IDEMPOTENT = {
 class ServerError(RuntimeError):
     """A rollout server answered with an error, or did not answer in time."""
 
-    def __init__(self, url: str, path: str, message: str):
-        self.url, self.path = url, path
+    def __init__(self, url: str, path: str, message: str, down: bool = False):
+        self.url, self.path, self.down = url, path, down  # down: unreachable, or timed out
         super().__init__(f"{url}{path}: {message}")
+
+
+class NoServerLeft(RuntimeError):
+    """Every rollout server is down."""
 
 
 class RolloutClient:
@@ -48,6 +52,7 @@ class RolloutClient:
         self.timeout_s = timeout_s
         self.retries = retries
         self.in_flight = dict.fromkeys(self.urls, 0)
+        self.down: list[str] = []  # servers that stopped answering; the trainer restarts or drops them
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-client", daemon=True)
         self.thread.start()
@@ -101,20 +106,41 @@ class RolloutClient:
                     return body
             except (aiohttp.ClientConnectionError, ConnectionError) as e:
                 if attempt + 1 == attempts:
-                    raise ServerError(url, path, f"connection failed: {e!r}; is the server running?") from e
+                    message = f"connection failed: {e!r}; is the server running?"
+                    raise ServerError(url, path, message, down=True) from e
                 await asyncio.sleep(0.5 * 2**attempt)
             except TimeoutError as e:
-                raise ServerError(url, path, f"no answer within {timeout.total:.0f}s") from e
+                raise ServerError(url, path, f"no answer within {timeout.total:.0f}s", down=True) from e
 
     async def generate(self, payload: dict) -> dict:
-        """POST /generate to the least busy server, within the concurrency limit."""
+        """POST /generate to the least busy live server, within the concurrency limit.
+
+        A server that cannot be reached or does not answer in time is taken out of the rotation
+        and the request goes to another one (requests carry their sampling seed, so this is safe).
+        """
         async with self.semaphore:
-            url = min(self.urls, key=self.in_flight.__getitem__)
-            self.in_flight[url] += 1
-            try:
-                return await self.request(url, "/generate", payload)
-            finally:
-                self.in_flight[url] -= 1
+            while True:
+                live = [u for u in self.urls if u not in self.down]
+                if not live:
+                    raise NoServerLeft(f"every rollout server is down: {self.down}")
+                url = min(live, key=lambda u: self.in_flight.get(u, 0))
+                self.in_flight[url] = self.in_flight.get(url, 0) + 1
+                try:
+                    out = await self.request(url, "/generate", payload)
+                    out["server"] = url
+                    return out
+                except ServerError as e:
+                    if not e.down:
+                        raise
+                    if url not in self.down:
+                        log.warning("rollout server %s is down (%s); resubmitting its requests elsewhere", url, e)
+                        self.down.append(url)
+                finally:
+                    self.in_flight[url] -= 1
+
+    def set_urls(self, urls: list[str]) -> None:
+        """Adopt a new fleet (after a restart or a drop); forget which servers were down."""
+        self.urls, self.down = list(urls), []
 
     async def all_servers(self, path: str, payload: Any = None, method: str = "POST") -> list[Any]:
         return await asyncio.gather(*(self.request(url, path, payload, method) for url in self.urls))

@@ -12,6 +12,7 @@ weights are released, and `weight_version` follows the updates. Start it with
 import argparse
 import asyncio
 import logging
+import os
 import threading
 import time
 import uuid
@@ -633,7 +634,20 @@ def main(argv: list[str] | None = None) -> None:
         args.model_path, args.seed, args.max_batch_tokens, args.decode_delay_ms, args.enable_deterministic_inference
     )
     log.info("embedded engine for %s on http://%s:%d", args.model_path, args.host, args.port)
+    if os.environ.get("DSRL_PARENT_PID"):
+        threading.Thread(target=_exit_with_parent, args=(int(os.environ["DSRL_PARENT_PID"]),), daemon=True).start()
     web.run_app(build_app(engine), host=args.host, port=args.port, print=None, access_log=None)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """No orphans: when the trainer that started this server dies (even by SIGKILL), stop serving."""
+    while True:
+        time.sleep(1.0)
+        try:
+            os.kill(parent, 0)
+        except ProcessLookupError:
+            log.warning("parent process %d is gone: exiting", parent)
+            os._exit(0)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,14 +116,36 @@ def sglang_command(cfg: RolloutConfig, model_path: str, host: str, port: int, se
 
 @dataclass
 class ServerFleet:
-    """The rollout servers of one run: started here, or external URLs."""
+    """The rollout servers of one run: started here (and restarted here), or external URLs."""
 
     urls: list[str]
     processes: list[ServerProcess] = field(default_factory=list)
+    launch: Callable[[int], ServerProcess] | None = None  # starts server i; None for external servers
+    startup_timeout_s: float = 300.0
 
     def stop(self) -> None:
         for server in self.processes:
             server.stop()
+
+    def replace(self, dead: set[str]) -> list[str]:
+        """Restart the dead servers this fleet started; drop dead external ones. Returns the new URLs."""
+        for i, url in enumerate(list(self.urls)):
+            if url not in dead:
+                continue
+            if self.launch is None:
+                log.warning("external rollout server %s is down: dropped from the fleet", url)
+                self.urls.remove(url)
+                continue
+            old = self.processes[i]
+            old.stop(grace_s=5)
+            log.warning("rollout server %s is down (exit code %s): restarting it", url, old.proc.poll())
+            server = self.launch(i)
+            wait_healthy(server, self.startup_timeout_s)
+            self.processes[i], self.urls[i] = server, server.url
+            log.info("rollout server %d restarted at %s", i, server.url)
+        if not self.urls:
+            raise RuntimeError(f"no rollout server left: {sorted(dead)} are down and cannot be restarted")
+        return list(self.urls)
 
     def __enter__(self) -> "ServerFleet":
         return self
@@ -146,27 +169,31 @@ def start_fleet(cfg: RolloutConfig, model_path: str, run_dir: Path, seed: int, e
     if os.environ.get("DSRL_CUDA_VISIBLE_DEVICES"):
         env["CUDA_VISIBLE_DEVICES"] = os.environ["DSRL_CUDA_VISIBLE_DEVICES"]
     env.setdefault("OMP_NUM_THREADS", "1" if engine == "embedded" else "8")
-    fleet = ServerFleet(urls=[])
+    env["DSRL_PARENT_PID"] = str(os.getpid())  # the embedded engine exits when this process dies
+
+    def launch(i: int) -> ServerProcess:
+        host, port = "127.0.0.1", free_port()
+        log_path = log_dir / f"server_{i}.log"
+        if engine == "embedded":
+            cmd = embedded_command(cfg, model_path, host, port, seed + i)
+        else:
+            cmd = sglang_command(cfg, model_path, host, port, seed + i, cfg.placement == "colocate")
+            cmd += ["--base-gpu-id", str(cfg.first_gpu + i * cfg.tp_size)]
+        log.info("starting rollout server %d: %s", i, " ".join(cmd))
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # its own process group, killed as a whole on stop
+            )
+        return ServerProcess(url=f"http://{host}:{port}", proc=proc, log_path=log_path)
+
+    fleet = ServerFleet(urls=[], launch=launch, startup_timeout_s=cfg.startup_timeout_s)
     try:
         for i in range(cfg.num_servers):
-            host, port = "127.0.0.1", free_port()
-            log_path = log_dir / f"server_{i}.log"
-            if engine == "embedded":
-                cmd = embedded_command(cfg, model_path, host, port, seed + i)
-            else:
-                gpus = range(cfg.first_gpu + i * cfg.tp_size, cfg.first_gpu + (i + 1) * cfg.tp_size)
-                cmd = sglang_command(cfg, model_path, host, port, seed + i, cfg.placement == "colocate")
-                cmd += ["--base-gpu-id", str(gpus[0])]
-            log.info("starting rollout server %d: %s", i, " ".join(cmd))
-            with open(log_path, "ab") as log_file:
-                proc = subprocess.Popen(
-                    cmd,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,  # its own process group, killed as a whole on stop
-                )
-            server = ServerProcess(url=f"http://{host}:{port}", proc=proc, log_path=log_path)
+            server = launch(i)
             fleet.processes.append(server)
             fleet.urls.append(server.url)
         for server in fleet.processes:

@@ -33,7 +33,12 @@ class CheckpointEngine(ABC):
 
     @abstractmethod
     def update_weights(self, module: torch.nn.Module, weight_version: str, flush_cache: bool) -> int:
-        """Send every parameter; `weight_version` goes live with the last bucket. Returns bytes sent (rank 0)."""
+        """Send every parameter; `weight_version` goes live with the last bucket. Returns bytes sent (rank 0).
+
+        A failure on rank 0 must still let the other ranks finish their part (collectives), then raise."""
+
+    def reset(self) -> None:  # noqa: B027 -- optional hook
+        """The fleet changed (a server restarted or was dropped): rebuild per-fleet state before the next update."""
 
 
 def make_checkpoint_engine(

@@ -81,20 +81,34 @@ class BroadcastEngine(CheckpointEngine):
             for _ in self.gatherer:  # join each bucket's gather onto rank 0
                 pass
             return 0
-        if self.group is None:
-            self.connect()
-        sent, in_flight, replies = 0, None, []
+        sent, in_flight, replies, failure = 0, None, [], None
         for bucket in self.gatherer:  # gathering bucket i+1 overlaps the broadcast of bucket i
-            if in_flight is not None:
-                self._wait(in_flight, replies)  # its buffer is reused two buckets later
-            reply, in_flight = self._send(bucket, weight_version, flush_cache)
-            replies.append(reply)
-            sent += bucket.flat.numel()
-        if in_flight is not None:
-            self._wait(in_flight, replies)
-        for reply in replies:
-            reply.result(self.cfg.timeout_s)
+            if failure is not None:
+                continue  # keep joining the other ranks' transfers, send nothing more
+            try:
+                if self.group is None:
+                    self.connect()
+                if in_flight is not None:
+                    self._wait(in_flight, replies)  # its buffer is reused two buckets later
+                reply, in_flight = self._send(bucket, weight_version, flush_cache)
+                replies.append(reply)
+                sent += bucket.flat.numel()
+            except Exception as e:  # noqa: BLE001 -- re-raised once the gathers are done
+                failure = e
+        try:
+            if failure is None and in_flight is not None:
+                self._wait(in_flight, replies)
+            for reply in replies if failure is None else []:
+                reply.result(self.cfg.timeout_s)
+        except Exception as e:  # noqa: BLE001
+            failure = e
+        if failure is not None:
+            self.group = None  # a broken group is never reused: the next update forms a new one
+            raise SyncError(f"weight update to version {weight_version} failed: {failure}") from failure
         return sent
+
+    def reset(self) -> None:
+        self.group = None
 
     def _send(self, bucket: FlatBucket, weight_version: str, flush_cache: bool) -> tuple[Future, dist.Work]:
         payload = {

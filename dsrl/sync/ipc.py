@@ -102,6 +102,8 @@ class IpcEngine(CheckpointEngine):
 
     def _wait_loaded(self, pending: Future | None) -> None:
         """Every rank waits until the servers have loaded the last posted bucket (rank 0 holds the reply)."""
-        if pending is not None:
-            pending.result(self.cfg.timeout_s)
-        dist.barrier()
+        try:
+            if pending is not None:
+                pending.result(self.cfg.timeout_s)
+        finally:
+            dist.barrier()  # the other ranks must not be left waiting when rank 0 fails
