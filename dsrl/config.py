@@ -37,7 +37,11 @@ class DataConfig:
     answer_key: str = "answer"
     """Row field passed to the reward function as `answer` (may be absent when the reward needs none)."""
     max_prompt_tokens: int = 512
-    """Prompts longer than this (after the chat template) are skipped and counted."""
+    """Longest prompt in tokens, after the chat template; longer ones are handled by `on_long_prompt`."""
+    on_long_prompt: Literal["skip", "truncate"] = "skip"
+    """Prompts over max_prompt_tokens: skip them, or keep their last max_prompt_tokens tokens (counted either way)."""
+    on_bad_row: Literal["fail", "skip"] = "fail"
+    """A malformed row (bad JSON, missing or mistyped prompt): stop naming it, or skip it (counted, logged)."""
     apply_chat_template: bool = True
     """Wrap prompts with the tokenizer's chat template when it has one."""
     shuffle: bool = True

@@ -28,7 +28,8 @@ class Prompt:
     """Per-prompt overrides of the sampling parameters (the row's `sampling_params` field)."""
 
 
-def read_rows(path: str) -> list[dict]:
+def read_rows(path: str, skip_bad_lines: bool = False, bad: list | None = None) -> list:
+    """The rows of a .jsonl, .json or .parquet file; an unreadable JSONL line fails, or becomes None when skipped."""
     file = Path(path)
     if not file.is_file():
         raise DatasetError(f"--data.train_path={path!r}: file not found")
@@ -39,7 +40,10 @@ def read_rows(path: str) -> list[dict]:
     rows = []
     with open(file) as f:
         if file.suffix == ".json":
-            data = json.load(f)
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from e
             if not isinstance(data, list):
                 raise DatasetError(f"{path}: a .json dataset must hold a list of rows")
             return data
@@ -49,50 +53,76 @@ def read_rows(path: str) -> list[dict]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}, line {line_no}: not valid JSON ({e.msg})") from e
+                if not skip_bad_lines:
+                    raise DatasetError(f"{path}, line {line_no}: not valid JSON ({e.msg})") from e
+                bad.append((len(rows), f"{path}, line {line_no}: not valid JSON ({e.msg})"))
+                rows.append(None)
     return rows
 
 
 class PromptDataset:
     def __init__(self, cfg: DataConfig, tokenizer, seed: int = 0):
         self.cfg, self.seed = cfg, seed
-        use_template = cfg.apply_chat_template and getattr(tokenizer, "chat_template", None)
+        self.use_template = cfg.apply_chat_template and getattr(tokenizer, "chat_template", None)
         self.prompts: list[Prompt] = []
-        self.skipped_too_long = 0
+        self.skipped_bad: list[tuple[int, str]] = []  # (row, why), with --data.on_bad_row skip
+        self.too_long = 0  # skipped or truncated, by --data.on_long_prompt
         self._orders: dict[int, list[int]] = {}
-        for i, row in enumerate(read_rows(cfg.train_path)):
-            if not isinstance(row, dict) or cfg.prompt_key not in row:
-                raise DatasetError(
-                    f"{cfg.train_path}, row {i}: no field {cfg.prompt_key!r} (set --data.prompt_key); "
-                    f"row has {sorted(row) if isinstance(row, dict) else type(row).__name__}"
-                )
-            raw = row[cfg.prompt_key]
-            if use_template:
-                messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
-                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            elif isinstance(raw, str):
-                text = raw
-            else:
-                raise DatasetError(
-                    f"{cfg.train_path}, row {i}: {cfg.prompt_key!r} is a {type(raw).__name__}, but the tokenizer "
-                    "has no chat template to render it; give a string"
-                )
-            ids = tokenizer(text, add_special_tokens=not use_template)["input_ids"]
-            if len(ids) > cfg.max_prompt_tokens:
-                self.skipped_too_long += 1
+        rows = read_rows(cfg.train_path, skip_bad_lines=cfg.on_bad_row == "skip", bad=self.skipped_bad)
+        for i, row in enumerate(rows):
+            if row is None:  # an unreadable line, already counted
                 continue
-            overrides = row.get("sampling_params") or {}
-            if not isinstance(overrides, dict):
-                raise DatasetError(f"{cfg.train_path}, row {i}: sampling_params must be a mapping, got {overrides!r}")
-            self.prompts.append(Prompt(i, ids, text, row.get(cfg.answer_key), overrides))
-        if self.skipped_too_long:
+            try:
+                prompt = self._prompt(i, row, tokenizer)
+            except DatasetError as e:
+                if cfg.on_bad_row == "fail":
+                    raise
+                self.skipped_bad.append((i, str(e)))
+                continue
+            if prompt is not None:
+                self.prompts.append(prompt)
+        if self.skipped_bad:
             log.warning(
-                "%d prompts longer than --data.max_prompt_tokens=%d skipped",
-                self.skipped_too_long,
-                cfg.max_prompt_tokens,
+                "%d bad rows skipped (--data.on_bad_row skip), first: %s", len(self.skipped_bad), self.skipped_bad[0][1]
+            )
+        if self.too_long:
+            verb = "truncated" if cfg.on_long_prompt == "truncate" else "skipped"
+            log.warning(
+                "%d prompts longer than --data.max_prompt_tokens=%d %s", self.too_long, cfg.max_prompt_tokens, verb
             )
         if not self.prompts:
-            raise DatasetError(f"{cfg.train_path}: no usable prompts")
+            raise DatasetError(f"{cfg.train_path}: no usable prompts ({len(rows)} rows)")
+
+    def _prompt(self, i: int, row, tokenizer) -> Prompt | None:
+        cfg, where = self.cfg, f"{self.cfg.train_path}, row {i}"
+        if not isinstance(row, dict) or cfg.prompt_key not in row:
+            found = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise DatasetError(f"{where}: no field {cfg.prompt_key!r} (set --data.prompt_key); row has {found}")
+        raw = row[cfg.prompt_key]
+        is_chat = isinstance(raw, list) and all(isinstance(m, dict) and "content" in m for m in raw)
+        if not (isinstance(raw, str) or is_chat):
+            raise DatasetError(f"{where}: {cfg.prompt_key!r} must be a string or a list of chat messages, got {raw!r}")
+        if self.use_template:
+            messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        elif isinstance(raw, str):
+            text = raw
+        else:
+            raise DatasetError(
+                f"{where}: {cfg.prompt_key!r} holds chat messages, but the tokenizer has no chat template"
+            )
+        if not text.strip():
+            raise DatasetError(f"{where}: {cfg.prompt_key!r} is empty")
+        overrides = row.get("sampling_params") or {}
+        if not isinstance(overrides, dict):
+            raise DatasetError(f"{where}: sampling_params must be a mapping, got {overrides!r}")
+        ids = tokenizer(text, add_special_tokens=not self.use_template)["input_ids"]
+        if len(ids) > cfg.max_prompt_tokens:
+            self.too_long += 1
+            if cfg.on_long_prompt == "skip":
+                return None
+            ids = ids[-cfg.max_prompt_tokens :]  # keep the end: the question and the generation prompt
+        return Prompt(i, ids, text, row.get(cfg.answer_key), overrides)
 
     def __len__(self) -> int:
         return len(self.prompts)

@@ -247,8 +247,12 @@ def heal_fleet(run: Run) -> None:
             new_urls = [run.fleet.replace(dead)]
     dist.broadcast_object_list(new_urls, src=0)
     if new_urls[0] is not None:
+        fresh = [u for u in new_urls[0] if u not in run.client.urls]
         run.client.set_urls(new_urls[0])
         run.ckpt.reset()
+        if run.colocated and run.rank == 0:  # match the fleet: it is asleep until this sync wakes it
+            for url in fresh:
+                run.client.run(run.client.request(url, "/release_memory_occupation", {"tags": ["weights", "kv_cache"]}))
 
 
 def healthy(client: RolloutClient, url: str) -> bool:

@@ -55,7 +55,7 @@ def test_invalid_json_names_the_line(tmp_path, tokenizer):
 def test_too_long_prompts_are_skipped_and_counted(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1="}, {"prompt": "123456="}])
     ds = PromptDataset(DataConfig(train_path=path, max_prompt_tokens=4), tokenizer)
-    assert len(ds) == 1 and ds.skipped_too_long == 1
+    assert len(ds) == 1 and ds.too_long == 1
 
 
 def test_chat_template_is_applied(tmp_path, tokenizer):

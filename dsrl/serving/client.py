@@ -143,15 +143,40 @@ class RolloutClient:
         self.urls, self.down = list(urls), []
 
     async def all_servers(self, path: str, payload: Any = None, method: str = "POST") -> list[Any]:
-        return await asyncio.gather(*(self.request(url, path, payload, method) for url in self.urls))
+        """The same call to every live server; the replies, in `live_urls()` order.
+
+        A server that cannot be reached is marked down and left out (the trainer restarts or drops
+        it before the next sync); any other error is raised.
+        """
+        urls = self.live_urls()
+        replies = await asyncio.gather(
+            *(self.request(url, path, payload, method) for url in urls), return_exceptions=True
+        )
+        out = []
+        for url, reply in zip(urls, replies):
+            if isinstance(reply, ServerError) and reply.down:
+                if url not in self.down:
+                    log.warning("rollout server %s is down (%s)", url, reply)
+                    self.down.append(url)
+            elif isinstance(reply, BaseException):
+                raise reply
+            else:
+                out.append(reply)
+        if not self.live_urls():
+            raise NoServerLeft(f"every rollout server is down: {self.down}")
+        return out
 
     def call_all(self, path: str, payload: Any = None, method: str = "POST") -> list[Any]:
         """Send the same control call to every server and wait for all replies."""
         return self.run(self.all_servers(path, payload, method))
 
     def weight_versions(self) -> list[str]:
+        """Each live server's weight version, in `urls` order (down servers skipped)."""
         # /model_info, not /get_weight_version: SGLang 0.5.17 answers the latter with 404.
         return [str(info["weight_version"]) for info in self.call_all("/model_info", method="GET")]
+
+    def live_urls(self) -> list[str]:
+        return [url for url in self.urls if url not in self.down]
 
 
 def _error_message(body: Any) -> str:

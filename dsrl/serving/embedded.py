@@ -633,7 +633,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(
         args.model_path, args.seed, args.max_batch_tokens, args.decode_delay_ms, args.enable_deterministic_inference
     )
-    log.info("embedded engine for %s on http://%s:%d", args.model_path, args.host, args.port)
+    log.info("embedded engine for %s on http://%s:%d (pid %d)", args.model_path, args.host, args.port, os.getpid())
     if os.environ.get("DSRL_PARENT_PID"):
         threading.Thread(target=_exit_with_parent, args=(int(os.environ["DSRL_PARENT_PID"]),), daemon=True).start()
     web.run_app(build_app(engine), host=args.host, port=args.port, print=None, access_log=None)

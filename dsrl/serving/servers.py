@@ -60,7 +60,23 @@ class ServerProcess:
                 continue
 
 
-def wait_healthy(server: ServerProcess, timeout_s: float) -> None:
+def wait_healthy(server: "ServerProcess | str", timeout_s: float) -> None:
+    """Poll /health until 200; a started server that exits, or any that stays silent, fails with its log's end."""
+    if isinstance(server, str):  # an external server: no process, no log
+        url = server
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(
+            f"rollout server {url} (--rollout.server_urls) did not answer /health within {timeout_s:.0f}s: "
+            "is it running, and reachable from this machine?"
+        )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
@@ -157,7 +173,9 @@ class ServerFleet:
 def start_fleet(cfg: RolloutConfig, model_path: str, run_dir: Path, seed: int, engine: str) -> ServerFleet:
     """Start `cfg.num_servers` servers: the embedded engine, or SGLang on consecutive GPUs from `first_gpu`."""
     if cfg.server_urls:
-        return ServerFleet(urls=list(cfg.server_urls))
+        for url in cfg.server_urls:
+            wait_healthy(url.rstrip("/"), cfg.startup_timeout_s)
+        return ServerFleet(urls=[url.rstrip("/") for url in cfg.server_urls])
     if engine not in ("embedded", "sglang"):
         raise ValueError(f"--rollout.engine={engine!r}: expected embedded or sglang")
     log_dir = run_dir / "logs"

@@ -89,7 +89,7 @@ def sync_weights(
     client.call_all("/continue_generation", {})
     seconds = time.perf_counter() - start
     versions = client.weight_versions()
-    stale = [f"{url} has {v!r}" for url, v in zip(client.urls, versions) if v != weight_version]
+    stale = [f"{url} has {v!r}" for url, v in zip(client.live_urls(), versions) if v != weight_version]
     if stale:
         raise SyncError(f"after the update to weight version {weight_version!r}: {', '.join(stale)}")
     return SyncStats(sent, seconds)
@@ -108,7 +108,7 @@ def verify_weights(module: torch.nn.Module, client: RolloutClient | None, bucket
             want = tensor.detach().float().cpu()
             rows = want.shape[0] if want.dim() else 1
             replies = client.call_all("/get_weights_by_name", {"name": name, "truncate_size": rows})
-            for url, got in zip(client.urls, replies):
+            for url, got in zip(client.live_urls(), replies):
                 got = torch.tensor(got, dtype=torch.float32)
                 if got.shape != want.shape:
                     raise SyncError(
@@ -149,7 +149,8 @@ def verify_probe(client: RolloutClient, ids: list[list[int]], reference: torch.T
         "logprob_start_len": 0,
     }
     worst = 0.0
-    for url, outs in zip(client.urls, client.call_all("/generate", payload)):
+    replies = client.call_all("/generate", payload)
+    for url, outs in zip(client.live_urls(), replies):
         got = torch.tensor([[lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs])
         diff = (got - reference).abs()
         if diff.mean() > tolerance:
