@@ -62,37 +62,29 @@ class ServerProcess:
 
 def wait_healthy(server: "ServerProcess | str", timeout_s: float) -> None:
     """Poll /health until 200; a started server that exits, or any that stays silent, fails with its log's end."""
-    if isinstance(server, str):  # an external server: no process, no log
-        url = server
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(
-            f"rollout server {url} (--rollout.server_urls) did not answer /health within {timeout_s:.0f}s: "
-            "is it running, and reachable from this machine?"
-        )
+    external = isinstance(server, str)  # an external URL: no process, no log
+    url = server if external else server.url
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
+        if not external and server.proc.poll() is not None:
             raise RuntimeError(
-                f"rollout server {server.url} exited with code {server.proc.returncode} while starting; "
+                f"rollout server {url} exited with code {server.proc.returncode} while starting; "
                 f"end of {server.log_path}:\n{log_tail(server.log_path)}"
             )
         try:
-            with urllib.request.urlopen(server.url + "/health", timeout=5) as resp:
+            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
                 if resp.status == 200:
                     return
         except OSError:
             pass
         time.sleep(0.5)
+    if external:
+        raise TimeoutError(
+            f"rollout server {url} (--rollout.server_urls) did not answer /health within {timeout_s:.0f}s: "
+            "is it running, and reachable from this machine?"
+        )
     raise TimeoutError(
-        f"rollout server {server.url} did not answer /health within {timeout_s:.0f}s "
+        f"rollout server {url} did not answer /health within {timeout_s:.0f}s "
         f"(raise --rollout.startup_timeout_s if it is still loading); end of {server.log_path}:\n"
         f"{log_tail(server.log_path)}"
     )
