@@ -71,9 +71,10 @@ class Group:
     def n_done(self) -> int:
         return sum(s is not None for s in self.samples)
 
-    def oldest_so_far(self) -> int:
+    def oldest_so_far(self, default: int | None = None) -> int:
         """The oldest weight version among finished samples and requests in flight."""
-        return min([s.oldest_version for s in self.samples if s is not None] + list(self.started.values()))
+        versions = [s.oldest_version for s in self.samples if s is not None] + list(self.started.values())
+        return min(versions) if versions else default
 
 
 @dataclass
@@ -218,10 +219,12 @@ class RolloutManager:
         params = {**self.params, **prompt.sampling}
         params["max_new_tokens"] -= len(done)
         params["sampling_seed"] = request_seed(self.cfg.seed, prompt.index, slot, self.version, len(done))
-        # the rid's prefix names the group, so one /abort_request can stop all of its samples
-        rid = f"{self.rid_prefix}-g{group.gid}-s{slot}-{uuid.uuid4().hex[:8]}"
+        # The rid's prefix holds the version of the request's oldest tokens (groups at the same edge
+        # share it), so one /abort_request per version stops every interruptible request.
+        oldest = min(partial.oldest_version if partial else self.version, group.oldest_so_far(default=self.version))
+        rid = f"{self.rid_prefix}-v{oldest}-g{group.gid}-s{slot}-{uuid.uuid4().hex[:8]}"
         body = {"input_ids": prompt.prompt_ids + done, "sampling_params": params, "return_logprob": True, "rid": rid}
-        group.started[rid] = partial.oldest_version if partial else self.version
+        group.started[rid] = oldest
         self._request_started()
         try:
             out = await self.client.generate(body)
@@ -305,9 +308,9 @@ class RolloutManager:
                 # must make it, so it finishes now; newer groups are interrupted; older ones restart.
                 edge = self.version + 1 - self.k
                 groups = [self.groups[i] for i in self.generating if self.groups[i].started]
-                stop = [g for g in groups if g.oldest_so_far() != edge]
-                self.doomed |= {g.gid for g in stop if g.oldest_so_far() < edge}
-                prefixes = [f"{self.rid_prefix}-g{g.gid}-" for g in stop]
+                self.doomed |= {g.gid for g in groups if g.oldest_so_far() < edge}
+                stop = {v for g in groups for v in g.started.values() if v != edge}
+                prefixes = [f"{self.rid_prefix}-v{v}-" for v in sorted(stop)]
                 await asyncio.gather(*(self.client.all_servers("/abort_request", {"rid": p}) for p in prefixes))
             await self.cond.wait_for(lambda: self.in_flight == 0 or self.error is not None)
 
