@@ -8,7 +8,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from dsrl.config import RolloutConfig
-from dsrl.serving.client import RolloutClient, ServerError
+from dsrl.serving.client import NoServerLeft, RolloutClient, ServerError
 from dsrl.serving.servers import free_port, start_fleet
 from dsrl.sync.group import init_weight_update_group
 
@@ -34,7 +34,8 @@ def gen(client, params, **extra):
 
 def test_generate_returns_sglang_fields(server):
     out = gen(server, {"max_new_tokens": 4, "temperature": 1.0})
-    assert set(out) == {"output_ids", "meta_info"}  # no "text": token-in/token-out like --skip-tokenizer-init
+    # no "text": token-in/token-out like --skip-tokenizer-init; "server" is added by dsrl's client
+    assert set(out) == {"output_ids", "meta_info", "server"} and out["server"] == server.urls[0]
     meta = out["meta_info"]
     assert {"id", "finish_reason", "prompt_tokens", "completion_tokens", "weight_version"} <= set(meta)
     assert meta["prompt_tokens"] == 4 and meta["completion_tokens"] == len(out["output_ids"])
@@ -173,7 +174,7 @@ def test_flattened_and_per_tensor_updates_over_gloo(server, toy_weights):
 def test_client_retries_idempotent_calls_then_names_the_server():
     client = RolloutClient([f"http://127.0.0.1:{free_port()}"], timeout_s=5, retries=1)
     try:
-        with pytest.raises(ServerError, match=r"/model_info: connection failed.*is the server running"):
+        with pytest.raises(NoServerLeft, match=r"/model_info: connection failed.*is the server running"):
             client.weight_versions()
     finally:
         client.close()

@@ -127,7 +127,8 @@ class RolloutClient:
                 self.in_flight[url] = self.in_flight.get(url, 0) + 1
                 try:
                     out = await self.request(url, "/generate", payload)
-                    out["server"] = url
+                    if isinstance(out, dict):
+                        out["server"] = url  # which server answered (batched requests return a list)
                     return out
                 except ServerError as e:
                     if not e.down:
@@ -152,9 +153,10 @@ class RolloutClient:
         replies = await asyncio.gather(
             *(self.request(url, path, payload, method) for url in urls), return_exceptions=True
         )
-        out = []
+        out, failures = [], []
         for url, reply in zip(urls, replies):
             if isinstance(reply, ServerError) and reply.down:
+                failures.append(str(reply))
                 if url not in self.down:
                     log.warning("rollout server %s is down (%s)", url, reply)
                     self.down.append(url)
@@ -163,7 +165,7 @@ class RolloutClient:
             else:
                 out.append(reply)
         if not self.live_urls():
-            raise NoServerLeft(f"every rollout server is down: {self.down}")
+            raise NoServerLeft(f"every rollout server is down: {'; '.join(failures) or self.down}")
         return out
 
     def call_all(self, path: str, payload: Any = None, method: str = "POST") -> list[Any]:
