@@ -29,11 +29,14 @@ def timed(timings: dict[str, float], phase: str) -> Iterator[None]:
             timings[f"memory/{phase}_device_used_gb"] = (total - free) / 1e9
 
 
+def _reduce_device() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
+
+
 def mean_across_ranks(values: dict[str, float]) -> dict[str, float]:
     """Mean of each metric over trainer ranks (every rank must pass the same keys)."""
     keys = sorted(values)
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_reduce_device())
     dist.all_reduce(t)
     t /= dist.get_world_size()
     return dict(zip(keys, t.tolist()))
@@ -41,7 +44,7 @@ def mean_across_ranks(values: dict[str, float]) -> dict[str, float]:
 
 def all_ranks(ok: bool) -> bool:
     """True on every rank when `ok` holds on every rank."""
-    flag = torch.tensor([float(ok)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    flag = torch.tensor([float(ok)], device=_reduce_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 

@@ -68,9 +68,6 @@ class Group:
     def oldest_version(self) -> int:
         return min(s.oldest_version for s in self.samples)
 
-    def n_done(self) -> int:
-        return sum(s is not None for s in self.samples)
-
     def oldest_so_far(self, default: int | None = None) -> int:
         """The oldest weight version among finished samples and requests in flight."""
         versions = [s.oldest_version for s in self.samples if s is not None] + list(self.started.values())
@@ -244,8 +241,6 @@ class RolloutManager:
         if reason == "abort":  # resubmitted by _after_update, under the new weights
             self.stats.interrupted += 1
             resume = self.mode == "partial" and sample.response_ids
-            self.stats.resumed += bool(resume)
-            self.stats.restarted += not resume
             self.interrupted.append((group, slot, sample if resume else None))
             return
         sample.finish_reason = reason
@@ -324,9 +319,11 @@ class RolloutManager:
         self.doomed = set()
         for group, slot, partial in interrupted:
             if group.gid not in restart:
+                self.stats.resumed += partial is not None
+                self.stats.restarted += partial is None
                 self._spawn(self._run_sample(group, slot, partial))
         for group in restart.values():  # too stale to train on: every sample from scratch
-            self.stats.restarted += group.n_done()
+            self.stats.restarted += self.n
             group.samples, group.pending = [None] * self.n, self.n
             for slot in range(self.n):
                 self._spawn(self._run_sample(group, slot, None))
