@@ -226,7 +226,7 @@ def sync(run: Run, version: int) -> dict[str, float]:
             break
         if run.rank == 0:
             log.warning("weight sync to version %d failed (%s); checking the servers and syncing again", version, error)
-            run.client.down.extend(u for u in run.client.urls if not healthy(run.client, u))
+            run.client.down.extend(u for u in run.client.urls if not alive(run.client, u))
         if attempt == 1:
             raise SyncError(f"weight sync to version {version} failed twice") from (error if run.rank == 0 else None)
     run.rollouts.after_update(version)
@@ -242,7 +242,7 @@ def heal_fleet(run: Run) -> None:
     dist.all_gather_object(down, run.client.down)
     new_urls = [None]
     if run.rank == 0:
-        dead = {u for urls in down for u in urls} | {u for u in run.client.urls if not healthy(run.client, u)}
+        dead = {u for urls in down for u in urls} | {u for u in run.client.urls if not alive(run.client, u)}
         if dead:
             new_urls = [run.fleet.replace(dead)]
     dist.broadcast_object_list(new_urls, src=0)
@@ -255,9 +255,12 @@ def heal_fleet(run: Run) -> None:
                 run.client.run(run.client.request(url, "/release_memory_occupation", {"tags": ["weights", "kv_cache"]}))
 
 
-def healthy(client: RolloutClient, url: str) -> bool:
+def alive(client: RolloutClient, url: str) -> bool:
+    """Whether a server answers at all. Not /health: SGLang's runs a one-token generation, which
+    takes a second and crashes a colocated server whose memory is released (seen on an H100/H200);
+    a server whose scheduler dies takes its HTTP process down with it."""
     try:
-        client.run(client.request(url, "/health", method="GET", timeout_s=30))
+        client.run(client.request(url, "/model_info", method="GET", timeout_s=30))
         return True
     except ServerError:
         return False
@@ -330,12 +333,14 @@ def push_weights(run: Run, weight_version: str, wake_servers: bool) -> dict[str,
     if cfg.sync.verify == "probe":  # the trainer's side now, while its params are still on the GPU
         probe_ids, reference = probe_reference(actor, actor.module.config.vocab_size)
     if run.offload:
+        run.ckpt.release()
         offload_states(actor, params=True)
     if wake_servers and client is not None:
         client.call_all("/resume_memory_occupation", {"tags": ["kv_cache"]})
     if stats is None:
         return {}
     out = {"sync/bytes": stats.bytes, "sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}
+    out |= {f"timing/sync_{phase}": seconds for phase, seconds in stats.phases.items()}
     if cfg.sync.verify == "probe":  # the servers' side needs their KV cache back
         out["sync/probe_logprob_diff"] = verify_probe(client, probe_ids, reference, cfg.sync.probe_tolerance)
     return out

@@ -17,7 +17,7 @@ from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConf
 from dsrl.serving.client import RolloutClient
 from dsrl.sync.base import SyncError, make_checkpoint_engine, sync_weights, verify_weights
 from dsrl.train import start_rollout_fleet
-from dsrl.zero.buckets import param_bytes, plan_buckets
+from dsrl.zero.buckets import FlatGatherer, gathered_buckets, param_bytes, plan_buckets
 from dsrl.zero.engine import init_distributed, load_engine
 
 
@@ -60,6 +60,17 @@ def main(model_dir: str, train_path: str, out: str) -> None:
                         "versions": client.weight_versions(),
                     }
                 )
+        # The IPC transport's gather: every rank gets each bucket whole, byte for byte as GatheredParameters has it.
+        results["flat_to_all"] = {}
+        for bucket_bytes in (1, embed_bytes, 1 << 30):
+            gatherer = FlatGatherer(actor.module, bucket_bytes, to_all=True)
+            equal = True
+            for flat, want in zip(gatherer, gathered_buckets(actor.module, bucket_bytes)):
+                expect = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in want])
+                equal &= flat.names == [n for n, _ in want] and torch.equal(flat.flat, expect)
+            ok = torch.tensor([int(equal)])
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            results["flat_to_all"][str(bucket_bytes)] = bool(ok.item())
         # A server holding one different tensor must fail verification, naming it.
         if rank == 0:
             bad = {named[3][0]: torch.zeros(tuple(named[3][1].ds_shape))}

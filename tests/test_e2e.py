@@ -76,3 +76,10 @@ def test_exported_model_loads_and_generates(toy_run):
     assert out.shape[1] > ids.shape[1]
     assert torch.isfinite(model(ids).logits).all()
     assert (run_dir / "config.yaml").is_file()
+
+
+def test_servers_stay_up_through_sleep_and_wake(toy_run):
+    """Colocated, the servers sleep while the trainer steps; nothing may make them generate then
+    (SGLang's /health does, and its scheduler dies: the embedded engine exits the same way)."""
+    log = toy_run[2]
+    assert "is down" not in log and "restarted" not in log, [line for line in log.splitlines() if "down" in line][:3]

@@ -54,3 +54,8 @@ def test_verification_names_the_differing_parameter(sync_results):
     assert sync_results["world"] == 2
     message = sync_results["corrupt_detected"]
     assert message is not None and "model.layers.0.self_attn.k_proj.weight" in message and "differs" in message
+
+
+def test_gather_to_every_rank_matches_gathered_parameters(sync_results):
+    """The CUDA IPC transport's gather (run here over gloo): every rank's flat buckets hold the exact bytes."""
+    assert sync_results["flat_to_all"] == {k: True for k in ("1", str(sync_results["embed_bytes"]), str(1 << 30))}

@@ -7,6 +7,9 @@ number of steps on the same data; time is the sum of the steps (start-up exclude
 
     python tools/bench_async.py                    # CPU, embedded engine
     python tools/bench_async.py --steps 150 --decode-delay-ms 8
+    python tools/bench_async.py --gpu --steps 60   # 2 GPUs: trainer on GPU 0, SGLang on GPU 1
+
+On GPUs (configs/toy_gpu_async.yaml) SGLang runs at its own speed: no decode delay.
 """
 
 import argparse
@@ -32,11 +35,11 @@ SCHEDULES = [  # (label, max_staleness, interrupt)
 ]
 
 
-def long_tail_rows(n: int, seed: int) -> list[dict]:
+def long_tail_rows(n: int, seed: int, long_tokens: int) -> list[dict]:
     rows = make_rows(n, seed)
     for i, row in enumerate(rows):
         if i % 10 == 0:
-            row["sampling_params"] = {"max_new_tokens": 60, "ignore_eos": True}
+            row["sampling_params"] = {"max_new_tokens": long_tokens, "ignore_eos": True}
     return rows
 
 
@@ -45,19 +48,29 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--decode-delay-ms", type=float, default=5.0)
     p.add_argument("--workdir", default=None)
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help="SGLang on GPU 1, the trainer on GPU 0 (long responses 56 tokens: "
+        "SGLang refuses prompt + max_new_tokens at the toy model's 64-token context)",
+    )
+    p.add_argument("--schedules", nargs="*", type=int, help="indices into the schedule list (default: all)")
     p.add_argument("--extra", nargs="*", default=[], help="more dsrl train flags for every run")
     args = p.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="dsrl_bench_async_"))
     work.mkdir(parents=True, exist_ok=True)
     data = work / "long_tail.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in long_tail_rows(4096, 0)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in long_tail_rows(4096, 0, 56 if args.gpu else 60)))
     results = []
-    for label, k, interrupt in SCHEDULES:
+    config = ROOT / ("configs/toy_gpu_async.yaml" if args.gpu else "configs/toy_cpu_async.yaml")
+    schedules = [SCHEDULES[i] for i in args.schedules] if args.schedules else SCHEDULES
+    for label, k, interrupt in schedules:
         run_dir = work / f"k{k}_{interrupt}"
-        cmd = [sys.executable, "-m", "dsrl.cli", "train", "--config", str(ROOT / "configs/toy_cpu_async.yaml")]
+        cmd = [sys.executable, "-m", "dsrl.cli", "train", "--config", str(config)]
         cmd += ["--data.train_path", str(data), "--trainer.total_steps", str(args.steps)]
         cmd += ["--rollout.max_staleness", str(k), "--rollout.interrupt", interrupt]
-        cmd += ["--rollout.server_args", json.dumps({"decode_delay_ms": args.decode_delay_ms})]
+        if not args.gpu:
+            cmd += ["--rollout.server_args", json.dumps({"decode_delay_ms": args.decode_delay_ms})]
         cmd += ["--logging.run_dir", str(run_dir), "--logging.export_hf", "false", *args.extra]
         print(f"== {label}: {' '.join(cmd)}", flush=True)
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -80,7 +93,8 @@ def main() -> None:
         )
         print(json.dumps(results[-1]), flush=True)
     base = results[0]["seconds"] if results and results[0]["label"] == "synchronous" else None
-    print(f"\n{args.steps} steps x 256 samples, long tail 1 in 10 x12, decode delay {args.decode_delay_ms} ms")
+    engine = "SGLang on GPU" if args.gpu else f"embedded engine, decode delay {args.decode_delay_ms} ms"
+    print(f"\n{args.steps} steps x 256 samples, long tail 1 in 10 x12, {engine}")
     print("schedule | wall s (steps) | speed-up | final reward (last 10) | max staleness | trainer idle s | resumed")
     for r in results:
         speedup = f"{base / r['seconds']:.2f}x" if base else "-"

@@ -8,8 +8,10 @@ Modes:
   nccl  2 GPUs: trainer on GPU 0, SGLang on GPU 1, NCCL broadcast; limit: a raw NCCL broadcast of
         the same bucket sizes to a bare receiver on GPU 1.
 
-The sync path is timed end to end as the trainer runs it: pause -> flush -> gather/flatten ->
-send -> server load -> continue -> version check. Each figure is the best of --repeats.
+The sync path is timed end to end as the trainer runs it (its requests drained, so no pause):
+gather into flat buckets -> send -> server load -> KV flush -> version check. Each figure is the
+best of --repeats, printed with where that run's time went (rank 0's view: `gather` waits for the
+next bucket, `broadcast` for the wire, `server_load`/`server_replies` for SGLang's answers).
 
     python tools/bench_sync.py                                   # cpu, ~750 MB fp32 model
     python tools/bench_sync.py --mode ipc --models 0.5b 1.5b 3b --bucket-mb 64 256 1024 0
@@ -38,6 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--bucket-mb", nargs="+", type=float, default=[256], help="0 = whole model")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--ranks", type=int, default=2, help="ZeRO-3 trainer ranks (cpu mode).")
+    p.add_argument("--pause", default=None, help="pause the servers around each sync (abort, in_place): the old path")
     p.add_argument("--workdir", default=None, help="Models, logs, results (default: a temporary directory).")
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--receiver", nargs=4, metavar=("PORT", "SIZES", "REPEATS", "BACKEND"), help=argparse.SUPPRESS)
@@ -133,6 +136,7 @@ def raw_limit(mode: str, sizes: list[int], repeats: int) -> float:
 
 
 def rank_main(args) -> None:
+    import torch
     import torch.distributed as dist
 
     from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
@@ -174,18 +178,24 @@ def rank_main(args) -> None:
             bucket_bytes = int(bucket_mb * (1 << 20)) if bucket_mb > 0 else total
             engine.cfg = SyncConfig(type=transport, bucket_bytes=bucket_bytes)
             engine.gatherer = None  # re-plan the buckets (broadcast)
-            sync_weights(actor.module, engine, "warmup")  # forms the group, first-touch allocations
-            probe = None
-            if gpu:
+            probe, probe_before = None, None
+            if gpu:  # the mean |logprob diff| of the probe: before any sync, and after one
                 ids, reference = probe_reference(actor, actor.module.config.vocab_size)
-                probe = verify_probe(client, ids, reference, 0.05) if rank == 0 else None
-            times = []
+                probe_before = verify_probe(client, ids, reference, float("inf")) if rank == 0 else None
+            sync_weights(actor.module, engine, "warmup", args.pause)  # forms the group, first-touch allocations
+            if gpu:
+                probe = verify_probe(client, ids, reference, float("inf")) if rank == 0 else None
+            times, phases = [], []
             for i in range(args.repeats):
                 dist.barrier()
                 start = time.perf_counter()
-                sync_weights(actor.module, engine, f"{bucket_mb}-{i}")
+                stats = sync_weights(actor.module, engine, f"{bucket_mb}-{i}", args.pause)
                 dist.barrier()
                 times.append(time.perf_counter() - start)
+                phases.append(stats.phases if stats else {})
+                if args.mode == "ipc":  # as in training: the buffers go back to the server after each sync
+                    engine.release()
+                    torch.cuda.empty_cache()
             if rank == 0:
                 sizes = [sum(param_bytes(named[j][1]) for j in b) for b in plan_buckets(named, bucket_bytes)]
                 limit = raw_limit(args.mode, sizes, args.repeats)
@@ -201,6 +211,8 @@ def rank_main(args) -> None:
                         "limit_ms": limit * 1e3,
                         "fraction": limit / best,
                         "probe_diff": probe,
+                        "probe_diff_before_sync": probe_before,
+                        "phases_ms": {k: round(v * 1e3, 2) for k, v in phases[times.index(best)].items()},
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
@@ -245,6 +257,7 @@ def main() -> None:
     rows = (
         [json.loads(line) for line in open(workdir / "results.jsonl")] if (workdir / "results.jsonl").exists() else []
     )
+    gpu = args.mode != "cpu"
     limit_name = {"cpu": "raw gloo bcast", "ipc": "D2D copy", "nccl": "raw NCCL bcast"}[args.mode]
     print(f"\n{args.mode} sync | model | GB | bucket MB | buckets | sync ms (best/median) | {limit_name} ms | fraction")
     for r in rows:
@@ -252,6 +265,10 @@ def main() -> None:
             f"{args.mode} | {r['model']} | {r['gb']:.2f} | {r['bucket_mb']} | {r['buckets']} | "
             f"{r['sync_ms']:.1f} / {r['sync_median_ms']:.1f} | {r['limit_ms']:.1f} | {r['fraction']:.2f}"
         )
+    for r in rows:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in r.get("phases_ms", {}).items())
+        probe = f"probe |dlogp| before {r['probe_diff_before_sync']:.4f} after {r['probe_diff']:.4f}; " if gpu else ""
+        print(f"{args.mode} phases ms | {r['model']} | {r['bucket_mb']} | {probe}{parts}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup colocate toy greedy rollout   # 1 GPU
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup bench_ipc                      # 1 GPU
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup disaggregate bench_nccl        # 2 GPUs
+#   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py)
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT" /tmp/models
@@ -53,7 +54,7 @@ for s in "$@"; do
     toy)
       TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
       stage toy 480 python3 -m dsrl.cli train --config configs/toy_gpu.yaml --logging.tensorboard $TB \
-        --logging.run_dir /tmp/runs/toy_gpu
+        --logging.run_dir /tmp/runs/toy_gpu --trainer.total_steps ${TOY_STEPS:-80}
       grep -a "\[dsrl\] step" "$OUT/toy.log" | sed -n '1p;$p' | sed 's/.*\[dsrl\]//' | tee -a "$SUMMARY"
       grep -a "final metrics" "$OUT/toy.log" | tee -a "$SUMMARY"
       grep -a "Error" "$OUT/toy.log" | tail -3 | tee -a "$SUMMARY"
@@ -68,9 +69,9 @@ for s in "$@"; do
       tail -2 "$OUT/rollout.log" | tee -a "$SUMMARY"
       ;;
     bench_ipc)
-      stage bench_ipc 560 python3 tools/bench_sync.py --mode ipc --models 0.5b 1.5b 3b --bucket-mb 64 256 1024 0 \
-        --repeats 3 --workdir /tmp/models
-      grep -a "^ipc\|^$" "$OUT/bench_ipc.log" | tail -14 | tee -a "$SUMMARY"
+      stage bench_ipc 560 python3 tools/bench_sync.py --mode ipc --models ${IPC_MODELS:-0.5b 1.5b 3b} \
+        --bucket-mb ${BUCKETS:-64 256 1024 0} --repeats ${REPEATS:-3} --workdir /tmp/models ${BENCH_EXTRA:-}
+      grep -a "^ipc" "$OUT/bench_ipc.log" | tail -26 | tee -a "$SUMMARY"
       ;;
     disaggregate)
       TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
@@ -80,13 +81,24 @@ for s in "$@"; do
       ;;
     bench_nccl)
       stage bench_nccl 560 python3 tools/bench_sync.py --mode nccl --models ${NCCL_MODELS:-0.5b 1.5b 3b} \
-        --bucket-mb 64 256 1024 0 --repeats ${REPEATS:-3} --workdir /tmp/models
-      grep -a "^nccl\|^$" "$OUT/bench_nccl.log" | tail -14 | tee -a "$SUMMARY"
+        --bucket-mb ${BUCKETS:-64 256 1024 0} --repeats ${REPEATS:-3} --workdir /tmp/models ${BENCH_EXTRA:-}
+      grep -a "^nccl" "$OUT/bench_nccl.log" | tail -26 | tee -a "$SUMMARY"
+      ;;
+    async)
+      stage async 590 python3 tools/bench_async.py --gpu --steps ${ASYNC_STEPS:-60} --schedules ${ASYNC_SCHEDULES:-0 1 4} \
+        --workdir /tmp/bench_async
+      grep -a "steps x\|^schedule\|^synchronous\|^one-step\|^async" "$OUT/async.log" | tail -8 | tee -a "$SUMMARY"
+      grep -a "Error" "$OUT/async.log" | tail -3 | tee -a "$SUMMARY"
       ;;
     *) note "unknown stage $s" ;;
   esac
 done
 [ -d /tmp/jitcache ] && tar czf "$OUT/jitcache.tar.gz" -C /tmp/jitcache . 2>/dev/null
-mkdir -p "$OUT/logs"
-for d in /tmp/runs/*/logs; do [ -d "$d" ] && tail -c 200000 "$d"/server_0.log > "$OUT/logs/server_$(basename "$(dirname "$d")").log" 2>/dev/null; done
+mkdir -p /tmp/gpu_logs/servers
+for d in /tmp/runs/*/logs /tmp/bench_async/*/logs; do
+  [ -d "$d" ] && tail -c 200000 "$d"/server_0.log > "/tmp/gpu_logs/servers/$(basename "$(dirname "$d")").log" 2>/dev/null
+done
+# few files come back from $OUT: the stage logs and server logs travel as one archive
+mv "$OUT"/*.log /tmp/gpu_logs/ 2>/dev/null
+tar czf "$OUT/logs.tar.gz" -C /tmp/gpu_logs . && rm -rf /tmp/gpu_logs
 echo; echo "=== summary"; cat "$SUMMARY"

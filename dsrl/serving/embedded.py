@@ -490,6 +490,9 @@ def build_app(engine: Engine) -> web.Application:
     @routes.get("/health")
     @routes.get("/health_generate")
     async def health(request: web.Request) -> web.Response:
+        if engine.released:  # SGLang's /health generates a token, and its scheduler dies doing so asleep
+            log.error("/health while memory %s is released: SGLang's scheduler crashes here", sorted(engine.released))
+            os._exit(1)
         return web.Response(status=200 if engine.thread.is_alive() else 503)
 
     @routes.get("/get_model_info")

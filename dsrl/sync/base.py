@@ -1,7 +1,8 @@
 """The checkpoint engine: one small interface, one transport per file, and the one place an update happens.
 
-A weight update is always pause -> flush -> send -> continue, tagged with a weight version
-(`sync_weights`). Every trainer rank holds the transport and runs `update_weights`, because the
+A weight update is send -> flush -> version check, tagged with a weight version
+(`sync_weights`), with pause/continue around it when requests may be in flight. Every trainer
+rank holds the transport and runs `update_weights`, because the
 parameters are gathered from every rank's ZeRO-3 partitions; only rank 0 has a client and talks
 to the servers.
 """
@@ -9,7 +10,8 @@ to the servers.
 import logging
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,6 +32,8 @@ class CheckpointEngine(ABC):
 
     def __init__(self, cfg: SyncConfig, client: RolloutClient | None):
         self.cfg, self.client = cfg, client
+        self.profile: dict[str, float] = {}
+        """Seconds spent per part of the last update (rank 0), for the sync metrics and tools/bench_sync.py."""
 
     @abstractmethod
     def update_weights(self, module: torch.nn.Module, weight_version: str, flush_cache: bool) -> int:
@@ -37,8 +41,39 @@ class CheckpointEngine(ABC):
 
         A failure on rank 0 must still let the other ranks finish their part (collectives), then raise."""
 
+    def release(self) -> None:  # noqa: B027 -- optional hook
+        """Free what the transport keeps between updates (colocated: the server needs the memory)."""
+
     def reset(self) -> None:  # noqa: B027 -- optional hook
         """The fleet changed (a server restarted or was dropped): rebuild per-fleet state before the next update."""
+
+
+class Clock:
+    """Seconds per named part of an update: `with clock("load"):` or `for x in clock.timed(it, "gather")`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def timed(self, items, name: str):
+        """Iterate `items`, counting the time spent producing each one under `name`."""
+        it = iter(items)
+        while True:
+            with self(name):
+                item = next(it, _END)
+            if item is _END:
+                return
+            yield item
+
+
+_END = object()
 
 
 def make_checkpoint_engine(
@@ -64,6 +99,8 @@ def make_checkpoint_engine(
 class SyncStats:
     bytes: int
     seconds: float
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase on rank 0: pause, send (gather + transfer + load), resume, version check."""
 
     @property
     def gb_per_s(self) -> float:
@@ -71,28 +108,42 @@ class SyncStats:
 
 
 def sync_weights(
-    module: torch.nn.Module, engine: CheckpointEngine, weight_version: str, pause_mode: str = "abort"
+    module: torch.nn.Module, engine: CheckpointEngine, weight_version: str, pause: str | None = None
 ) -> SyncStats | None:
-    """Push the current weights to every server as `weight_version`: pause -> flush -> send -> continue.
+    """Push the current weights to every server as `weight_version`; the last bucket flushes the KV cache.
 
+    `pause` ("abort", "in_place", "retract") pauses the servers around the update for callers that
+    may have requests in flight; the trainer drains its own requests first (`RolloutManager`) and
+    passes None, which saves a round trip per server per call. An in-place pause keeps requests on
+    the server, and SGLang refuses a flush it cannot run, so the KV cache is then kept.
     Call on every trainer rank; returns the stats on rank 0, None elsewhere.
     """
     client = engine.client
+    flush = pause not in ("in_place", "retract")
     if client is None:
-        engine.update_weights(module, weight_version, flush_cache=False)
+        engine.update_weights(module, weight_version, flush_cache=flush)
         return None
-    start = time.perf_counter()
-    client.call_all("/pause_generation", {"mode": pause_mode})
-    client.call_all("/flush_cache")
-    # In-place pauses keep requests on the server, and SGLang dies on a flush that cannot run.
-    sent = engine.update_weights(module, weight_version, flush_cache=pause_mode == "abort")
-    client.call_all("/continue_generation", {})
-    seconds = time.perf_counter() - start
+    phases, start = {}, time.perf_counter()
+    if pause is not None:
+        client.call_all("/pause_generation", {"mode": pause})
+        if flush:  # before the new weights arrive: nothing may be computed from both
+            client.call_all("/flush_cache")
+        phases["pause"] = time.perf_counter() - start
+    mark = time.perf_counter()
+    sent = engine.update_weights(module, weight_version, flush_cache=flush)
+    phases["send"] = time.perf_counter() - mark
+    if pause is not None:
+        mark = time.perf_counter()
+        client.call_all("/continue_generation", {})
+        phases["resume"] = time.perf_counter() - mark
+    mark = time.perf_counter()
     versions = client.weight_versions()
+    phases["version_check"] = time.perf_counter() - mark
+    seconds = time.perf_counter() - start
     stale = [f"{url} has {v!r}" for url, v in zip(client.live_urls(), versions) if v != weight_version]
     if stale:
         raise SyncError(f"after the update to weight version {weight_version!r}: {', '.join(stale)}")
-    return SyncStats(sent, seconds)
+    return SyncStats(sent, seconds, {**phases, **engine.profile})
 
 
 def verify_weights(module: torch.nn.Module, client: RolloutClient | None, bucket_bytes: int) -> None:

@@ -2,8 +2,9 @@
 
 NCCL on GPUs, gloo on CPU. Each bucket is one uint8 tensor holding its tensors' bytes back to
 back, sent with SGLang's `load_format: flattened_bucket` -- one broadcast and one request per
-bucket. While bucket i is broadcast, bucket i+1 is being gathered onto rank 0 (`Rank0Gatherer`),
-and the servers' replies are collected at the end (a failed one aborts the wait at once).
+bucket, each request posted once the previous one is answered (the servers must see them in
+order). While bucket i is broadcast, bucket i+1 is being gathered onto rank 0 (`FlatGatherer`),
+and a failed reply aborts the wait at once.
 """
 
 import asyncio
@@ -19,9 +20,9 @@ import torch.distributed as dist
 from dsrl.config import SyncConfig
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import free_port
-from dsrl.sync.base import CheckpointEngine, SyncError
+from dsrl.sync.base import CheckpointEngine, Clock, SyncError
 from dsrl.sync.group import init_weight_update_group
-from dsrl.zero.buckets import FlatBucket, Rank0Gatherer
+from dsrl.zero.buckets import FlatBucket, FlatGatherer
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class BroadcastEngine(CheckpointEngine):
         self.backend = backend
         self.group: dist.ProcessGroup | None = None
         self.group_name = ""
-        self.gatherer: Rank0Gatherer | None = None
+        self.gatherer: FlatGatherer | None = None
 
     def connect(self) -> None:
         """Form the weight-update group: trainer rank 0 plus every tensor-parallel rank of every server."""
@@ -75,33 +76,41 @@ class BroadcastEngine(CheckpointEngine):
         log.info("weight-update group %s: trainer + %d server ranks over %s", self.group_name, world - 1, self.backend)
 
     def update_weights(self, module: torch.nn.Module, weight_version: str, flush_cache: bool) -> int:
-        if self.gatherer is None:
-            self.gatherer = Rank0Gatherer(module, self.cfg.bucket_bytes)
+        if self.gatherer is None or self.gatherer.bucket_bytes != self.cfg.bucket_bytes:
+            self.gatherer = FlatGatherer(module, self.cfg.bucket_bytes)
         if self.client is None:
             for _ in self.gatherer:  # join each bucket's gather onto rank 0
                 pass
             return 0
         sent, in_flight, replies, failure = 0, None, [], None
-        for bucket in self.gatherer:  # gathering bucket i+1 overlaps the broadcast of bucket i
+        clock = Clock()
+        for bucket in clock.timed(self.gatherer, "gather"):  # gathering bucket i+1 overlaps sending bucket i
             if failure is not None:
                 continue  # keep joining the other ranks' transfers, send nothing more
             try:
                 if self.group is None:
-                    self.connect()
+                    with clock("connect"):
+                        self.connect()
                 if in_flight is not None:
-                    self._wait(in_flight, replies)  # its buffer is reused two buckets later
-                reply, in_flight = self._send(bucket, weight_version, flush_cache)
+                    with clock("broadcast"):
+                        self._wait(in_flight, replies)  # its buffer is reused two buckets later
+                with clock("post"):
+                    previous = replies[-1] if replies else None
+                    reply, in_flight = self._send(bucket, weight_version, flush_cache, previous)
                 replies.append(reply)
                 sent += bucket.flat.numel()
             except Exception as e:  # noqa: BLE001 -- re-raised once the gathers are done
                 failure = e
         try:
             if failure is None and in_flight is not None:
-                self._wait(in_flight, replies)
-            for reply in replies if failure is None else []:
-                reply.result(self.cfg.timeout_s)
+                with clock("broadcast"):
+                    self._wait(in_flight, replies)
+            with clock("server_replies"):  # the last bucket's load and the KV flush
+                for reply in replies if failure is None else []:
+                    reply.result(self.cfg.timeout_s)
         except Exception as e:  # noqa: BLE001
             failure = e
+        self.profile = clock.seconds
         if failure is not None:
             self.group = None  # a broken group is never reused: the next update forms a new one
             raise SyncError(f"weight update to version {weight_version} failed: {failure}") from failure
@@ -110,7 +119,9 @@ class BroadcastEngine(CheckpointEngine):
     def reset(self) -> None:
         self.group = None
 
-    def _send(self, bucket: FlatBucket, weight_version: str, flush_cache: bool) -> tuple[Future, dist.Work]:
+    def _send(
+        self, bucket: FlatBucket, weight_version: str, flush_cache: bool, previous: Future | None
+    ) -> tuple[Future, dist.Work]:
         payload = {
             "names": bucket.names,
             "dtypes": bucket.dtypes,
@@ -120,9 +131,22 @@ class BroadcastEngine(CheckpointEngine):
             "flush_cache": flush_cache and bucket.last,
             "weight_version": weight_version if bucket.last else None,
         }
-        reply = self.client.submit(self.client.all_servers("/update_weights_from_distributed", payload))
+        reply = self.client.submit(self._post_after(previous, payload))
         work = dist.broadcast(bucket.flat, group=self.group, group_src=0, async_op=True)
         return reply, work
+
+    async def _post_after(self, previous: Future | None, payload: dict) -> list:
+        """Post one bucket's request once the previous bucket's has been answered.
+
+        The servers must receive the requests in bucket order: each one tells the server the names
+        and shapes of the next broadcast it takes part in. Requests posted back to back travel on
+        separate connections and can be handled out of order, and a broadcast that fits in NCCL's
+        buffers completes on the trainer before the server has even read its request (seen on
+        2xH200 with 64 MB buckets: the server loaded bytes under the wrong names).
+        """
+        if previous is not None:
+            await asyncio.wrap_future(previous)  # a failed bucket stops the rest
+        return await self.client.all_servers("/update_weights_from_distributed", payload)
 
     def _wait(self, work: dist.Work, replies: list[Future]) -> None:
         """Wait for a broadcast, failing fast when a server has already answered with an error."""

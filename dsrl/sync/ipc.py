@@ -1,11 +1,13 @@
 """CUDA IPC transport, for servers colocated on the trainer's GPUs.
 
-Each trainer rank flattens its gathered copy of a bucket on its own GPU and hands the server
-rank on that GPU a CUDA IPC handle to it (`/update_weights_from_tensor`, `flattened_bucket`,
-one entry per tensor-parallel rank). Only handles cross the wire; the server copies the bytes
-GPU-to-GPU. The next bucket is gathered and flattened while the server loads the current one.
+Every trainer rank gathers each bucket straight into a flat buffer on its own GPU
+(`FlatGatherer(to_all=True)`: one all-gather per parameter, written in place) and hands the
+server rank on that GPU a CUDA IPC handle to it (`/update_weights_from_tensor`,
+`flattened_bucket`, one entry per tensor-parallel rank). Only handles cross the wire; the server
+copies the bytes GPU-to-GPU. The next bucket is gathered while the server loads the current one.
 """
 
+import asyncio
 import base64
 import io
 import logging
@@ -17,8 +19,8 @@ import torch.distributed as dist
 
 from dsrl.config import SyncConfig
 from dsrl.serving.client import RolloutClient
-from dsrl.sync.base import CheckpointEngine
-from dsrl.zero.buckets import gathered_buckets, plan_buckets
+from dsrl.sync.base import CheckpointEngine, Clock
+from dsrl.zero.buckets import FlatBucket, FlatGatherer
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +36,7 @@ class IpcEngine(CheckpointEngine):
     def __init__(self, cfg: SyncConfig, client: RolloutClient | None, tp_size: int):
         super().__init__(cfg, client)
         self.tp_size = tp_size
-        self.buffers: dict[int, torch.Tensor] = {}
+        self.gatherer: FlatGatherer | None = None
         # SGLang's unpickler only accepts its own metadata class, and CUDA handles must carry the
         # device UUID (its patched reductions) so the server finds the right GPU.
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
@@ -43,44 +45,48 @@ class IpcEngine(CheckpointEngine):
         monkey_patch_torch_reductions()
         self.metadata_cls = FlattenedTensorMetadata
 
-    def _flatten(self, slot: int, bucket) -> tuple[torch.Tensor, list]:
-        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
-        buf = self.buffers.get(slot)
-        if buf is None or buf.numel() < nbytes:
-            buf = self.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=bucket[0][1].device)
-        flat, metadata, offset = buf[:nbytes], [], 0
-        for name, t in bucket:
-            n = t.numel() * t.element_size()
-            flat[offset : offset + n].copy_(t.detach().reshape(-1).view(torch.uint8))
-            metadata.append(self.metadata_cls(name, t.shape, t.dtype, offset, offset + n, n))
+    def _handle(self, bucket: FlatBucket) -> str:
+        metadata, offset = [], 0
+        for name, dtype, shape in zip(bucket.names, bucket.dtypes, bucket.shapes):
+            dtype = getattr(torch, dtype)
+            n = torch.Size(shape).numel() * dtype.itemsize
+            metadata.append(self.metadata_cls(name, torch.Size(shape), dtype, offset, offset + n, n))
             offset += n
-        return flat, metadata
+        return serialize({"flattened_tensor": bucket.flat, "metadata": metadata})
 
     def update_weights(self, module: torch.nn.Module, weight_version: str, flush_cache: bool) -> int:
+        if self.gatherer is None or self.gatherer.bucket_bytes != self.cfg.bucket_bytes:
+            self.gatherer = FlatGatherer(module, self.cfg.bucket_bytes, to_all=True)
         rank, world = dist.get_rank(), dist.get_world_size()
-        num_buckets = len(plan_buckets(list(module.named_parameters()), self.cfg.bucket_bytes))
-        sent, pending = 0, None
-        for i, bucket in enumerate(gathered_buckets(module, self.cfg.bucket_bytes)):
-            flat, metadata = self._flatten(i % 2, bucket)  # slot i % 2: bucket i-1 may still be loading
-            torch.cuda.current_stream().synchronize()  # the server reads it from another process
-            handle = serialize({"flattened_tensor": flat, "metadata": metadata})
-            handles = [None] * world if rank == 0 else None
-            dist.gather_object(handle, handles, dst=0)
-            if i > 0:
-                self._wait_loaded(pending)
+        sent, pending, clock = 0, None, Clock()
+        for bucket in clock.timed(self.gatherer, "gather"):
+            with clock("handles"):
+                torch.cuda.current_stream().synchronize()  # the server reads it from another process
+                handle = self._handle(bucket)
+                handles = [handle]
+                if world > 1:
+                    handles = [None] * world if rank == 0 else None
+                    dist.gather_object(handle, handles, dst=0)
+            with clock("server_load"):
+                self._wait_loaded(pending)  # bucket i-1; its buffer is gathered into two buckets later
             if rank == 0:
-                last = i + 1 == num_buckets
-                pending = self._post(handles, weight_version if last else None, flush_cache and last)
-            sent += flat.numel()
-        if num_buckets:
+                weight_version_now = weight_version if bucket.last else None
+                pending = self._post(handles, weight_version_now, flush_cache and bucket.last)
+            sent += bucket.flat.numel()
+        with clock("server_load"):
             self._wait_loaded(pending)
+        self.profile = clock.seconds
         return sent if rank == 0 else 0
+
+    def release(self) -> None:
+        """Colocated: give the flat buffers back before the server's KV cache returns."""
+        if self.gatherer is not None:
+            self.gatherer.release()
+        torch.cuda.ipc_collect()  # buffers the server has let go of
 
     def _post(self, handles: list[str], weight_version: str | None, flush_cache: bool) -> Future:
         # Server s covers GPUs [s * tp, (s + 1) * tp); trainer rank g sits on GPU g.
         async def post_all():
-            import asyncio
-
             return await asyncio.gather(
                 *(
                     self.client.request(
@@ -106,4 +112,5 @@ class IpcEngine(CheckpointEngine):
             if pending is not None:
                 pending.result(self.cfg.timeout_s)
         finally:
-            dist.barrier()  # the other ranks must not be left waiting when rank 0 fails
+            if dist.get_world_size() > 1:
+                dist.barrier()  # the other ranks must not be left waiting when rank 0 fails

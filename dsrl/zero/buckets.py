@@ -56,56 +56,84 @@ class FlatBucket:
     last: bool
 
 
-class Rank0Gatherer:
-    """Gathers ZeRO-3 partitions bucket by bucket onto rank 0 alone, straight into SGLang's flat layout.
+class FlatGatherer:
+    """Gathers ZeRO-3 partitions bucket by bucket straight into SGLang's flat layout.
 
-    `GatheredParameters` all-gathers every bucket to every rank and allocates the full tensors
-    each time; the weight sync only needs them on rank 0. Here every other rank sends each of its
-    partitions point to point, and rank 0 receives each one directly at its final offset in the
-    flat bucket (no packing or reordering copies; gloo's gather and all-gather are several times
-    slower than its send/recv). Bucket i+1 is in flight while bucket i is being sent, and the three
-    flat buffers are kept between syncs: fresh pages cost more than copies on small hosts.
+    `to_all=False` (broadcast and disk transports): onto rank 0 alone. Every other rank sends each
+    of its partitions point to point and rank 0 receives each one at its final offset in the flat
+    bucket (no packing or reordering copies; gloo's gather and all-gather are several times slower
+    than its send/recv).
+
+    `to_all=True` (CUDA IPC: every rank hands its own GPU's server a full copy): one all-gather per
+    parameter, written in place into every rank's flat bucket.
+
+    Either way `GatheredParameters` is not used: it allocates the full tensors on every rank each
+    time, then the transport copies them once more into a flat buffer. Bucket i+1 is in flight
+    while bucket i is being sent, and the three flat buffers are kept between syncs (fresh pages
+    cost more than copies on small hosts; `release()` frees them, e.g. for a colocated server).
     """
 
     SLOTS = 3  # see __iter__ for why three flat buffers are needed
 
-    def __init__(self, module: torch.nn.Module, bucket_bytes: int):
+    def __init__(self, module: torch.nn.Module, bucket_bytes: int, to_all: bool = False):
         self.named = list(module.named_parameters())
-        self.plan = plan_buckets(self.named, bucket_bytes)
-        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.bucket_bytes, self.plan = bucket_bytes, plan_buckets(self.named, bucket_bytes)
+        self.world, self.rank, self.to_all = dist.get_world_size(), dist.get_rank(), to_all
         for name, p in self.named:
             if p.ds_tensor.ds_numel * self.world != p.ds_numel_aligned:
                 raise ValueError(f"{name}: ZeRO-3 partition layout not understood (hpZ/MiCS are not supported)")
         self.buffers: dict[int, torch.Tensor] = {}
+        self.unaligned: list[tuple[torch.Tensor, torch.Tensor]] = []  # (gathered with padding, its place)
 
-    def _pieces(self, i: int):
-        """(param, rank, offset in the flat bucket, bytes) of every partition piece of bucket i."""
+    def release(self) -> None:
+        self.buffers.clear()
+
+    def _params(self, i: int):
+        """(param, offset in the flat bucket, bytes) of every parameter of bucket i."""
         dst = 0
         for j in self.plan[i]:
             p = self.named[j][1]
-            part = p.ds_tensor.numel() * p.element_size()
             full = p.ds_numel * p.element_size()
+            yield p, dst, full
+            dst += full
+
+    def _pieces(self, i: int):
+        """(param, rank, offset in the flat bucket, bytes) of every partition piece of bucket i."""
+        for p, dst, full in self._params(i):
+            part = p.ds_tensor.numel() * p.element_size()
             for r in range(self.world):  # rank r holds bytes [r * part, (r + 1) * part); the last is padded
                 n = min(part, full - r * part)
                 if n > 0:
                     yield p, r, dst + r * part, n
-            dst += full
 
     def _flat(self, i: int) -> torch.Tensor | None:
-        if self.rank != 0:
+        if self.rank != 0 and not self.to_all:
             return None
         params = [self.named[j][1] for j in self.plan[i]]
         nbytes = sum(p.ds_numel * p.element_size() for p in params)
         buf = self.buffers.get(i % self.SLOTS)
         if buf is None or buf.numel() < nbytes or buf.device != params[0].ds_tensor.device:
+            self.buffers.pop(i % self.SLOTS, None)  # free the old one first
             buf = self.buffers[i % self.SLOTS] = torch.empty(
                 nbytes, dtype=torch.uint8, device=params[0].ds_tensor.device
             )
         return buf[:nbytes]
 
     def _post_transfers(self, i: int) -> list:
-        """Rank 0 posts a receive per remote piece of bucket i; every other rank sends its own pieces."""
+        """Start bucket i's transfers: all-gathers (to_all), or rank 0's receives and the others' sends."""
         flat, works = self._flat(i), []
+        if self.world == 1:
+            return works
+        if self.to_all:
+            for p, dst, full in self._params(i):
+                part = p.ds_tensor.detach().view(torch.uint8)
+                if part.numel() * self.world == full:
+                    out = flat[dst : dst + full]
+                else:  # the last rank's partition is padded: gather aside, copy the real bytes after
+                    out = torch.empty(part.numel() * self.world, dtype=torch.uint8, device=flat.device)
+                    self.unaligned.append((out[:full], flat[dst : dst + full]))
+                works.append(dist.all_gather_into_tensor(out, part, async_op=True))
+            return works
         for p, r, offset, n in self._pieces(i):
             if self.rank == 0 and r != 0:
                 works.append(dist.irecv(flat[offset : offset + n], src=r))
@@ -114,11 +142,19 @@ class Rank0Gatherer:
         return works
 
     def _copy_own(self, i: int) -> None:
-        if self.rank == 0:
+        """Rank 0's own pieces (or everything, with one rank) are copied rather than sent."""
+        if self.rank == 0 and (self.world == 1 or not self.to_all):
             flat = self._flat(i)
             for p, r, offset, n in self._pieces(i):
                 if r == 0:
                     flat[offset : offset + n].copy_(p.ds_tensor.detach().view(torch.uint8)[:n])
+
+    def _finish(self, works: list) -> None:
+        for work in works:
+            work.wait()
+        for gathered, place in self.unaligned:
+            place.copy_(gathered)
+        self.unaligned = []
 
     def __iter__(self) -> Iterator[FlatBucket]:
         # Bucket i+1's transfers are posted before bucket i is handed out, and rank 0's own pieces of
@@ -130,8 +166,7 @@ class Rank0Gatherer:
         works = self._post_transfers(0)
         self._copy_own(0)
         for i, bucket in enumerate(self.plan):
-            for work in works:
-                work.wait()
+            self._finish(works)
             works = self._post_transfers(i + 1) if i + 1 < len(self.plan) else []
             params = [self.named[j] for j in bucket]
             yield FlatBucket(
