@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,12 +16,13 @@ from tests.conftest import ROOT
 def sync_results(toy_weights, tmp_path_factory):
     out = tmp_path_factory.mktemp("sync") / "results.json"
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    port = free_port()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_accelerators", "2", "--master_port"]
-    cmd += [str(free_port()), "--no_local_rank", str(ROOT / "tests/_sync_worker.py")]
+    cmd += [str(port), "--no_local_rank", str(ROOT / "tests/_sync_worker.py")]
     cmd += [str(toy_weights), str(ROOT / "examples/toy/train.jsonl"), str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "port": port}
 
 
 def case(results, transport, bucket_bytes):
@@ -59,3 +61,8 @@ def test_verification_names_the_differing_parameter(sync_results):
 def test_gather_to_every_rank_matches_gathered_parameters(sync_results):
     """The CUDA IPC transport's gather (run here over gloo): every rank's flat buckets hold the exact bytes."""
     assert sync_results["flat_to_all"] == {k: True for k in ("1", str(sync_results["embed_bytes"]), str(1 << 30))}
+
+
+def test_no_shared_memory_left_behind(sync_results):
+    """DeepSpeed's CPU all-reduce leaves a 69 MB /dev/shm file per rank unless dsrl unlinks it."""
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{sync_results['port']}_*"))
