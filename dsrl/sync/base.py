@@ -2,9 +2,8 @@
 
 A weight update is send -> flush -> version check, tagged with a weight version
 (`sync_weights`), with pause/continue around it when requests may be in flight. Every trainer
-rank holds the transport and runs `update_weights`, because the
-parameters are gathered from every rank's ZeRO-3 partitions; only rank 0 has a client and talks
-to the servers.
+rank holds the transport and runs `update_weights`, because the parameters are gathered from
+every rank's ZeRO-3 partitions; only rank 0 has a client and talks to the servers.
 """
 
 import logging
