@@ -55,6 +55,7 @@ def main() -> None:
         "SGLang refuses prompt + max_new_tokens at the toy model's 64-token context)",
     )
     p.add_argument("--schedules", nargs="*", type=int, help="indices into the schedule list (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="dsrl's --seed (sampling, shuffling, init); repeat for noise")
     p.add_argument("--extra", nargs="*", default=[], help="more dsrl train flags for every run")
     args = p.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="dsrl_bench_async_"))
@@ -71,7 +72,8 @@ def main() -> None:
         cmd += ["--rollout.max_staleness", str(k), "--rollout.interrupt", interrupt]
         if not args.gpu:
             cmd += ["--rollout.server_args", json.dumps({"decode_delay_ms": args.decode_delay_ms})]
-        cmd += ["--logging.run_dir", str(run_dir), "--logging.export_hf", "false", *args.extra]
+        cmd += ["--logging.run_dir", str(run_dir), "--logging.export_hf", "false", "--seed", str(args.seed)]
+        cmd += args.extra
         print(f"== {label}: {' '.join(cmd)}", flush=True)
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
