@@ -8,6 +8,7 @@ number of steps on the same data; time is the sum of the steps (start-up exclude
     python tools/bench_async.py                    # CPU, embedded engine
     python tools/bench_async.py --steps 150 --decode-delay-ms 8
     python tools/bench_async.py --gpu --steps 60   # 2 GPUs: trainer on GPU 0, SGLang on GPU 1
+    python tools/bench_async.py --schedules 0 4 --seed 1 --trainer.lr 1e-3   # other flags go to dsrl train
 
 On GPUs (configs/toy_gpu_async.yaml) SGLang runs at its own speed: no decode delay.
 """
@@ -56,8 +57,7 @@ def main() -> None:
     )
     p.add_argument("--schedules", nargs="*", type=int, help="indices into the schedule list (default: all)")
     p.add_argument("--seed", type=int, default=0, help="dsrl's --seed (sampling, shuffling, init); repeat for noise")
-    p.add_argument("--extra", nargs="*", default=[], help="more dsrl train flags for every run")
-    args = p.parse_args()
+    args, extra = p.parse_known_args()  # the rest goes to every `dsrl train`, e.g. --trainer.lr 1e-3
     work = Path(args.workdir or tempfile.mkdtemp(prefix="dsrl_bench_async_"))
     work.mkdir(parents=True, exist_ok=True)
     data = work / "long_tail.jsonl"
@@ -73,7 +73,7 @@ def main() -> None:
         if not args.gpu:
             cmd += ["--rollout.server_args", json.dumps({"decode_delay_ms": args.decode_delay_ms})]
         cmd += ["--logging.run_dir", str(run_dir), "--logging.export_hf", "false", "--seed", str(args.seed)]
-        cmd += args.extra
+        cmd += extra
         print(f"== {label}: {' '.join(cmd)}", flush=True)
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:

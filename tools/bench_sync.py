@@ -177,7 +177,6 @@ def rank_main(args) -> None:
         for bucket_mb in args.bucket_mb:
             bucket_bytes = int(bucket_mb * (1 << 20)) if bucket_mb > 0 else total
             engine.cfg = SyncConfig(type=transport, bucket_bytes=bucket_bytes)
-            engine.gatherer = None  # re-plan the buckets (broadcast)
             probe, probe_before = None, None
             if gpu:  # the mean |logprob diff| of the probe: before any sync, and after one
                 ids, reference = probe_reference(actor, actor.module.config.vocab_size)
