@@ -215,7 +215,7 @@ def update(run: Run, samples: list[Sample], finite: bool) -> dict[str, float]:
 def sync(run: Run, version: int) -> dict[str, float]:
     """Bring every server to `version`; a server that died is restarted (or dropped) and the sync retried."""
     run.rollouts.before_update()
-    dist.barrier()  # every rank's rollouts are ready for the servers' pause
+    dist.barrier()  # every rank's requests are drained before the servers' weights change
     for attempt in range(2):
         heal_fleet(run)
         try:
@@ -226,7 +226,9 @@ def sync(run: Run, version: int) -> dict[str, float]:
             break
         if run.rank == 0:
             log.warning("weight sync to version %d failed (%s); checking the servers and syncing again", version, error)
-            run.client.down.extend(u for u in run.client.urls if not alive(run.client, u))
+            for url in run.client.live_urls():
+                if not alive(run.client, url):
+                    run.client.mark_down(url, "no answer after a failed weight sync")
         if attempt == 1:
             raise SyncError(f"weight sync to version {version} failed twice") from (error if run.rank == 0 else None)
     run.rollouts.after_update(version)

@@ -120,7 +120,7 @@ class RolloutClient:
         """
         async with self.semaphore:
             while True:
-                live = [u for u in self.urls if u not in self.down]
+                live = self.live_urls()
                 if not live:
                     raise NoServerLeft(f"every rollout server is down: {self.down}")
                 url = min(live, key=lambda u: self.in_flight.get(u, 0))
@@ -133,9 +133,7 @@ class RolloutClient:
                 except ServerError as e:
                     if not e.down:
                         raise
-                    if url not in self.down:
-                        log.warning("rollout server %s is down (%s); resubmitting its requests elsewhere", url, e)
-                        self.down.append(url)
+                    self.mark_down(url, f"{e}; resubmitting its requests elsewhere")
                 finally:
                     self.in_flight[url] -= 1
 
@@ -157,9 +155,7 @@ class RolloutClient:
         for url, reply in zip(urls, replies):
             if isinstance(reply, ServerError) and reply.down:
                 failures.append(str(reply))
-                if url not in self.down:
-                    log.warning("rollout server %s is down (%s)", url, reply)
-                    self.down.append(url)
+                self.mark_down(url, str(reply))
             elif isinstance(reply, BaseException):
                 raise reply
             else:
@@ -176,6 +172,12 @@ class RolloutClient:
         """Each live server's weight version, in `urls` order (down servers skipped)."""
         # /model_info, not /get_weight_version: SGLang 0.5.17 answers the latter with 404.
         return [str(info["weight_version"]) for info in self.call_all("/model_info", method="GET")]
+
+    def mark_down(self, url: str, reason: str) -> None:
+        """Take a server out of the rotation (once); the trainer restarts or drops it before the next sync."""
+        if url not in self.down:
+            log.warning("rollout server %s is down (%s)", url, reason)
+            self.down.append(url)
 
     def live_urls(self) -> list[str]:
         return [url for url in self.urls if url not in self.down]

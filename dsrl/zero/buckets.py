@@ -78,6 +78,7 @@ class FlatGatherer:
     def __init__(self, module: torch.nn.Module, bucket_bytes: int, to_all: bool = False):
         self.named = list(module.named_parameters())
         self.bucket_bytes, self.plan = bucket_bytes, plan_buckets(self.named, bucket_bytes)
+        self.sizes = [sum(param_bytes(self.named[j][1]) for j in bucket) for bucket in self.plan]
         self.world, self.rank, self.to_all = dist.get_world_size(), dist.get_rank(), to_all
         for name, p in self.named:
             if p.ds_tensor.ds_numel * self.world != p.ds_numel_aligned:
@@ -109,14 +110,11 @@ class FlatGatherer:
     def _flat(self, i: int) -> torch.Tensor | None:
         if self.rank != 0 and not self.to_all:
             return None
-        params = [self.named[j][1] for j in self.plan[i]]
-        nbytes = sum(p.ds_numel * p.element_size() for p in params)
+        nbytes, device = self.sizes[i], self.named[self.plan[i][0]][1].ds_tensor.device
         buf = self.buffers.get(i % self.SLOTS)
-        if buf is None or buf.numel() < nbytes or buf.device != params[0].ds_tensor.device:
+        if buf is None or buf.numel() < nbytes or buf.device != device:
             self.buffers.pop(i % self.SLOTS, None)  # free the old one first
-            buf = self.buffers[i % self.SLOTS] = torch.empty(
-                nbytes, dtype=torch.uint8, device=params[0].ds_tensor.device
-            )
+            buf = self.buffers[i % self.SLOTS] = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return buf[:nbytes]
 
     def _post_transfers(self, i: int) -> list:
