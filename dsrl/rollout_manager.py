@@ -216,8 +216,7 @@ class RolloutManager:
         params = {**self.params, **prompt.sampling}
         params["max_new_tokens"] -= len(done)
         params["sampling_seed"] = request_seed(self.cfg.seed, prompt.index, slot, self.version, len(done))
-        # The rid's prefix holds the version of the request's oldest tokens (groups at the same edge
-        # share it), so one /abort_request per version stops every interruptible request.
+        # The version of the request's oldest tokens decides whether a weight update interrupts it.
         oldest = min(partial.oldest_version if partial else self.version, group.oldest_so_far(default=self.version))
         rid = f"{self.rid_prefix}-v{oldest}-g{group.gid}-s{slot}-{uuid.uuid4().hex[:8]}"
         body = {"input_ids": prompt.prompt_ids + done, "sampling_params": params, "return_logprob": True, "rid": rid}
@@ -304,9 +303,7 @@ class RolloutManager:
                 edge = self.version + 1 - self.k
                 groups = [self.groups[i] for i in self.generating if self.groups[i].started]
                 self.doomed |= {g.gid for g in groups if g.oldest_so_far() < edge}
-                stop = {v for g in groups for v in g.started.values() if v != edge}
-                prefixes = [f"{self.rid_prefix}-v{v}-" for v in sorted(stop)]
-                await asyncio.gather(*(self.client.all_servers("/abort_request", {"rid": p}) for p in prefixes))
+                await self.client.abort([rid for g in groups for rid, v in g.started.items() if v != edge])
             await self.cond.wait_for(lambda: self.in_flight == 0 or self.error is not None)
 
     async def _after_update(self, version: int) -> None:

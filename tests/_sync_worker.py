@@ -1,4 +1,4 @@
-"""Run by test_sync.py under the deepspeed launcher (2 CPU ranks): real ZeRO-3, real embedded server.
+"""Run by test_sync.py under the deepspeed launcher (2 CPU ranks, and 1): real ZeRO-3, real embedded server.
 
 For each bucket size, new random weights go into the ZeRO-3 actor, a sync pushes them, and every
 server parameter is compared with the trainer's gathered one. Writes its findings as JSON.
@@ -61,13 +61,16 @@ def main(model_dir: str, train_path: str, out: str) -> None:
                     }
                 )
         # The IPC transport's gather: every rank gets each bucket whole, byte for byte as GatheredParameters has it.
-        results["flat_to_all"] = {}
+        # With one rank every bucket is a view of DeepSpeed's own parameter memory (nothing copied).
+        results["flat_to_all"], results["zero_copy"] = {}, True
+        params_storage = named[0][1].ds_tensor.untyped_storage().data_ptr()
         for bucket_bytes in (1, embed_bytes, 1 << 30):
             gatherer = FlatGatherer(actor.module, bucket_bytes, to_all=True)
             equal = True
             for flat, want in zip(gatherer, gathered_buckets(actor.module, bucket_bytes)):
                 expect = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in want])
                 equal &= flat.names == [n for n, _ in want] and torch.equal(flat.flat, expect)
+                results["zero_copy"] &= flat.flat.untyped_storage().data_ptr() == params_storage
             ok = torch.tensor([int(equal)])
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
             results["flat_to_all"][str(bucket_bytes)] = bool(ok.item())

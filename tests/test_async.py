@@ -77,6 +77,29 @@ def simulated_update(client, version: int) -> None:
     client.call_all("/continue_generation", {})
 
 
+def test_partial_update_interrupts_requests_in_flight_and_resumes_them(slow_server, tmp_path):
+    """In partial mode a weight update aborts what is in flight, by request id (SGLang ignores a prefix),
+    and each sample then finishes under the new weights from where it stopped."""
+    client = slow_server
+    simulated_update(client, 0)
+    lengths = [1, 1] + [16] * 30  # the first batch is short; the groups admitted after it are still running
+    manager, _ = manager_for(client, tmp_path, k=2, interrupt="partial", groups=2, n=2, lengths=lengths, seed=0)
+    manager.start()
+    try:
+        manager.collect(0)
+        manager.before_update()
+        simulated_update(client, 1)
+        manager.after_update(1)
+        stats = manager.take_stats()
+        samples, _ = manager.collect(1)
+    finally:
+        manager.stop()
+    assert stats.interrupted > 0, "no request was in flight at the update, or the abort did not reach it"
+    assert stats.resumed + stats.restarted == stats.interrupted
+    spanned = [s for s in samples if len({v for _, v in s.extras["spans"]}) == 2]
+    assert spanned and all(len(s.response_ids) == 16 for s in spanned)
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     k=st.sampled_from([0, 1, 2, 4]),

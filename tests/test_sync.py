@@ -12,17 +12,17 @@ from dsrl.serving.servers import free_port
 from tests.conftest import ROOT
 
 
-@pytest.fixture(scope="module")
-def sync_results(toy_weights, tmp_path_factory):
+@pytest.fixture(scope="module", params=[2, 1], ids=["2ranks", "1rank"])
+def sync_results(request, toy_weights, tmp_path_factory):
     out = tmp_path_factory.mktemp("sync") / "results.json"
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     port = free_port()
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_accelerators", "2", "--master_port"]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_accelerators", str(request.param), "--master_port"]
     cmd += [str(port), "--no_local_rank", str(ROOT / "tests/_sync_worker.py")]
     cmd += [str(toy_weights), str(ROOT / "examples/toy/train.jsonl"), str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {**json.loads(out.read_text()), "port": port}
+    return {**json.loads(out.read_text()), "port": port, "ranks": request.param}
 
 
 def case(results, transport, bucket_bytes):
@@ -53,7 +53,7 @@ def test_disk_transport(sync_results):
 
 
 def test_verification_names_the_differing_parameter(sync_results):
-    assert sync_results["world"] == 2
+    assert sync_results["world"] == sync_results["ranks"]
     message = sync_results["corrupt_detected"]
     assert message is not None and "model.layers.0.self_attn.k_proj.weight" in message and "differs" in message
 
@@ -61,6 +61,11 @@ def test_verification_names_the_differing_parameter(sync_results):
 def test_gather_to_every_rank_matches_gathered_parameters(sync_results):
     """The CUDA IPC transport's gather (run here over gloo): every rank's flat buckets hold the exact bytes."""
     assert sync_results["flat_to_all"] == {k: True for k in ("1", str(sync_results["embed_bytes"]), str(1 << 30))}
+
+
+def test_one_rank_sends_buckets_from_the_parameters_own_memory(sync_results):
+    """With one rank the flat buckets are views of DeepSpeed's parameter buffer: no gather, no copy."""
+    assert sync_results["zero_copy"] == (sync_results["ranks"] == 1)
 
 
 def test_no_shared_memory_left_behind(sync_results):

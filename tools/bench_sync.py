@@ -165,7 +165,9 @@ def rank_main(args) -> None:
     cfg.trainer.device = "cuda" if gpu else "cpu"
     init_distributed(cfg)
     rank = dist.get_rank()
-    actor = load_engine(cfg, str(model_dir), dist.get_world_size(), train=False)
+    # train=True, as the actor in training: with an optimizer DeepSpeed keeps the parameter partitions in
+    # one flat buffer, which a single rank sends from without a copy (FlatGatherer)
+    actor = load_engine(cfg, str(model_dir), dist.get_world_size(), train=True)
     fleet = start_rollout_fleet(cfg, str(model_dir), workdir / model_dir.name, rank)
     client = RolloutClient(fleet.urls) if rank == 0 else None
     named = list(actor.module.named_parameters())

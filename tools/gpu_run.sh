@@ -53,7 +53,7 @@ for s in "$@"; do
       ;;
     toy)
       TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
-      stage toy 480 python3 -m dsrl.cli train --config configs/toy_gpu.yaml --logging.tensorboard $TB \
+      stage toy ${TOY_LIMIT:-480} python3 -m dsrl.cli train --config configs/toy_gpu.yaml --logging.tensorboard $TB \
         --logging.run_dir /tmp/runs/toy_gpu --trainer.total_steps ${TOY_STEPS:-80}
       grep -a "\[dsrl\] step" "$OUT/toy.log" | sed -n '1p;$p' | sed 's/.*\[dsrl\]//' | tee -a "$SUMMARY"
       grep -a "final metrics" "$OUT/toy.log" | tee -a "$SUMMARY"
@@ -85,20 +85,21 @@ for s in "$@"; do
       grep -a "^nccl" "$OUT/bench_nccl.log" | tail -26 | tee -a "$SUMMARY"
       ;;
     async)
-      stage async 590 python3 tools/bench_async.py --gpu --steps ${ASYNC_STEPS:-60} --schedules ${ASYNC_SCHEDULES:-0 1 4} \
+      stage async ${ASYNC_LIMIT:-590} python3 tools/bench_async.py --gpu --steps ${ASYNC_STEPS:-60} --schedules ${ASYNC_SCHEDULES:-0 1 4} \
         --workdir /tmp/bench_async
-      grep -a "steps x\|^schedule\|^synchronous\|^one-step\|^async" "$OUT/async.log" | tail -8 | tee -a "$SUMMARY"
+      grep -a "^{\|steps x\|^schedule\|^synchronous\|^one-step\|^async" "$OUT/async.log" | tail -12 | tee -a "$SUMMARY"
       grep -a "Error" "$OUT/async.log" | tail -3 | tee -a "$SUMMARY"
       ;;
     *) note "unknown stage $s" ;;
   esac
 done
 [ -d /tmp/jitcache ] && tar czf "$OUT/jitcache.tar.gz" -C /tmp/jitcache . 2>/dev/null
-mkdir -p /tmp/gpu_logs/servers
+LOGS=$(mktemp -d)  # one per invocation: several may run side by side on different GPUs
+mkdir -p "$LOGS/servers"
 for d in /tmp/runs/*/logs /tmp/bench_async/*/logs; do
-  [ -d "$d" ] && tail -c 200000 "$d"/server_0.log > "/tmp/gpu_logs/servers/$(basename "$(dirname "$d")").log" 2>/dev/null
+  [ -d "$d" ] && tail -c 200000 "$d"/server_0.log > "$LOGS/servers/$(basename "$(dirname "$d")").log" 2>/dev/null
 done
 # few files come back from $OUT: the stage logs and server logs travel as one archive
-mv "$OUT"/*.log /tmp/gpu_logs/ 2>/dev/null
-tar czf "$OUT/logs.tar.gz" -C /tmp/gpu_logs . && rm -rf /tmp/gpu_logs
+mv "$OUT"/*.log "$LOGS"/ 2>/dev/null
+tar czf "$OUT/logs.tar.gz" -C "$LOGS" . && rm -rf "$LOGS"
 echo; echo "=== summary"; cat "$SUMMARY"

@@ -52,6 +52,7 @@ class RolloutClient:
         self.timeout_s = timeout_s
         self.retries = retries
         self.in_flight = dict.fromkeys(self.urls, 0)
+        self.placed: dict[str, str] = {}  # request id -> the server running it
         self.down: list[str] = []  # servers that stopped answering; the trainer restarts or drops them
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-client", daemon=True)
@@ -118,6 +119,7 @@ class RolloutClient:
         A server that cannot be reached or does not answer in time is taken out of the rotation
         and the request goes to another one (requests carry their sampling seed, so this is safe).
         """
+        rid = payload.get("rid")
         async with self.semaphore:
             while True:
                 live = self.live_urls()
@@ -125,6 +127,8 @@ class RolloutClient:
                     raise NoServerLeft(f"every rollout server is down: {self.down}")
                 url = min(live, key=lambda u: self.in_flight.get(u, 0))
                 self.in_flight[url] = self.in_flight.get(url, 0) + 1
+                if isinstance(rid, str):
+                    self.placed[rid] = url
                 try:
                     out = await self.request(url, "/generate", payload)
                     if isinstance(out, dict):
@@ -136,6 +140,18 @@ class RolloutClient:
                     self.mark_down(url, f"{e}; resubmitting its requests elsewhere")
                 finally:
                     self.in_flight[url] -= 1
+                    self.placed.pop(rid, None)
+
+    async def abort(self, rids: list[str]) -> None:
+        """Abort requests in flight, each at the server running it; one that has finished is ignored.
+
+        One call per request id: SGLang 0.5.17 ignores an id it does not know, a prefix included.
+        A server that cannot be reached is left to `generate`, which resubmits its requests.
+        """
+        calls = [self.request(self.placed[r], "/abort_request", {"rid": r}) for r in rids if r in self.placed]
+        for reply in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(reply, BaseException) and not (isinstance(reply, ServerError) and reply.down):
+                raise reply
 
     def set_urls(self, urls: list[str]) -> None:
         """Adopt a new fleet (after a restart or a drop); forget which servers were down."""

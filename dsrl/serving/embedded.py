@@ -208,7 +208,8 @@ class Engine:
 
     def abort(self, rid: str = "", abort_all: bool = False, message: str = "Aborted") -> int:
         with self.cond:
-            hits = [r for r in self.running if abort_all or (rid and r.rid.startswith(rid))]
+            # An exact id, as SGLang 0.5.17 (its HTTP layer ignores an id it does not know, e.g. a prefix)
+            hits = [r for r in self.running if abort_all or (rid and r.rid == rid)]
             for req in hits:
                 req.abort_message = message
                 self._finish(req, {"type": "abort", "message": message})

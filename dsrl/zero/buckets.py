@@ -67,6 +67,9 @@ class FlatGatherer:
     `to_all=True` (CUDA IPC: every rank hands its own GPU's server a full copy): one all-gather per
     parameter, written in place into every rank's flat bucket.
 
+    With one rank nothing is gathered: a bucket is a view of DeepSpeed's flat parameter buffer
+    where its partitions lie back to back (always, so far), and copied otherwise.
+
     Either way `GatheredParameters` is not used: it allocates the full tensors on every rank each
     time, then the transport copies them once more into a flat buffer. Bucket i+1 is in flight
     while bucket i is being sent, and the three flat buffers are kept between syncs (fresh pages
@@ -107,9 +110,28 @@ class FlatGatherer:
                 if n > 0:
                     yield p, r, dst + r * part, n
 
+    def _view(self, i: int) -> torch.Tensor | None:
+        """With one rank, bucket i as a view of the memory its partitions already fill back to back
+        (DeepSpeed keeps them in one flat buffer): sent from there, nothing is copied. None when
+        they do not (another dtype, a sub-group boundary, or partitions moved separately)."""
+        if self.world != 1:
+            return None
+        parts = [self.named[j][1].ds_tensor for j in self.plan[i]]
+        first = parts[0]
+        storage, ptr = first.untyped_storage().data_ptr(), first.data_ptr()
+        for t in parts:
+            if t.data_ptr() != ptr or t.untyped_storage().data_ptr() != storage or not t.is_contiguous():
+                return None
+            ptr += t.numel() * t.element_size()
+        view = torch.empty(0, dtype=torch.uint8, device=first.device)
+        return view.set_(first.untyped_storage(), first.storage_offset() * first.element_size(), (self.sizes[i],))
+
     def _flat(self, i: int) -> torch.Tensor | None:
         if self.rank != 0 and not self.to_all:
             return None
+        view = self._view(i)
+        if view is not None:
+            return view
         nbytes, device = self.sizes[i], self.named[self.plan[i][0]][1].ds_tensor.device
         buf = self.buffers.get(i % self.SLOTS)
         if buf is None or buf.numel() < nbytes or buf.device != device:
@@ -142,6 +164,8 @@ class FlatGatherer:
     def _copy_own(self, i: int) -> None:
         """Rank 0's own pieces (or everything, with one rank) are copied rather than sent."""
         if self.rank == 0 and (self.world == 1 or not self.to_all):
+            if self._view(i) is not None:
+                return
             flat = self._flat(i)
             for p, r, offset, n in self._pieces(i):
                 if r == 0:
