@@ -139,7 +139,8 @@ class SyncConfig:
     disk (safetensors on shared storage); auto = ipc when colocated on GPUs, else broadcast."""
     bucket_bytes: int = 256 << 20
     """Bytes of gathered parameters sent per bucket; a larger tensor travels alone. On GPUs use 1 GiB: each
-    bucket costs SGLang a request and a load (~1-3 ms), and the trainer keeps 3 buckets' worth of buffers."""
+    bucket costs SGLang a request and a load (~1-3 ms), and the trainer keeps 3 buckets' worth of buffers
+    (the server one for NCCL). CUDA IPC with one trainer rank ignores it: the whole model is one bucket."""
     verify: Literal["off", "weights", "probe"] = "off"
     """Check every sync: weights = each server parameter equals the trainer's (embedded engine, Llama-family
     SGLang); probe = the servers' logprobs of fixed probe tokens match the trainer's forward (any model)."""

@@ -63,6 +63,13 @@ def test_gather_to_every_rank_matches_gathered_parameters(sync_results):
     assert sync_results["flat_to_all"] == {k: True for k in ("1", str(sync_results["embed_bytes"]), str(1 << 30))}
 
 
+def test_gather_to_every_rank_with_padded_partitions(sync_results):
+    """Odd tensor sizes: the last rank's partition is padded; the flat buckets still hold the exact bytes."""
+    padded = sync_results["flat_to_all_padded"]
+    assert padded["padded_tensors"] > 0 or sync_results["ranks"] == 1
+    assert padded["1"] and padded[str(1 << 30)]
+
+
 def test_one_rank_sends_buckets_from_the_parameters_own_memory(sync_results):
     """With one rank the flat buckets are views of DeepSpeed's parameter buffer: no gather, no copy."""
     assert sync_results["zero_copy"] == (sync_results["ranks"] == 1)

@@ -5,6 +5,8 @@ Every trainer rank gathers each bucket straight into a flat buffer on its own GP
 server rank on that GPU a CUDA IPC handle to it (`/update_weights_from_tensor`,
 `flattened_bucket`, one entry per tensor-parallel rank). Only handles cross the wire; the server
 copies the bytes GPU-to-GPU. The next bucket is gathered while the server loads the current one.
+With one trainer rank nothing is gathered: the whole model goes as one bucket, a view of
+DeepSpeed's flat parameter buffer.
 """
 
 import asyncio
@@ -55,9 +57,13 @@ class IpcEngine(CheckpointEngine):
         return serialize({"flattened_tensor": bucket.flat, "metadata": metadata})
 
     def update_weights(self, module: torch.nn.Module, weight_version: str, flush_cache: bool) -> int:
-        if self.gatherer is None or self.gatherer.bucket_bytes != self.cfg.bucket_bytes:
-            self.gatherer = FlatGatherer(module, self.cfg.bucket_bytes, to_all=True)
         rank, world = dist.get_rank(), dist.get_world_size()
+        # With one rank the buckets are views of the parameters' own memory (nothing is allocated), and
+        # each bucket costs SGLang a handle opening and a load: one bucket is fastest (3B on an H200: 22 ms
+        # whole vs 39 ms in 1 GB buckets).
+        bucket_bytes = self.cfg.bucket_bytes if world > 1 else 1 << 62
+        if self.gatherer is None or self.gatherer.bucket_bytes != bucket_bytes:
+            self.gatherer = FlatGatherer(module, bucket_bytes, to_all=True)
         sent, pending, clock = 0, None, Clock()
         for bucket in clock.timed(self.gatherer, "gather"):
             with clock("handles"):
