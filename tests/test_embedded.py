@@ -1,6 +1,7 @@
 """The embedded engine over HTTP, through dsrl's client: SGLang's fields, control endpoints, weight updates."""
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -178,3 +179,24 @@ def test_client_retries_idempotent_calls_then_names_the_server():
             client.weight_versions()
     finally:
         client.close()
+
+
+def test_higher_priority_requests_are_scheduled_first(toy_weights, tmp_path):
+    """With the batch full, a request with a higher `priority` (SGLang's field, honoured there with
+    --enable-priority-scheduling) runs before one that came earlier."""
+    cfg = RolloutConfig(num_servers=1, server_args={"decode_delay_ms": 5, "max_batch_tokens": 8})  # one request a step
+    fleet = start_fleet(cfg, str(toy_weights), tmp_path, 0, "embedded")
+    client = RolloutClient(fleet.urls, timeout_s=60)
+    try:
+        first = client.submit(
+            client.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}})
+        )
+        time.sleep(0.05)
+        params = {"max_new_tokens": 2, "ignore_eos": True}
+        urgent = client.submit(client.generate({"input_ids": PROMPT, "sampling_params": params, "priority": 5}))
+        urgent.result(timeout=10)
+        assert not first.done(), "the earlier request finished first: priority was not honoured"
+        assert len(first.result(timeout=10)["output_ids"]) == 40
+    finally:
+        client.close()
+        fleet.stop()

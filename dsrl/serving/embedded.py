@@ -61,6 +61,8 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     start: float = field(default_factory=time.monotonic)
     abort_message: str | None = None
+    priority: int = 0
+    """Higher first, as SGLang's --enable-priority-scheduling; equal priorities keep arrival order."""
 
     def finish(self, finish_reason: dict, weight_version: str) -> None:
         meta = {
@@ -144,7 +146,7 @@ class Engine:
                 if self.stopped:
                     return
                 batch, tokens = [], 0
-                for req in self.running:
+                for req in sorted(self.running, key=lambda r: -r.priority):  # stable: arrival order within
                     tokens += len(req.input_ids) + len(req.output_ids)
                     if batch and tokens > self.max_batch_tokens:
                         break
@@ -472,6 +474,7 @@ def build_app(engine: Engine) -> web.Application:
         loop = asyncio.get_running_loop()
         reqs = [engine.make_request(ids, p, r, loop) for ids, p, r in zip(batch, params, rids)]
         for req in reqs:
+            req.priority = int(body.get("priority") or 0)
             engine.submit(req)
         try:
             results = await asyncio.gather(*(req.done for req in reqs))
