@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from dsrl.algorithms import grpo_advantages
 from dsrl.config import Config, SyncConfig, dump_config, parse_config, validate
-from dsrl.data import PromptDataset
+from dsrl.data import DatasetError, PromptDataset
 from dsrl.metrics import MetricsWriter, all_ranks, mean_across_ranks, summary_line, timed
 from dsrl.rewards import load_reward_fn
 from dsrl.rollout import Sample, SyncRollouts
@@ -127,6 +127,10 @@ def setup(cfg: Config) -> Run:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     dataset = PromptDataset(cfg.data, tokenizer, cfg.seed)
+    if cfg.rollout.server_urls or cfg.rollout.engine == "sglang" or (cfg.rollout.engine == "auto" and use_cuda(cfg)):
+        check_fits_context(
+            cfg, dataset, AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+        )
     reward_fn = load_reward_fn(cfg.algorithm.reward_fn)
     actor = load_engine(cfg, model_dir, world, train=True)
     ref = load_engine(cfg, model_dir, world, train=False) if cfg.algorithm.kl_coef > 0 else None
@@ -299,6 +303,29 @@ def finish(run: Run, metrics: dict[str, float]) -> None:
         reload_states(run.actor)
     if run.cfg.logging.export_hf:
         export_hf(run.actor.module, run.model_dir, run.run_dir / "hf", run.cfg.sync.bucket_bytes)
+
+
+def check_fits_context(cfg: Config, dataset: PromptDataset, model_config) -> None:
+    """SGLang refuses a request whose prompt + max_new_tokens passes the model's context, and an input
+    within 6 tokens of it (its scheduler keeps context - 1 - 5): a partial rollout resumes with prompt +
+    tokens so far as input. Fail at start-up, naming the first row, rather than mid-run."""
+    context = getattr(model_config, "max_position_embeddings", None)
+    if not context:
+        return
+    partial = cfg.rollout.placement == "disaggregate" and cfg.rollout.interrupt == "partial"
+    limit = context - 6 if partial else context
+    for p in dataset.prompts:
+        new_tokens = int(p.sampling.get("max_new_tokens", cfg.rollout.max_new_tokens))
+        if len(p.prompt_ids) + new_tokens > limit:
+            why = f"the model's context ({context})" + (
+                ", less the 6 tokens SGLang keeps free, which a resumed partial rollout needs" if partial else ""
+            )
+            raise DatasetError(
+                f"{cfg.data.train_path}, row {p.index}: prompt ({len(p.prompt_ids)} tokens) + max_new_tokens "
+                f"({new_tokens}) = {len(p.prompt_ids) + new_tokens} tokens, over {limit}: {why}. Lower "
+                "--rollout.max_new_tokens (or the row's sampling_params) or --data.max_prompt_tokens"
+                + (", or use --rollout.interrupt abort" if partial else "")
+            )
 
 
 def start_rollout_fleet(cfg: Config, model_dir: str, run_dir: Path, rank: int) -> ServerFleet:

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from dsrl import toy
-from dsrl.config import ConfigError, DataConfig, build_parser, parse_config, to_config, validate
+from dsrl.config import Config, ConfigError, DataConfig, ModelConfig, build_parser, parse_config, to_config, validate
 from dsrl.data import DatasetError, Prompt, PromptDataset
 from dsrl.rewards import load_reward_fn
 from dsrl.rollout import Sample, score_one
 from dsrl.serving.client import RolloutClient, ServerError
 from dsrl.serving.servers import free_port, wait_healthy
-from dsrl.train import check_writable
+from dsrl.train import check_fits_context, check_writable
 from dsrl.zero.checkpoint import find_checkpoint
 from tests.conftest import ROOT
 
@@ -259,3 +259,22 @@ def test_bad_input_non_finite_rewards_skip_steps_then_stop(tmp_path):
     assert "2 steps in a row had non-finite logprobs or advantages (--trainer.max_bad_steps=2)" in proc.stderr
     trained = [json.loads(line) for line in (tmp_path / "run" / "trained_prompts.jsonl").read_text().splitlines()]
     assert [r["step"] for r in trained] == [0]  # the skipped step is logged; nothing was applied
+
+
+def test_prompt_and_max_new_tokens_past_sglangs_context_name_the_row(tmp_path):
+    """SGLang refuses them mid-run; dsrl says so at start-up. A resumed partial rollout needs 6 tokens more."""
+    path = tmp_path / "rows.jsonl"
+    rows = [
+        {"prompt": "1=", "answer": "1"},
+        {"prompt": "12=", "answer": "12", "sampling_params": {"max_new_tokens": 58}},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = Config(model=ModelConfig(path=str(ROOT / "examples/toy/model")), data=DataConfig(train_path=str(path)))
+    cfg.rollout.max_new_tokens = 5
+    dataset = PromptDataset(cfg.data, toy.build_tokenizer())
+    context = toy.build_model_config()  # 64 tokens
+    assert len(dataset.prompts[1].prompt_ids) + 58 <= 64
+    check_fits_context(cfg, dataset, context)  # fits as a fresh request
+    cfg.rollout.placement, cfg.rollout.interrupt = "disaggregate", "partial"
+    with pytest.raises(DatasetError, match=r"rows.jsonl, row 1: .*over 58.*--rollout.interrupt abort"):
+        check_fits_context(cfg, dataset, context)
