@@ -96,19 +96,45 @@ def test_resume_after_kill_in_async_mode_loses_no_prompt(tmp_path):
 
     records = trace(run_dir)
     assert [r["step"] for r in records] == list(range(12))
-    trained = [row for r in records for row in r["rows"]]
+    assert_every_prompt_accounted_for(run_dir, "step_12")
+    assert max(scalars(run_dir)["rollout/staleness_max"].values()) <= k
+
+
+def assert_every_prompt_accounted_for(run_dir: Path, checkpoint: str) -> None:
+    """No prompt trained twice; every prompt handed out by either rank (toy_cpu_async.yaml: 32 a step,
+    2 ranks) is trained, or still waiting in the final checkpoint."""
+    trained = [row for r in trace(run_dir) for row in r["rows"]]
     assert len(trained) == len(set(trained)), "a prompt was trained twice"
-    # Every prompt handed out by either rank is trained, or still waiting in the final checkpoint.
-    final = run_dir / "checkpoints" / "step_12"
     dataset = PromptDataset(DataConfig(train_path=str(ROOT / "examples/toy/train.jsonl")), toy.build_tokenizer())
     handed_out, waiting = [], []
     for rank in range(2):
-        state = torch.load(final / f"dsrl_rank{rank}.pt", weights_only=False)["rollouts"]
+        state = torch.load(run_dir / "checkpoints" / checkpoint / f"dsrl_rank{rank}.pt", weights_only=False)
         stream = PromptStream(dataset, 32, rank, 2)
-        handed_out += [stream.next().index for _ in range(state["position"])]
-        waiting += state["outstanding"]
+        handed_out += [stream.next().index for _ in range(state["rollouts"]["position"])]
+        waiting += state["rollouts"]["outstanding"]
     assert Counter(trained + waiting) == Counter(handed_out), "a prompt was lost"
-    assert max(scalars(run_dir)["rollout/staleness_max"].values()) <= k
+
+
+def test_crash_of_a_rollout_server_in_async_mode_loses_nothing(tmp_path):
+    """k=4 with partial rollout, 2 servers; one is killed mid-run: its requests go to the other, it is
+    restarted, and every prompt is trained once or still waiting at the end."""
+    run_dir = tmp_path / "async_crash"
+    args = ["--trainer.total_steps", "6", "--logging.save_every", "6", "--rollout.num_servers", "2"]
+    args += ["--rollout.server_args", json.dumps({"decode_delay_ms": 10})]  # requests in flight at the kill
+    proc = subprocess.Popen(
+        train_cmd("toy_cpu_async.yaml", run_dir, *args), cwd=ROOT, stderr=subprocess.PIPE, text=True
+    )
+    log = []
+    for line in proc.stderr:
+        log.append(line)
+        if "step 2/6 |" in line:
+            server_log = (run_dir / "logs" / "server_1.log").read_text()
+            os.kill(int(re.search(r"\(pid (\d+)\)", server_log).group(1)), signal.SIGKILL)
+    assert proc.wait(600) == 0, "".join(log[-60:])
+    text = "".join(log)
+    assert "is down" in text and "restarted at" in text
+    assert [r["step"] for r in trace(run_dir)] == list(range(6))
+    assert_every_prompt_accounted_for(run_dir, "step_6")
 
 
 def test_crash_of_a_rollout_server_mid_step_loses_nothing(tmp_path):
