@@ -3,11 +3,12 @@
 generate -> logprobs -> update -> sync, each phase timed; the details live below it.
 """
 
+import asyncio
 import gc
 import json
 import logging
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -103,6 +104,9 @@ class Run:
     offload: bool
     start_step: int
     bad_steps: int = 0
+    weights_awake: set[str] = field(default_factory=set)
+    """Colocated, mid-sync: servers whose weights are back but not yet their KV cache (a retried sync
+    wakes only the others: SGLang refuses to resume memory that is not released)."""
 
     def close(self) -> None:
         self.rollouts.stop()
@@ -355,6 +359,11 @@ def resolve_sync(cfg: Config) -> SyncConfig:
     return replace(cfg.sync, type="ipc" if ipc else "broadcast")
 
 
+async def each(client: RolloutClient, urls: list[str], path: str, payload: dict) -> list:
+    """The same call to some of the servers."""
+    return await asyncio.gather(*(client.request(url, path, payload) for url in urls))
+
+
 def push_weights(run: Run, weight_version: str, wake_servers: bool, clock: Clock | None = None) -> dict[str, float]:
     """Sync the actor's weights into the servers.
 
@@ -366,10 +375,19 @@ def push_weights(run: Run, weight_version: str, wake_servers: bool, clock: Clock
     if run.offload:
         with clock("offload"):
             offload_states(actor, params=False)
-    if wake_servers and client is not None:
-        with clock("wake"):
-            client.call_all("/resume_memory_occupation", {"tags": ["weights"]})
-    stats = sync_weights(actor.module, run.ckpt, weight_version)
+    try:
+        if wake_servers and client is not None:
+            with clock("wake"):
+                asleep = [url for url in client.live_urls() if url not in run.weights_awake]
+                client.run(each(client, asleep, "/resume_memory_occupation", {"tags": ["weights"]}))
+                run.weights_awake.update(asleep)
+        stats, error = sync_weights(actor.module, run.ckpt, weight_version), None
+    except (SyncError, ServerError) as e:  # only rank 0 talks to the servers
+        stats, error = None, e
+    # Every rank learns the outcome before the collectives below (verification gathers, the probe's
+    # forward); a rank that went on alone would wait in them forever (seen with a server dying mid-sync).
+    if not all_ranks(error is None):
+        raise error or SyncError(f"the weight sync to version {weight_version} failed on trainer rank 0")
     if cfg.sync.verify == "weights":
         with clock("verify"):
             verify_weights(actor.module, client, cfg.sync.bucket_bytes)
@@ -383,6 +401,7 @@ def push_weights(run: Run, weight_version: str, wake_servers: bool, clock: Clock
     if wake_servers and client is not None:
         with clock("wake"):
             client.call_all("/resume_memory_occupation", {"tags": ["kv_cache"]})
+            run.weights_awake.clear()
     if stats is None:
         return {}
     out = {"sync/bytes": stats.bytes, "sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}

@@ -158,3 +158,27 @@ def test_crash_of_a_rollout_server_mid_step_loses_nothing(tmp_path):
     assert "is down" in text and "restarted at" in text
     trained = [row for r in trace(run_dir) for row in r["rows"]]
     assert sorted(trained) == list(range(64)), "every prompt of the epoch, exactly once"
+
+
+def test_crash_of_a_rollout_server_during_a_weight_sync_loses_nothing(tmp_path):
+    """A server dies mid-sync (after taking its update request, before receiving): the sync fails,
+    the server is restarted, the sync is redone, and the run trains every prompt once."""
+    rows = toy.make_rows(64, seed=9)
+    data = tmp_path / "epoch.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir, marker = tmp_path / "sync_crash", tmp_path / "crash_now"
+    args = ["--data.train_path", str(data), "--rollout.prompts_per_step", "16", "--trainer.total_steps", "4"]
+    args += ["--rollout.num_servers", "2", "--rollout.server_args", json.dumps({"crash_marker": str(marker)})]
+    args += ["--trainer.micro_batch_size", "64", "--sync.verify", "weights", "--sync.timeout_s", "30"]
+    proc = subprocess.Popen(train_cmd("toy_cpu.yaml", run_dir, *args), cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    log = []
+    for line in proc.stderr:
+        log.append(line)
+        if "step 1/4 |" in line:
+            marker.touch()  # the next weight update kills the server that takes it
+    assert proc.wait(600) == 0, "".join(log[-60:])
+    text = "".join(log)
+    assert not marker.exists(), "no server took the crash marker"
+    assert "weight sync to version" in text and "restarted at" in text
+    trained = [row for r in trace(run_dir) for row in r["rows"]]
+    assert sorted(trained) == list(range(64)), "every prompt of the epoch, exactly once"

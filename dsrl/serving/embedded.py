@@ -92,6 +92,7 @@ class Engine:
         max_batch_tokens: int = 16384,
         decode_delay_ms: float = 0.0,
         deterministic: bool = False,
+        crash_marker: str | None = None,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -116,6 +117,7 @@ class Engine:
         self.max_batch_tokens = max_batch_tokens
         self.decode_delay_s = decode_delay_ms / 1000  # emulate a slower engine (tests, benchmarks)
         self.deterministic = deterministic  # batch-invariant: each request's forward runs alone
+        self.crash_marker = crash_marker  # fault injection for tests: see --crash-marker
         self.weight_version = "default"
         self.running: list[Request] = []
         self.paused = False
@@ -322,6 +324,7 @@ class Engine:
         import torch.distributed as dist
 
         self.check_weights_resident()
+        self._maybe_crash()
         group = self.groups.get(body.get("group_name", "weight_update_group"))
         if group is None:
             raise BadRequest(
@@ -357,6 +360,16 @@ class Engine:
         finally:
             with self.recv_lock:
                 self.free_buffers[sum(sizes)].append(flat)
+
+    def _maybe_crash(self) -> None:
+        """Die in the middle of a weight update, once, when the test asks for it (a crash mid-sync)."""
+        if self.crash_marker:
+            try:
+                os.remove(self.crash_marker)  # one server takes it
+            except FileNotFoundError:
+                return
+            log.error("crash marker %s found: exiting in the middle of a weight update", self.crash_marker)
+            os._exit(1)
 
     def _storage_slice(self, names: list[str], dtypes: list, sizes: list[int]) -> torch.Tensor | None:
         start = self.offsets.get(names[0], (None,))[0]
@@ -634,11 +647,21 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="Batch-invariant results (each request's forward alone), as SGLang's flag of that name.",
     )
+    parser.add_argument(
+        "--crash-marker",
+        default=None,
+        help="Fault injection for tests: exit during a weight update if this file exists (removing it first).",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # shares a small CPU with the trainer ranks
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine = Engine(
-        args.model_path, args.seed, args.max_batch_tokens, args.decode_delay_ms, args.enable_deterministic_inference
+        args.model_path,
+        args.seed,
+        args.max_batch_tokens,
+        args.decode_delay_ms,
+        args.enable_deterministic_inference,
+        args.crash_marker,
     )
     log.info("embedded engine for %s on http://%s:%d (pid %d)", args.model_path, args.host, args.port, os.getpid())
     if os.environ.get("DSRL_PARENT_PID"):

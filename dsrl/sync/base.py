@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from dsrl.config import SyncConfig
-from dsrl.serving.client import RolloutClient
+from dsrl.serving.client import RolloutClient, ServerError
 from dsrl.zero.buckets import gathered_buckets
 
 log = logging.getLogger(__name__)
@@ -149,24 +149,30 @@ def verify_weights(module: torch.nn.Module, client: RolloutClient | None, bucket
     """Compare every server parameter with the trainer's gathered one; raise naming the first that differs.
 
     Uses /get_weights_by_name (the embedded engine; SGLang implements it for Llama-family models).
-    Call on every rank; `client` is None except on rank 0.
+    Call on every rank; `client` is None except on rank 0. Rank 0 raises only once every bucket has
+    been gathered: the other ranks are in those all-gathers too.
     """
+    problem: Exception | None = None
     for bucket in gathered_buckets(module, bucket_bytes):
-        if client is None:
-            continue
-        for name, tensor in bucket:
-            want = tensor.detach().float().cpu()
-            rows = want.shape[0] if want.dim() else 1
-            replies = client.call_all("/get_weights_by_name", {"name": name, "truncate_size": rows})
-            for url, got in zip(client.live_urls(), replies):
-                got = torch.tensor(got, dtype=torch.float32)
-                if got.shape != want.shape:
-                    raise SyncError(
-                        f"{url}: parameter {name!r} has shape {list(got.shape)}, trainer {list(want.shape)}"
-                    )
-                if not torch.equal(got, want):
-                    diff = (got - want).abs().max().item()
-                    raise SyncError(f"{url}: parameter {name!r} differs from the trainer's (max |diff| {diff:.3g})")
+        for name, tensor in bucket if client is not None and problem is None else []:
+            try:
+                _check_parameter(client, name, tensor.detach().float().cpu())
+            except (SyncError, ServerError) as e:
+                problem = e
+    if problem is not None:
+        raise problem
+
+
+def _check_parameter(client: RolloutClient, name: str, want: torch.Tensor) -> None:
+    rows = want.shape[0] if want.dim() else 1
+    replies = client.call_all("/get_weights_by_name", {"name": name, "truncate_size": rows})
+    for url, got in zip(client.live_urls(), replies):
+        got = torch.tensor(got, dtype=torch.float32)
+        if got.shape != want.shape:
+            raise SyncError(f"{url}: parameter {name!r} has shape {list(got.shape)}, trainer {list(want.shape)}")
+        if not torch.equal(got, want):
+            diff = (got - want).abs().max().item()
+            raise SyncError(f"{url}: parameter {name!r} differs from the trainer's (max |diff| {diff:.3g})")
 
 
 def probe_ids(vocab_size: int, sequences: int = 4, length: int = 32, seed: int = 1234) -> list[list[int]]:
