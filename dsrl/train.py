@@ -3,7 +3,6 @@
 generate -> logprobs -> update -> sync, each phase timed; the details live below it.
 """
 
-import asyncio
 import gc
 import json
 import logging
@@ -131,7 +130,7 @@ def setup(cfg: Config) -> Run:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     dataset = PromptDataset(cfg.data, tokenizer, cfg.seed)
-    if cfg.rollout.server_urls or cfg.rollout.engine == "sglang" or (cfg.rollout.engine == "auto" and use_cuda(cfg)):
+    if cfg.rollout.server_urls or rollout_engine(cfg) == "sglang":
         check_fits_context(
             cfg, dataset, AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
         )
@@ -332,12 +331,16 @@ def check_fits_context(cfg: Config, dataset: PromptDataset, model_config) -> Non
             )
 
 
+def rollout_engine(cfg: Config) -> str:
+    """The engine dsrl starts: auto = SGLang on GPUs, the embedded engine on CPU."""
+    if cfg.rollout.engine != "auto":
+        return cfg.rollout.engine
+    return "sglang" if use_cuda(cfg) else "embedded"
+
+
 def start_rollout_fleet(cfg: Config, model_dir: str, run_dir: Path, rank: int) -> ServerFleet:
     """Rank 0 starts the servers (or takes external URLs); every rank learns their URLs."""
-    engine = cfg.rollout.engine
-    if engine == "auto":
-        engine = "sglang" if use_cuda(cfg) else "embedded"
-    fleet = [start_fleet(cfg.rollout, model_dir, run_dir, cfg.seed, engine) if rank == 0 else None]
+    fleet = [start_fleet(cfg.rollout, model_dir, run_dir, cfg.seed, rollout_engine(cfg)) if rank == 0 else None]
     urls = [fleet[0].urls if rank == 0 else None]
     dist.broadcast_object_list(urls, src=0)
     return fleet[0] or ServerFleet(urls=urls[0])
@@ -359,11 +362,6 @@ def resolve_sync(cfg: Config) -> SyncConfig:
     return replace(cfg.sync, type="ipc" if ipc else "broadcast")
 
 
-async def each(client: RolloutClient, urls: list[str], path: str, payload: dict) -> list:
-    """The same call to some of the servers."""
-    return await asyncio.gather(*(client.request(url, path, payload) for url in urls))
-
-
 def push_weights(run: Run, weight_version: str, wake_servers: bool, clock: Clock | None = None) -> dict[str, float]:
     """Sync the actor's weights into the servers.
 
@@ -379,7 +377,7 @@ def push_weights(run: Run, weight_version: str, wake_servers: bool, clock: Clock
         if wake_servers and client is not None:
             with clock("wake"):
                 asleep = [url for url in client.live_urls() if url not in run.weights_awake]
-                client.run(each(client, asleep, "/resume_memory_occupation", {"tags": ["weights"]}))
+                client.run(client.all_servers("/resume_memory_occupation", {"tags": ["weights"]}, urls=asleep))
                 run.weights_awake.update(asleep)
         stats, error = sync_weights(actor.module, run.ckpt, weight_version), None
     except (SyncError, ServerError) as e:  # only rank 0 talks to the servers

@@ -157,13 +157,15 @@ class RolloutClient:
         """Adopt a new fleet (after a restart or a drop); forget which servers were down."""
         self.urls, self.down = list(urls), []
 
-    async def all_servers(self, path: str, payload: Any = None, method: str = "POST") -> list[Any]:
-        """The same call to every live server; the replies, in `live_urls()` order.
+    async def all_servers(
+        self, path: str, payload: Any = None, method: str = "POST", urls: list[str] | None = None
+    ) -> list[Any]:
+        """The same call to every live server (or to `urls`); the replies, in that order.
 
         A server that cannot be reached is marked down and left out (the trainer restarts or drops
         it before the next sync); any other error is raised.
         """
-        urls = self.live_urls()
+        urls = self.live_urls() if urls is None else urls
         replies = await asyncio.gather(
             *(self.request(url, path, payload, method) for url in urls), return_exceptions=True
         )
