@@ -214,6 +214,11 @@ class RolloutManager:
         prompt = group.prompt
         done = partial.response_ids if partial else []
         params = {**self.params, **prompt.sampling}
+        if partial and len(done) >= params["max_new_tokens"]:
+            # Aborted as its last token came out (SGLang then says "abort", not "length"): nothing is left
+            # to generate, and a request for 0 tokens would still return one.
+            await self._sample_done(group, slot, partial, "length", partial.extras["spans"][-1][1])
+            return
         params["max_new_tokens"] -= len(done)
         params["sampling_seed"] = request_seed(self.cfg.seed, prompt.index, slot, self.version, len(done))
         # The version of the request's oldest tokens decides whether a weight update interrupts it.
@@ -233,8 +238,8 @@ class RolloutManager:
         meta = out["meta_info"]
         reason = meta["finish_reason"]["type"]
         version = int(meta["weight_version"])
-        tokens = out["output_ids"]
-        logprobs = [lp for lp, _, _ in meta.get("output_token_logprobs", [])]
+        tokens = out["output_ids"][: params["max_new_tokens"]]
+        logprobs = [lp for lp, _, _ in meta.get("output_token_logprobs", [])][: len(tokens)]
         sample = partial or Sample(prompt, [], [], "", str(version), extras={"spans": []})
         if tokens:
             sample.extras["spans"].append((len(sample.response_ids), version))
@@ -245,6 +250,9 @@ class RolloutManager:
             resume = self.mode == "partial" and sample.response_ids
             self.interrupted.append((group, slot, sample if resume else None))
             return
+        await self._sample_done(group, slot, sample, reason, version)
+
+    async def _sample_done(self, group: Group, slot: int, sample: Sample, reason: str, version: int) -> None:
         sample.finish_reason = reason
         sample.weight_version = str(version)
         group.samples[slot] = sample

@@ -1,6 +1,7 @@
 """Asynchronous rollout against the real embedded engine: the staleness bound, no prompt lost or
 trained twice, partial rollout resuming exactly, and the schedules learning end to end."""
 
+import asyncio
 import json
 import random
 import subprocess
@@ -15,7 +16,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from dsrl import toy
 from dsrl.config import Config, DataConfig, ModelConfig
 from dsrl.data import PromptDataset
-from dsrl.rollout_manager import PromptStream, RolloutManager
+from dsrl.rollout import Sample
+from dsrl.rollout_manager import Group, PromptStream, RolloutManager
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import start_fleet
 from tests.conftest import ROOT
@@ -98,6 +100,27 @@ def test_partial_update_interrupts_requests_in_flight_and_resumes_them(slow_serv
     assert stats.resumed + stats.restarted == stats.interrupted
     spanned = [s for s in samples if len({v for _, v in s.extras["spans"]}) == 2]
     assert spanned and all(len(s.response_ids) == 16 for s in spanned)
+
+
+def test_a_partial_sample_aborted_at_its_last_token_finishes_without_a_request(slow_server, tmp_path):
+    """An abort can race with the last token: SGLang then answers "abort" with every token asked for.
+    Resuming that asked for max_new_tokens 0, which SGLang answers with one token more, and the next
+    resume asked for -1 and failed the run (seen on 2 H200s). The sample is complete: it finishes as is."""
+    manager, stream = manager_for(slow_server, tmp_path, k=2, interrupt="partial", groups=1, n=1, lengths=[4], seed=0)
+    prompt = stream.next()
+    group = Group(0, prompt, [None], 1)
+    full = Sample(prompt, [7, 7, 7, 7], [-0.5] * 4, "", "0", extras={"spans": [(0, 0), (2, 1)]})
+    manager.groups[id(group)] = group
+    manager.generating.add(id(group))
+
+    async def resume():
+        manager.cond = asyncio.Condition()
+        await manager._run_sample(group, 0, full)
+
+    slow_server.run(resume())
+    assert manager.ready and manager.ready[0] is group
+    sample = group.samples[0]
+    assert sample.response_ids == [7, 7, 7, 7] and sample.finish_reason == "length" and sample.weight_version == "1"
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
