@@ -171,6 +171,17 @@ def test_flattened_and_per_tensor_updates_over_gloo(server, toy_weights):
     assert torch.equal(torch.tensor(got), one)
     assert server.weight_versions() == ["5"]  # no version given: unchanged
 
+    # A failing collective names its own error (unregistered, torch's error logging raised "Group ... is
+    # not registered" instead, which is all a failed NCCL broadcast on 2 H200s showed).
+    # The logging needs a default group, which a trainer always has.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        assert dist.get_rank(group) == 0
+        with pytest.raises(RuntimeError, match="invalid root rank"):
+            dist.broadcast(one.clone(), group=group, group_src=5)
+    finally:
+        dist.destroy_process_group(dist.group.WORLD)
+
 
 def test_client_retries_idempotent_calls_then_names_the_server():
     client = RolloutClient([f"http://127.0.0.1:{free_port()}"], timeout_s=5, retries=1)

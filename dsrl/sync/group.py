@@ -8,7 +8,7 @@ Both ends must build it identically or the rendezvous keys never match and the s
 from datetime import timedelta
 
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, rendezvous
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
 
 def init_weight_update_group(
@@ -24,4 +24,7 @@ def init_weight_update_group(
     group, _ = _new_process_group_helper(
         world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name, timeout=timeout
     )
+    # Register its ranks, as SGLang does: torch's collectives log a failure with get_rank(group), which
+    # raises "Group ... is not registered" on an unregistered group and hides the real error.
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
