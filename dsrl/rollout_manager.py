@@ -237,12 +237,11 @@ class RolloutManager:
             await self._request_finished()
         meta = out["meta_info"]
         reason = meta["finish_reason"]["type"]
-        version = int(meta["weight_version"])
         tokens = out["output_ids"][: params["max_new_tokens"]]
         logprobs = [lp for lp, _, _ in meta.get("output_token_logprobs", [])][: len(tokens)]
-        sample = partial or Sample(prompt, [], [], "", str(version), extras={"spans": []})
-        if tokens:
-            sample.extras["spans"].append((len(sample.response_ids), version))
+        sample = partial or Sample(prompt, [], [], "", "", extras={"spans": []})
+        if tokens:  # (none when aborted before it was sent: the client's reply carries no version)
+            sample.extras["spans"].append((len(sample.response_ids), int(meta["weight_version"])))
             sample.response_ids = sample.response_ids + tokens
             sample.engine_logprobs = sample.engine_logprobs + logprobs
         if reason == "abort":  # resubmitted by _after_update, under the new weights
@@ -250,7 +249,7 @@ class RolloutManager:
             resume = self.mode == "partial" and sample.response_ids
             self.interrupted.append((group, slot, sample if resume else None))
             return
-        await self._sample_done(group, slot, sample, reason, version)
+        await self._sample_done(group, slot, sample, reason, int(meta["weight_version"]))
 
     async def _sample_done(self, group: Group, slot: int, sample: Sample, reason: str, version: int) -> None:
         sample.finish_reason = reason

@@ -55,6 +55,24 @@ def test_greedy_partial_rollout_resumes_exactly(slow_server):
     assert done + second == full
 
 
+def test_abort_reaches_requests_still_waiting_for_a_concurrency_slot(slow_server):
+    """A request queued behind max_concurrency is aborted too: it is never sent. (They were not, and
+    ran to the end while the weight update waited: 0.6 s per step on 2 H200s.)"""
+    client = RolloutClient(slow_server.urls, max_concurrency=1, timeout_s=60)
+    try:
+        params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+        running = client.submit(client.generate({"input_ids": [5, 11], "sampling_params": params, "rid": "a"}))
+        queued = client.submit(client.generate({"input_ids": [5, 12], "sampling_params": params, "rid": "b"}))
+        time.sleep(0.05)
+        assert client.placed == {"a": slow_server.urls[0]} and client.waiting == {"b"}
+        client.run(client.abort(["a", "b"]))
+        first, second = running.result(10), queued.result(10)
+    finally:
+        client.close()
+    assert first["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(first["output_ids"]) < 40
+    assert second["meta_info"]["finish_reason"]["type"] == "abort" and second["output_ids"] == []
+
+
 def manager_for(client, tmp_path, k: int, interrupt: str, groups: int, n: int, lengths: list[int], seed: int):
     rows = [
         {**row, "sampling_params": {"max_new_tokens": length, "ignore_eos": True}}

@@ -30,6 +30,7 @@ IDEMPOTENT = {
     "/get_weights_by_name",
     "/abort_request",
 }
+ABORTED_BEFORE_SENT = {"type": "abort", "message": "aborted while waiting for a concurrency slot; never sent"}
 
 
 class ServerError(RuntimeError):
@@ -53,6 +54,8 @@ class RolloutClient:
         self.retries = retries
         self.in_flight = dict.fromkeys(self.urls, 0)
         self.placed: dict[str, str] = {}  # request id -> the server running it
+        self.waiting: set[str] = set()  # request ids waiting for a concurrency slot
+        self.cancelled: set[str] = set()  # ... and aborted meanwhile: never sent
         self.down: list[str] = []  # servers that stopped answering; the trainer restarts or drops them
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-client", daemon=True)
@@ -120,7 +123,16 @@ class RolloutClient:
         and the request goes to another one (requests carry their sampling seed, so this is safe).
         """
         rid = payload.get("rid")
-        async with self.semaphore:
+        if isinstance(rid, str):
+            self.waiting.add(rid)
+        try:
+            await self.semaphore.acquire()
+        finally:
+            self.waiting.discard(rid)
+        try:
+            if rid in self.cancelled:
+                self.cancelled.discard(rid)
+                return {"output_ids": [], "meta_info": {"id": rid, "finish_reason": ABORTED_BEFORE_SENT}}
             while True:
                 live = self.live_urls()
                 if not live:
@@ -141,13 +153,19 @@ class RolloutClient:
                 finally:
                     self.in_flight[url] -= 1
                     self.placed.pop(rid, None)
+        finally:
+            self.semaphore.release()
 
     async def abort(self, rids: list[str]) -> None:
         """Abort requests in flight, each at the server running it; one that has finished is ignored.
 
         One call per request id: SGLang 0.5.17 ignores an id it does not know, a prefix included.
-        A server that cannot be reached is left to `generate`, which resubmits its requests.
+        A request still waiting for a concurrency slot is never sent and answers as aborted (the
+        async manager admits up to (k + 1) batches, more than max_concurrency: left alone, those
+        ran to the end while a weight update waited for them). A server that cannot be reached is
+        left to `generate`, which resubmits its requests.
         """
+        self.cancelled |= self.waiting.intersection(rids)
         calls = [self.request(self.placed[r], "/abort_request", {"rid": r}) for r in rids if r in self.placed]
         for reply in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(reply, BaseException) and not (isinstance(reply, ServerError) and reply.down):
