@@ -37,7 +37,7 @@ def train(argv: list[str]) -> int:
     if cfg.trainer.hostfile:
         cmd += ["--hostfile", cfg.trainer.hostfile]
     if cuda:
-        cmd += ["--num_gpus", str(cfg.trainer.num_ranks)] if cfg.trainer.num_ranks else []
+        cmd += gpu_selection(cfg.trainer.num_ranks, env.get("CUDA_VISIBLE_DEVICES", ""), bool(cfg.trainer.hostfile))
         env.update(NCCL_CUMEM_ENABLE="0", DSRL_CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", ""))
     else:
         # gloo ranks on CPU; one thread each (measured: 3x faster on a small box than the default)
@@ -46,6 +46,21 @@ def train(argv: list[str]) -> int:
     cmd += ["--no_local_rank", "--module", "dsrl.train", "--config", str(config_path)]
     print(f"dsrl train: {' '.join(cmd)}", file=sys.stderr, flush=True)
     return subprocess.call(cmd, env=env)
+
+
+def gpu_selection(num_ranks: int, visible: str, hostfile: bool) -> list[str]:
+    """The deepspeed launcher's GPU flags. Given --num_gpus it ignores CUDA_VISIBLE_DEVICES and starts
+    the ranks on GPU 0 up, while dsrl's servers keep to the visible GPUs: on one machine the trainer
+    then shared GPU 0 with whatever ran there, and a colocated server sat on another GPU than its
+    trainer rank (CUDA IPC failed). So the visible GPUs become --include."""
+    if not num_ranks:
+        return []  # the launcher takes every visible GPU itself
+    if hostfile or not visible:
+        return ["--num_gpus", str(num_ranks)]
+    gpus = visible.split(",")
+    if num_ranks > len(gpus):
+        raise SystemExit(f"dsrl train: trainer.num_ranks={num_ranks}, but CUDA_VISIBLE_DEVICES={visible} is fewer GPUs")
+    return ["--include", "localhost:" + ",".join(gpus[:num_ranks])]
 
 
 def main(argv: list[str] | None = None) -> int:

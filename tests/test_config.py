@@ -89,3 +89,17 @@ def test_config_module_imports_no_torch():
 
     code = "import sys, dsrl.config; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_launcher_keeps_the_trainer_on_the_visible_gpus():
+    """--num_gpus makes the deepspeed launcher ignore CUDA_VISIBLE_DEVICES (its ranks start on GPU 0);
+    with GPUs pinned, the trainer must get the first visible ones, as the servers do."""
+    from dsrl.cli import gpu_selection
+
+    assert gpu_selection(1, "2,3", hostfile=False) == ["--include", "localhost:2"]
+    assert gpu_selection(2, "5,1,7", hostfile=False) == ["--include", "localhost:5,1"]
+    assert gpu_selection(2, "", hostfile=False) == ["--num_gpus", "2"]
+    assert gpu_selection(2, "0,1", hostfile=True) == ["--num_gpus", "2"]  # per-node GPUs: the hostfile's say
+    assert gpu_selection(0, "2,3", hostfile=False) == []  # the launcher takes all visible GPUs itself
+    with pytest.raises(SystemExit, match="num_ranks=3"):
+        gpu_selection(3, "0,1", hostfile=False)
