@@ -5,6 +5,8 @@
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup bench_ipc                      # 1 GPU
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup disaggregate bench_nccl        # 2 GPUs
 #   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py)
+# Pinning stages to GPUs with CUDA_VISIBLE_DEVICES holds for `dsrl train` stages (toy, colocate,
+# disaggregate, async); bench_ipc and bench_nccl (tools/bench_sync.py) always use GPU 0 (and 1).
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT" /tmp/models
