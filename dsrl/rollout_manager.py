@@ -6,18 +6,18 @@ n samples) at a time, as long as
     groups admitted so far  <=  (weight version + max_staleness + 1) * groups per step
 
 (AReaL's rule, in groups so GRPO groups stay whole). Admission is what keeps generation from
-running ahead; a check at consumption is what makes the bound a guarantee: a group may finish
-late (long tail), and a group whose oldest token span is more than `max_staleness` versions
-behind the trainer is dropped and its prompt generated again, never trained on.
+running ahead; a check at consumption is what makes the bound a guarantee: a group whose oldest
+token span is more than `max_staleness` versions behind the trainer is dropped and its prompt
+generated again, never trained on. So that this is rare, a batch takes the oldest finished groups
+first, and waits for a group still generating that started `max_staleness` versions ago (the
+bound on admission means there are at most a batch of those): later, it would be too stale.
 
 Around a weight update the in-flight requests are handled by `rollout.interrupt`:
   wait     stop admitting, let every in-flight request finish, then sync;
   abort    abort them before the sync; each sample restarts from its prompt once the new weights are live;
   partial  abort them before the sync; each resumes from prompt + tokens so far under the new weights.
-Every sample records the weight version of each token span. In abort and partial modes a group at
-the edge of the bound (it must be in the next batch or it is too stale) is not interrupted but
-finishes under the current weights -- interrupted, it could only be dropped, and a long request
-would never finish; a group already past the edge is restarted from scratch.
+Every sample records the weight version of each token span. A group already past the edge of the
+bound at an update (it could only be dropped) is restarted from scratch.
 """
 
 import asyncio
@@ -62,6 +62,7 @@ class Group:
     prompt: Prompt
     samples: list[Sample | None]
     pending: int
+    version: int  # the weight version it started generating under (restarting resets it)
     started: dict[str, int] = field(default_factory=dict)  # rid in flight -> oldest version of its tokens
 
     @property
@@ -203,7 +204,7 @@ class RolloutManager:
                 if self.stopped:
                     return
                 self.admitted += 1
-                group = Group(self.next_gid, self.stream.next(), [None] * self.n, self.n)
+                group = Group(self.next_gid, self.stream.next(), [None] * self.n, self.n, self.version)
                 self.next_gid += 1
                 self.generating.add(id(group))
                 self.groups[id(group)] = group
@@ -287,33 +288,38 @@ class RolloutManager:
             self.cond.notify_all()
 
     async def _next_batch(self, trainer_version: int) -> list[Group]:
-        batch: list[Group] = []
+        """groups_per_step finished groups, oldest first; one still generating that must be in it is waited for."""
+        last_chance = trainer_version - self.k  # a group started under this version is too stale for the next batch
         async with self.cond:
-            while len(batch) < self.groups_per_step:
-                await self.cond.wait_for(lambda: self.error is not None or self.ready)
+            while True:
                 if self.error is not None:
                     raise RuntimeError(f"rollout failed: {self.error!r}") from self.error
-                group = self.ready.popleft()
-                staleness = trainer_version - group.oldest_version
-                if staleness > self.k:  # finished too late: never train on it; generate the prompt again
+                for group in [g for g in self.ready if trainer_version - g.oldest_version > self.k]:
+                    self.ready.remove(group)  # finished too late: never train on it; generate the prompt again
                     self.stats.dropped_stale += 1
                     self.stream.give_back(group.prompt)
                     self.admitted -= 1
                     self.cond.notify_all()
-                    continue
-                batch.append(group)
-        return batch
+                ready = sorted(self.ready, key=lambda g: g.oldest_version)
+                if len(ready) >= self.groups_per_step:
+                    batch = ready[: self.groups_per_step]
+                    waiting = any(self.groups[i].version <= last_chance for i in self.generating)
+                    if batch[-1].oldest_version <= last_chance or not waiting:
+                        taken = {id(g) for g in batch}
+                        self.ready = deque(g for g in self.ready if id(g) not in taken)
+                        return batch
+                await self.cond.wait()
 
     async def _before_update(self) -> None:
         async with self.cond:
             self.paused = True
             if self.mode != "wait":
-                # The next batch is trained at version + 1: a group whose oldest tokens are at `edge`
-                # must make it, so it finishes now; newer groups are interrupted; older ones restart.
+                # The next batch is trained at version + 1: a group whose oldest tokens are older than `edge`
+                # can only be dropped, so it restarts from scratch; every other sample resumes (or restarts).
                 edge = self.version + 1 - self.k
-                groups = [self.groups[i] for i in self.generating if self.groups[i].started]
-                self.doomed |= {g.gid for g in groups if g.oldest_so_far() < edge}
-                await self.client.abort([rid for g in groups for rid, v in g.started.items() if v != edge])
+                groups = [self.groups[i] for i in self.generating]
+                self.doomed |= {g.gid for g in groups if g.oldest_so_far(edge) < edge}
+                await self.client.abort_all()
             await self.cond.wait_for(lambda: self.in_flight == 0 or self.error is not None)
 
     async def _after_update(self, version: int) -> None:
@@ -331,6 +337,6 @@ class RolloutManager:
                 self._spawn(self._run_sample(group, slot, partial))
         for group in restart.values():  # too stale to train on: every sample from scratch
             self.stats.restarted += self.n
-            group.samples, group.pending = [None] * self.n, self.n
+            group.samples, group.pending, group.version = [None] * self.n, self.n, version
             for slot in range(self.n):
                 self._spawn(self._run_sample(group, slot, None))

@@ -65,7 +65,7 @@ def test_abort_reaches_requests_still_waiting_for_a_concurrency_slot(slow_server
         queued = client.submit(client.generate({"input_ids": [5, 12], "sampling_params": params, "rid": "b"}))
         time.sleep(0.05)
         assert client.placed == {"a": slow_server.urls[0]} and client.waiting == {"b"}
-        client.run(client.abort(["a", "b"]))
+        client.run(client.abort_all())
         first, second = running.result(10), queued.result(10)
     finally:
         client.close()
@@ -98,8 +98,8 @@ def simulated_update(client, version: int) -> None:
 
 
 def test_partial_update_interrupts_requests_in_flight_and_resumes_them(slow_server, tmp_path):
-    """In partial mode a weight update aborts what is in flight, by request id (SGLang ignores a prefix),
-    and each sample then finishes under the new weights from where it stopped."""
+    """In partial mode a weight update aborts what is in flight (SGLang 0.5.17 ignores an id prefix, so dsrl
+    once aborted nothing), and each sample then finishes under the new weights from where it stopped."""
     client = slow_server
     simulated_update(client, 0)
     lengths = [1, 1] + [16] * 30  # the first batch is short; the groups admitted after it are still running
@@ -126,7 +126,7 @@ def test_a_partial_sample_aborted_at_its_last_token_finishes_without_a_request(s
     resume asked for -1 and failed the run (seen on 2 H200s). The sample is complete: it finishes as is."""
     manager, stream = manager_for(slow_server, tmp_path, k=2, interrupt="partial", groups=1, n=1, lengths=[4], seed=0)
     prompt = stream.next()
-    group = Group(0, prompt, [None], 1)
+    group = Group(0, prompt, [None], 1, 0)
     full = Sample(prompt, [7, 7, 7, 7], [-0.5] * 4, "", "0", extras={"spans": [(0, 0), (2, 1)]})
     manager.groups[id(group)] = group
     manager.generating.add(id(group))
@@ -139,6 +139,30 @@ def test_a_partial_sample_aborted_at_its_last_token_finishes_without_a_request(s
     assert manager.ready and manager.ready[0] is group
     sample = group.samples[0]
     assert sample.response_ids == [7, 7, 7, 7] and sample.finish_reason == "length" and sample.weight_version == "1"
+
+
+def test_a_group_at_its_last_chance_is_waited_for_not_dropped(slow_server, tmp_path):
+    """A long group started k versions ago must be in the next batch: newer groups that finished first wait."""
+    client = slow_server
+    simulated_update(client, 0)
+    lengths = [40, 1, 1, 1]  # row 0 outlasts the first step, rows 1-3 finish at once
+    manager, _ = manager_for(client, tmp_path, k=1, interrupt="partial", groups=1, n=1, lengths=lengths, seed=0)
+    manager.start()
+    rows, resumed, dropped = [], 0, 0
+    try:
+        for step in range(3):
+            samples, metrics = manager.collect(step)
+            rows.append(samples[0].prompt.index)
+            resumed += metrics["rollout/resumed"]
+            dropped += metrics["rollout/dropped_stale"]
+            time.sleep(0.03)  # the trainer's update: row 0 gets some tokens out under version 0
+            manager.before_update()
+            simulated_update(client, step + 1)
+            manager.after_update(step + 1)
+    finally:
+        manager.stop()
+    assert rows == [1, 0, 2] and dropped == 0, (rows, dropped)
+    assert resumed > 0, "row 0 should have been interrupted by the first update and resumed"
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
