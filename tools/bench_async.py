@@ -1,13 +1,16 @@
 """Asynchronous rollout on a long-tail workload: wall time for the same trained samples, and final reward.
 
-The toy task, but one prompt in ten must generate 12x longer (its row carries sampling_params
-{max_new_tokens: 60, ignore_eos: true}), and the embedded engine is slowed to --decode-delay-ms
-per decode step so that generation, as on GPUs, is the long pole. Each schedule trains the same
-number of steps on the same data; time is the sum of the steps (start-up excluded).
+The toy task, but one prompt in ten must generate --long-tokens tokens, 12x (CPU) or 20x (GPU) the
+others' 5 (its row carries sampling_params {max_new_tokens: N, ignore_eos: true}), and the embedded
+engine is slowed to --decode-delay-ms per decode step so that generation, as on GPUs, is the long
+pole. Each schedule trains the same number of steps on the same data; time is the sum of the steps
+(start-up excluded). A tail longer than the toy model's 64-token context runs on a copy of the toy
+model with a longer one.
 
     python tools/bench_async.py                    # CPU, embedded engine
     python tools/bench_async.py --steps 150 --decode-delay-ms 8
     python tools/bench_async.py --gpu --steps 60   # 2 GPUs: trainer on GPU 0, SGLang on GPU 1
+    python tools/bench_async.py --gpu --steps 60 --schedules 0 4 --rollout.max_concurrency 768
     python tools/bench_async.py --schedules 0 4 --seed 1 --trainer.lr 1e-3   # other flags go to dsrl train
 
 On GPUs (configs/toy_gpu_async.yaml) SGLang runs at its own speed: no decode delay.
@@ -15,6 +18,7 @@ On GPUs (configs/toy_gpu_async.yaml) SGLang runs at its own speed: no decode del
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,27 +54,31 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--decode-delay-ms", type=float, default=5.0)
     p.add_argument("--workdir", default=None)
-    p.add_argument(
-        "--gpu",
-        action="store_true",
-        help="SGLang on GPU 1, the trainer on GPU 0 (long responses 48 tokens: SGLang refuses an input "
-        "within 6 tokens of the toy model's 64-token context, which a resumed partial request can reach)",
-    )
+    p.add_argument("--gpu", action="store_true", help="SGLang on GPU 1, the trainer on GPU 0")
+    p.add_argument("--long-tokens", type=int, help="length of the long responses (default: 60 on CPU, 100 on GPU)")
     p.add_argument("--schedules", nargs="*", type=int, help="indices into SCHEDULES (default: 0-4)")
     p.add_argument("--seed", type=int, default=0, help="dsrl's --seed (sampling, shuffling, init); repeat for noise")
     args, extra = p.parse_known_args()  # the rest goes to every `dsrl train`, e.g. --trainer.lr 1e-3
     work = Path(args.workdir or tempfile.mkdtemp(prefix="dsrl_bench_async_"))
     work.mkdir(parents=True, exist_ok=True)
     data = work / "long_tail.jsonl"
-    long_tokens = 48 if args.gpu else 60  # the others get the config's max_new_tokens, 5
+    long_tokens = args.long_tokens or (100 if args.gpu else 60)  # the others get the config's max_new_tokens, 5
     data.write_text("".join(json.dumps(r) + "\n" for r in long_tail_rows(4096, 0, long_tokens)))
     results = []
     config = ROOT / ("configs/toy_gpu_async.yaml" if args.gpu else "configs/toy_cpu_async.yaml")
+    model = ROOT / "examples/toy/model"
+    context = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    if long_tokens + 32 > context:  # room for the prompt, and SGLang refuses inputs within 6 tokens of the context
+        model = work / "toy_model_long_context"
+        shutil.copytree(ROOT / "examples/toy/model", model, dirs_exist_ok=True)
+        model_config = json.loads((model / "config.json").read_text())
+        model_config["max_position_embeddings"] = 2 ** (long_tokens + 32).bit_length()
+        (model / "config.json").write_text(json.dumps(model_config, indent=2))
     schedules = [SCHEDULES[i] for i in args.schedules] if args.schedules else SCHEDULES[:5]
     for label, k, interrupt in schedules:
         run_dir = work / f"k{k}_{interrupt}"
         cmd = [sys.executable, "-m", "dsrl.cli", "train", "--config", str(config)]
-        cmd += ["--data.train_path", str(data), "--trainer.total_steps", str(args.steps)]
+        cmd += ["--model.path", str(model), "--data.train_path", str(data), "--trainer.total_steps", str(args.steps)]
         cmd += ["--rollout.max_staleness", str(k), "--rollout.interrupt", interrupt]
         if not args.gpu:
             cmd += ["--rollout.server_args", json.dumps({"decode_delay_ms": args.decode_delay_ms})]

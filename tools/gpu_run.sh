@@ -4,7 +4,8 @@
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup colocate toy greedy rollout   # 1 GPU
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup bench_ipc                      # 1 GPU
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup disaggregate bench_nccl        # 2 GPUs
-#   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py)
+#   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py;
+#                                                         ASYNC_EXTRA="--rollout.max_concurrency 768" passes flags on)
 # Pinning stages to GPUs with CUDA_VISIBLE_DEVICES holds for `dsrl train` stages (toy, colocate,
 # disaggregate, async); bench_ipc and bench_nccl (tools/bench_sync.py) always use GPU 0 (and 1).
 set -u
@@ -88,7 +89,7 @@ for s in "$@"; do
       ;;
     async)
       stage async ${ASYNC_LIMIT:-590} python3 tools/bench_async.py --gpu --steps ${ASYNC_STEPS:-60} --schedules ${ASYNC_SCHEDULES:-0 1 4} \
-        --workdir /tmp/bench_async
+        --workdir /tmp/bench_async ${ASYNC_EXTRA:-}
       grep -a "^{\|steps x\|^schedule\|^synchronous\|^one-step\|^async" "$OUT/async.log" | tail -12 | tee -a "$SUMMARY"
       grep -a "Error" "$OUT/async.log" | tail -3 | tee -a "$SUMMARY"
       ;;
