@@ -227,7 +227,7 @@ class RolloutManager:
         rid = f"{self.rid_prefix}-v{oldest}-g{group.gid}-s{slot}-{uuid.uuid4().hex[:8]}"
         body = {"input_ids": prompt.prompt_ids + done, "sampling_params": params, "return_logprob": True, "rid": rid}
         # Older groups first where the server schedules by priority (the embedded engine; SGLang with
-        # --enable-priority-scheduling, else ignored): a group at the staleness edge holds up the next update.
+        # --enable-priority-scheduling, else ignored): a group near the staleness bound holds up the next batch.
         body["priority"] = -oldest
         group.started[rid] = oldest
         self._request_started()
