@@ -64,7 +64,7 @@ def test_abort_reaches_requests_still_waiting_for_a_concurrency_slot(slow_server
         running = client.submit(client.generate({"input_ids": [5, 11], "sampling_params": params, "rid": "a"}))
         queued = client.submit(client.generate({"input_ids": [5, 12], "sampling_params": params, "rid": "b"}))
         time.sleep(0.05)
-        assert client.placed == {"a": slow_server.urls[0]} and client.waiting == {"b"}
+        assert client.in_flight == {slow_server.urls[0]: 1} and client.waiting == {"b"}
         client.run(client.abort_all())
         first, second = running.result(10), queued.result(10)
     finally:

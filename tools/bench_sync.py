@@ -143,7 +143,7 @@ def rank_main(args) -> None:
     from dsrl.serving.client import RolloutClient
     from dsrl.sync.base import make_checkpoint_engine, probe_reference, sync_weights, verify_probe
     from dsrl.train import start_rollout_fleet
-    from dsrl.zero.buckets import param_bytes, plan_buckets
+    from dsrl.zero.buckets import param_bytes
     from dsrl.zero.engine import init_distributed, load_engine
 
     gpu = args.mode != "cpu"
@@ -170,8 +170,7 @@ def rank_main(args) -> None:
     actor = load_engine(cfg, str(model_dir), dist.get_world_size(), train=True)
     fleet = start_rollout_fleet(cfg, str(model_dir), workdir / model_dir.name, rank)
     client = RolloutClient(fleet.urls) if rank == 0 else None
-    named = list(actor.module.named_parameters())
-    total = sum(param_bytes(p) for _, p in named)
+    total = sum(param_bytes(p) for p in actor.module.parameters())
     rows = []
     transport = {"cpu": "broadcast", "ipc": "ipc", "nccl": "broadcast"}[args.mode]
     engine = make_checkpoint_engine(SyncConfig(type=transport), client, workdir, "nccl" if gpu else "gloo")
@@ -198,9 +197,7 @@ def rank_main(args) -> None:
                     engine.release()
                     torch.cuda.empty_cache()
             if rank == 0:
-                sizes = [sum(param_bytes(named[j][1]) for j in b) for b in plan_buckets(named, bucket_bytes)]
-                if args.mode == "ipc" and dist.get_world_size() == 1:  # the IPC transport then sends one bucket
-                    sizes = [total]
+                sizes = engine.gatherer.sizes  # the buckets as sent (one rank over IPC: one bucket, whatever asked)
                 limit = raw_limit(args.mode, sizes, args.repeats)
                 best = min(times)
                 rows.append(

@@ -52,8 +52,7 @@ class RolloutClient:
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout_s = timeout_s
         self.retries = retries
-        self.in_flight = dict.fromkeys(self.urls, 0)
-        self.placed: dict[str, str] = {}  # request id -> the server running it
+        self.in_flight = dict.fromkeys(self.urls, 0)  # /generate requests at each server
         self.waiting: set[str] = set()  # request ids waiting for a concurrency slot
         self.cancelled: set[str] = set()  # ... and aborted meanwhile: never sent
         self.down: list[str] = []  # servers that stopped answering; the trainer restarts or drops them
@@ -139,8 +138,6 @@ class RolloutClient:
                     raise NoServerLeft(f"every rollout server is down: {self.down}")
                 url = min(live, key=lambda u: self.in_flight.get(u, 0))
                 self.in_flight[url] = self.in_flight.get(url, 0) + 1
-                if isinstance(rid, str):
-                    self.placed[rid] = url
                 try:
                     out = await self.request(url, "/generate", payload)
                     if isinstance(out, dict):
@@ -152,7 +149,6 @@ class RolloutClient:
                     self.mark_down(url, f"{e}; resubmitting its requests elsewhere")
                 finally:
                     self.in_flight[url] -= 1
-                    self.placed.pop(rid, None)
         finally:
             self.semaphore.release()
 
@@ -167,7 +163,7 @@ class RolloutClient:
         that cannot be reached is left to `generate`, which resubmits its requests.
         """
         self.cancelled |= self.waiting
-        calls = [self.request(url, "/abort_request", {"abort_all": True}) for url in set(self.placed.values())]
+        calls = [self.request(url, "/abort_request", {"abort_all": True}) for url, n in self.in_flight.items() if n]
         for reply in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(reply, BaseException) and not (isinstance(reply, ServerError) and reply.down):
                 raise reply
