@@ -79,9 +79,14 @@ class RolloutConfig:
     max_staleness: int = 0
     """Disaggregated: how many weight versions a trained sample may lag the trainer (0 synchronous,
     1 one-step-off, k fully async). Generation runs ahead by at most this many batches."""
-    interrupt: Literal["wait", "abort", "partial"] = "partial"
-    """In-flight requests at a weight update: wait for them, abort and restart them, or abort and resume
-    them from the tokens so far under the new weights (partial rollout)."""
+    interrupt: Literal["wait", "abort", "partial", "pause"] = "partial"
+    """In-flight requests at a weight update: wait for them, abort and restart them, abort and resume
+    them from the tokens so far under the new weights (partial rollout), or pause them on the servers
+    (SGLang /pause_generation, `pause_mode`) and let them go on once the new weights are in."""
+    pause_mode: Literal["in_place", "retract"] = "in_place"
+    """With interrupt pause, SGLang's pause mode: in_place keeps each request's KV cache (computed under
+    the old weights); retract frees it and prefills the request again after the update (under the new
+    weights when the server runs with --disable-radix-cache; else cached prefixes are reused)."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no GRPO signal) and generate other prompts instead."""
     max_concurrency: int = 256

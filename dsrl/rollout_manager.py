@@ -16,8 +16,12 @@ Around a weight update the in-flight requests are handled by `rollout.interrupt`
   wait     stop admitting, let every in-flight request finish, then sync;
   abort    abort them before the sync; each sample restarts from its prompt once the new weights are live;
   partial  abort them before the sync; each resumes from prompt + tokens so far under the new weights.
-Every sample records the weight version of each token span. A group already past the edge of the
-bound at an update (it could only be dropped) is restarted from scratch.
+  pause    the servers pause them (SGLang's /pause_generation, `rollout.pause_mode`) around the sync and
+           then carry on: nothing comes back to the client or is sent again, so an update costs no
+           more with a thousand requests in flight than with one.
+Every sample records the weight version of each token span (with `pause`, where the later spans
+start is not seen: a request's reply only says the version it finished under). A group already
+past the edge of the bound at an update (it could only be dropped) is restarted from scratch.
 """
 
 import asyncio
@@ -225,6 +229,7 @@ class RolloutManager:
         # The version of the request's oldest tokens decides whether a weight update interrupts it.
         oldest = min(partial.oldest_version if partial else self.version, group.oldest_so_far(default=self.version))
         rid = f"{self.rid_prefix}-v{oldest}-g{group.gid}-s{slot}-{uuid.uuid4().hex[:8]}"
+        sent_under = self.version  # no request is sent during an update: its first token is this version
         body = {"input_ids": prompt.prompt_ids + done, "sampling_params": params, "return_logprob": True, "rid": rid}
         # Older groups first where the server schedules by priority (the embedded engine; SGLang with
         # --enable-priority-scheduling, else ignored): a group near the staleness bound holds up the next batch.
@@ -242,7 +247,10 @@ class RolloutManager:
         logprobs = [lp for lp, _, _ in meta.get("output_token_logprobs", [])][: len(tokens)]
         sample = partial or Sample(prompt, [], [], "", "", extras={"spans": []})
         if tokens:  # (none when aborted before it was sent: the client's reply carries no version)
-            sample.extras["spans"].append((len(sample.response_ids), int(meta["weight_version"])))
+            finished_under = int(meta["weight_version"])
+            sample.extras["spans"].append((len(sample.response_ids), min(sent_under, finished_under)))
+            if finished_under > sent_under:  # paused through an update: where the newer tokens start is unseen
+                sample.extras["spans"].append((None, finished_under))
             sample.response_ids = sample.response_ids + tokens
             sample.engine_logprobs = sample.engine_logprobs + logprobs
         if reason == "abort":  # resubmitted by _after_update, under the new weights
@@ -313,13 +321,19 @@ class RolloutManager:
     async def _before_update(self) -> None:
         async with self.cond:
             self.paused = True
-            if self.mode != "wait":
-                # The next batch is trained at version + 1: a group whose oldest tokens are older than `edge`
-                # can only be dropped, so it restarts from scratch; every other sample resumes (or restarts).
-                edge = self.version + 1 - self.k
-                groups = [self.groups[i] for i in self.generating]
-                self.doomed |= {g.gid for g in groups if g.oldest_so_far(edge) < edge}
-                await self.client.abort_all()
+            if self.mode == "wait":
+                await self.cond.wait_for(lambda: self.in_flight == 0 or self.error is not None)
+                return
+            # The next batch is trained at version + 1: a group whose oldest tokens are older than `edge`
+            # can only be dropped, so it restarts from scratch; every other sample resumes (or restarts).
+            edge = self.version + 1 - self.k
+            doomed = [self.groups[i] for i in self.generating if self.groups[i].oldest_so_far(edge) < edge]
+            self.doomed |= {g.gid for g in doomed}
+            if self.mode == "pause":  # the rest stay on the servers, which the sync pauses
+                await self.client.abort([rid for g in doomed for rid in g.started])
+                await self.cond.wait_for(lambda: not any(g.started for g in doomed) or self.error is not None)
+                return
+            await self.client.abort_all()
             await self.cond.wait_for(lambda: self.in_flight == 0 or self.error is not None)
 
     async def _after_update(self, version: int) -> None:

@@ -230,12 +230,12 @@ def sync(run: Run, version: int) -> dict[str, float]:
     clock = Clock()
     with clock("drain"):
         run.rollouts.before_update()
-        dist.barrier()  # every rank's requests are drained before the servers' weights change
+        dist.barrier()  # every rank's requests are drained (or, interrupt pause, left to the pause) first
     for attempt in range(2):
         with clock("heal"):
             heal_fleet(run)
         try:
-            stats, ok = push_weights(run, str(version), wake_servers=run.colocated, clock=clock), True
+            stats, ok = push_weights(run, str(version), run.colocated, clock, paused_requests(run.cfg)), True
         except (SyncError, ServerError) as e:  # only rank 0 talks to the servers
             stats, ok, error = {}, False, e
         if all_ranks(ok):
@@ -362,8 +362,16 @@ def resolve_sync(cfg: Config) -> SyncConfig:
     return replace(cfg.sync, type="ipc" if ipc else "broadcast")
 
 
-def push_weights(run: Run, weight_version: str, wake_servers: bool, clock: Clock | None = None) -> dict[str, float]:
-    """Sync the actor's weights into the servers.
+def paused_requests(cfg: Config) -> str | None:
+    """SGLang's pause mode for an update that requests stay in flight through (interrupt pause), else None."""
+    asynchronous = cfg.rollout.placement == "disaggregate" and cfg.rollout.interrupt == "pause"
+    return cfg.rollout.pause_mode if asynchronous else None
+
+
+def push_weights(
+    run: Run, weight_version: str, wake_servers: bool, clock: Clock | None = None, pause: str | None = None
+) -> dict[str, float]:
+    """Sync the actor's weights into the servers; `pause` as in `sync_weights`.
 
     Colocated on GPUs the order matters: trainer states out -> server weights back -> sync ->
     trainer params out -> server KV cache back (the KV cache needs the memory the params held).
@@ -379,7 +387,7 @@ def push_weights(run: Run, weight_version: str, wake_servers: bool, clock: Clock
                 asleep = [url for url in client.live_urls() if url not in run.weights_awake]
                 client.run(client.all_servers("/resume_memory_occupation", {"tags": ["weights"]}, urls=asleep))
                 run.weights_awake.update(asleep)
-        stats, error = sync_weights(actor.module, run.ckpt, weight_version), None
+        stats, error = sync_weights(actor.module, run.ckpt, weight_version, pause), None
     except (SyncError, ServerError) as e:  # only rank 0 talks to the servers
         stats, error = None, e
     # Every rank learns the outcome before the collectives below (verification gathers, the probe's
@@ -406,7 +414,8 @@ def push_weights(run: Run, weight_version: str, wake_servers: bool, clock: Clock
     out |= {f"timing/sync_{phase}": seconds for phase, seconds in stats.phases.items()}
     if cfg.sync.verify == "probe":  # the servers' side needs their KV cache back
         with clock("verify"):
-            out["sync/probe_logprob_diff"] = verify_probe(client, probe_ids, reference, cfg.sync.probe_tolerance)
+            tolerance, flush = cfg.sync.probe_tolerance, pause is None  # paused requests keep their KV cache
+            out["sync/probe_logprob_diff"] = verify_probe(client, probe_ids, reference, tolerance, flush)
     return out
 
 

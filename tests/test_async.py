@@ -90,9 +90,9 @@ def manager_for(client, tmp_path, k: int, interrupt: str, groups: int, n: int, l
     return RolloutManager(client, cfg, stream, toy.reward, TOKENIZER), stream
 
 
-def simulated_update(client, version: int) -> None:
+def simulated_update(client, version: int, mode: str = "abort") -> None:
     """The servers' side of a weight update (pause -> new version -> continue), without a trainer."""
-    client.call_all("/pause_generation", {"mode": "abort"})
+    client.call_all("/pause_generation", {"mode": mode})
     client.call_all("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
     client.call_all("/continue_generation", {})
 
@@ -118,6 +118,44 @@ def test_partial_update_interrupts_requests_in_flight_and_resumes_them(slow_serv
     assert stats.resumed + stats.restarted == stats.interrupted
     spanned = [s for s in samples if len({v for _, v in s.extras["spans"]}) == 2]
     assert spanned and all(len(s.response_ids) == 16 for s in spanned)
+
+
+def test_greedy_request_paused_in_place_yields_the_uninterrupted_tokens(slow_server):
+    """Paused on the server and continued under unchanged weights = uninterrupted."""
+    client = slow_server
+    prompt = [5, 12, 6, 11]
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    full = client.run(client.generate({"input_ids": prompt, "sampling_params": params}))["output_ids"]
+    pending = client.submit(client.generate({"input_ids": prompt, "sampling_params": params}))
+    time.sleep(0.05)
+    client.call_all("/pause_generation", {"mode": "in_place"})
+    time.sleep(0.05)
+    assert not pending.done(), "a paused request must stay on the server"
+    client.call_all("/continue_generation", {})
+    assert pending.result(10)["output_ids"] == full
+
+
+def test_pause_keeps_requests_in_flight_through_an_update(slow_server, tmp_path):
+    """In pause mode an update interrupts nothing: requests wait on the server and finish under the new
+    weights, and each sample's spans say both versions (the first from the first token)."""
+    client = slow_server
+    simulated_update(client, 0)
+    lengths = [1, 1] + [16] * 30
+    manager, _ = manager_for(client, tmp_path, k=2, interrupt="pause", groups=2, n=2, lengths=lengths, seed=0)
+    manager.start()
+    try:
+        manager.collect(0)
+        manager.before_update()
+        assert manager.in_flight > 0, "the update should find requests in flight"
+        simulated_update(client, 1, mode="in_place")
+        manager.after_update(1)
+        stats = manager.take_stats()
+        samples, _ = manager.collect(1)
+    finally:
+        manager.stop()
+    assert stats.interrupted == stats.resumed == stats.restarted == 0
+    spanned = [s for s in samples if s.extras["spans"] == [(0, 0), (None, 1)]]
+    assert spanned and all(len(s.response_ids) == 16 and s.oldest_version == 0 for s in spanned)
 
 
 def test_a_partial_sample_aborted_at_its_last_token_finishes_without_a_request(slow_server, tmp_path):
@@ -168,7 +206,7 @@ def test_a_group_at_its_last_chance_is_waited_for_not_dropped(slow_server, tmp_p
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     k=st.sampled_from([0, 1, 2, 4]),
-    interrupt=st.sampled_from(["wait", "abort", "partial"]),
+    interrupt=st.sampled_from(["wait", "abort", "partial", "pause"]),
     groups=st.integers(1, 3),
     n=st.integers(2, 3),
     steps=st.integers(3, 6),
@@ -196,7 +234,7 @@ def test_random_schedules_keep_the_bound_and_every_prompt(slow_server, tmp_path,
             trained += rows
             time.sleep(rng.uniform(0, 0.03))  # the trainer's update
             manager.before_update()
-            simulated_update(client, step + 1)
+            simulated_update(client, step + 1, "in_place" if interrupt == "pause" else "abort")
             manager.after_update(step + 1)
     finally:
         manager.stop()
@@ -206,9 +244,17 @@ def test_random_schedules_keep_the_bound_and_every_prompt(slow_server, tmp_path,
     assert accounted == handed_out, "a prompt was lost"
 
 
-@pytest.mark.parametrize("config,k", [("toy_cpu_one_step_off.yaml", 1), ("toy_cpu_async.yaml", 4)])
-def test_async_schedules_learn_the_toy_task(tmp_path, config, k):
-    cmd = [sys.executable, "-m", "dsrl.cli", "train", "--config", str(ROOT / "configs" / config)]
+@pytest.mark.parametrize(
+    "config,k,flags",
+    [
+        ("toy_cpu_one_step_off.yaml", 1, []),
+        ("toy_cpu_async.yaml", 4, []),
+        # requests stay paused on the server through each update; the probe then runs without a flush
+        ("toy_cpu_async.yaml", 4, ["--rollout.interrupt", "pause", "--sync.verify", "probe"]),
+    ],
+)
+def test_async_schedules_learn_the_toy_task(tmp_path, config, k, flags):
+    cmd = [sys.executable, "-m", "dsrl.cli", "train", "--config", str(ROOT / "configs" / config), *flags]
     cmd += ["--trainer.total_steps", "60", "--logging.run_dir", str(tmp_path), "--logging.export_hf", "false"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -164,9 +164,15 @@ class RolloutClient:
         """
         self.cancelled |= self.waiting
         calls = [self.request(url, "/abort_request", {"abort_all": True}) for url, n in self.in_flight.items() if n]
-        for reply in await asyncio.gather(*calls, return_exceptions=True):
-            if isinstance(reply, BaseException) and not (isinstance(reply, ServerError) and reply.down):
-                raise reply
+        await _gather_aborts(calls)
+
+    async def abort(self, rids: list[str]) -> None:
+        """Abort these requests only: each is sent to every busy server (SGLang ignores an id it does not
+        run); one still waiting for a concurrency slot is never sent. For a few requests: see abort_all."""
+        self.cancelled |= self.waiting & set(rids)
+        busy = [url for url, n in self.in_flight.items() if n]
+        calls = [self.request(url, "/abort_request", {"rid": rid}) for rid in rids for url in busy]
+        await _gather_aborts(calls)
 
     def set_urls(self, urls: list[str]) -> None:
         """Adopt a new fleet (after a restart or a drop); forget which servers were down."""
@@ -214,6 +220,13 @@ class RolloutClient:
 
     def live_urls(self) -> list[str]:
         return [url for url in self.urls if url not in self.down]
+
+
+async def _gather_aborts(calls: list[Coroutine]) -> None:
+    """Run abort calls; a server that cannot be reached is left to `generate`, which resubmits its requests."""
+    for reply in await asyncio.gather(*calls, return_exceptions=True):
+        if isinstance(reply, BaseException) and not (isinstance(reply, ServerError) and reply.down):
+            raise reply
 
 
 def _error_message(body: Any) -> str:

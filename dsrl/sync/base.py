@@ -112,9 +112,10 @@ def sync_weights(
     """Push the current weights to every server as `weight_version`; the last bucket flushes the KV cache.
 
     `pause` ("abort", "in_place", "retract") pauses the servers around the update for callers that
-    may have requests in flight; the trainer drains its own requests first (`RolloutManager`) and
-    passes None, which saves a round trip per server per call. An in-place pause keeps requests on
-    the server, and SGLang refuses a flush it cannot run, so the KV cache is then kept.
+    may have requests in flight. The trainer drains its own requests first (`RolloutManager`) and
+    passes None, which saves a round trip per server per call, or, with `rollout.interrupt pause`,
+    passes `rollout.pause_mode` and its requests stay on the servers. An in_place or retract pause
+    keeps requests on the server, and SGLang refuses a flush it cannot run, so the KV cache is then kept.
     Call on every trainer rank; returns the stats on rank 0, None elsewhere.
     """
     client = engine.client
@@ -190,14 +191,19 @@ def probe_reference(engine, vocab_size: int) -> tuple[list[list[int]], torch.Ten
     return ids, torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0].cpu()
 
 
-def verify_probe(client: RolloutClient, ids: list[list[int]], reference: torch.Tensor, tolerance: float) -> float:
+def verify_probe(
+    client: RolloutClient, ids: list[list[int]], reference: torch.Tensor, tolerance: float, flush: bool = True
+) -> float:
     """Compare each server's logprobs of the probe tokens with the trainer's; return the worst mean |diff|.
 
     Works for any model (SGLang 0.5.17 has no /get_weights_by_name for Qwen2): prompt logprobs
-    come from /generate with logprob_start_len=0, after /flush_cache so no cached prefix is reused.
-    The servers must hold their KV cache: SGLang dies generating while it is released.
+    come from /generate with logprob_start_len=0, after /flush_cache. SGLang matches no cached
+    prefix past logprob_start_len anyway (`Req._compute_max_prefix_len`), so `flush` False (with
+    requests running, which SGLang's flush refuses) checks the same. The servers must hold their KV
+    cache: SGLang dies generating while it is released.
     """
-    client.call_all("/flush_cache")
+    if flush:
+        client.call_all("/flush_cache")
     payload = {
         "input_ids": ids,
         "sampling_params": {"max_new_tokens": 1, "temperature": 0},
