@@ -7,6 +7,7 @@ import gc
 import json
 import logging
 import sys
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from dsrl.sync.base import (
     SyncError,
     make_checkpoint_engine,
     probe_reference,
+    probe_servers,
     sync_weights,
     verify_probe,
     verify_weights,
@@ -103,6 +105,8 @@ class Run:
     offload: bool
     start_step: int
     bad_steps: int = 0
+    probe: Future | None = None
+    """Disaggregated, rank 0: the last sync's probe of the servers, running while the trainer steps."""
     weights_awake: set[str] = field(default_factory=set)
     """Colocated, mid-sync: servers whose weights are back but not yet their KV cache (a retried sync
     wakes only the others: SGLang refuses to resume memory that is not released)."""
@@ -228,6 +232,7 @@ def update(run: Run, samples: list[Sample], finite: bool) -> dict[str, float]:
 def sync(run: Run, version: int) -> dict[str, float]:
     """Bring every server to `version`; a server that died is restarted (or dropped) and the sync retried."""
     clock = Clock()
+    probed = check_last_probe(run)
     with clock("drain"):
         run.rollouts.before_update()
         dist.barrier()  # every rank's requests are drained (or, interrupt pause, left to the pause) first
@@ -249,7 +254,20 @@ def sync(run: Run, version: int) -> dict[str, float]:
             raise SyncError(f"weight sync to version {version} failed twice") from (error if run.rank == 0 else None)
     with clock("readmit"):
         run.rollouts.after_update(version)
-    return stats | {f"timing/sync_{phase}": seconds for phase, seconds in clock.seconds.items()}
+    return stats | probed | {f"timing/sync_{phase}": seconds for phase, seconds in clock.seconds.items()}
+
+
+def check_last_probe(run: Run) -> dict[str, float]:
+    """The previous sync's probe, which ran in the background; a mismatch stops the run on every rank."""
+    pending, run.probe, error, out = run.probe, None, None, {}
+    if pending is not None:
+        try:
+            out["sync/probe_logprob_diff"] = pending.result()
+        except (SyncError, ServerError) as e:
+            error = e
+    if not all_ranks(error is None):
+        raise error or SyncError("the weight probe after the last sync failed (trainer rank 0 has the details)")
+    return out
 
 
 def heal_fleet(run: Run) -> None:
@@ -299,6 +317,7 @@ def log_step(run: Run, step: int, samples: list[Sample], local: dict, sync_stats
 
 
 def finish(run: Run, metrics: dict[str, float]) -> None:
+    metrics.update(check_last_probe(run))
     if run.rank == 0 and metrics:
         log.info("final metrics: %s", json.dumps({k: round(v, 6) for k, v in sorted(metrics.items())}))
     run.rollouts.stop()
@@ -413,9 +432,12 @@ def push_weights(
     out = {"sync/bytes": stats.bytes, "sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}
     out |= {f"timing/sync_{phase}": seconds for phase, seconds in stats.phases.items()}
     if cfg.sync.verify == "probe":  # the servers' side needs their KV cache back
-        with clock("verify"):
-            tolerance, flush = cfg.sync.probe_tolerance, pause is None  # paused requests keep their KV cache
-            out["sync/probe_logprob_diff"] = verify_probe(client, probe_ids, reference, tolerance, flush)
+        tolerance, flush = cfg.sync.probe_tolerance, pause is None  # paused requests keep their KV cache
+        if run.colocated:  # done before the servers sleep again (SGLang dies generating asleep)
+            with clock("verify"):
+                out["sync/probe_logprob_diff"] = verify_probe(client, probe_ids, reference, tolerance, flush)
+        else:  # behind a busy server's queue it took 0.1 s per step on an H200; checked at the next sync
+            run.probe = client.submit(probe_servers(client, probe_ids, reference, tolerance, flush))
     return out
 
 

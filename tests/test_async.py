@@ -158,6 +158,31 @@ def test_pause_keeps_requests_in_flight_through_an_update(slow_server, tmp_path)
     assert spanned and all(len(s.response_ids) == 16 and s.oldest_version == 0 for s in spanned)
 
 
+def test_probe_in_the_background_passes_on_equal_weights_and_fails_on_others(slow_server, toy_weights):
+    """Disaggregated, the probe runs on the client's loop while the trainer steps (`train.check_last_probe`
+    takes its result at the next sync): with requests in flight and no flush it still tells weights apart."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dsrl.sync.base import SyncError, probe_ids, probe_servers
+
+    model = AutoModelForCausalLM.from_pretrained(toy_weights)
+    ids = probe_ids(model.config.vocab_size)
+    tokens = torch.tensor(ids)
+    with torch.no_grad():
+        logits = model(input_ids=tokens).logits[:, :-1]
+    reference = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    client = slow_server
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    running = client.submit(client.generate({"input_ids": [5, 11], "sampling_params": params}))
+    same = client.submit(probe_servers(client, ids, reference, 1e-4, flush=False))
+    other = client.submit(probe_servers(client, ids, reference + 0.5, 1e-4, flush=False))
+    assert same.result(30) < 1e-4
+    with pytest.raises(SyncError, match="the server holds other weights"):
+        other.result(30)
+    assert len(running.result(30)["output_ids"]) == 40
+
+
 def test_a_partial_sample_aborted_at_its_last_token_finishes_without_a_request(slow_server, tmp_path):
     """An abort can race with the last token: SGLang then answers "abort" with every token asked for.
     Resuming that asked for max_new_tokens 0, which SGLang answers with one token more, and the next

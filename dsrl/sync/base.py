@@ -202,8 +202,15 @@ def verify_probe(
     requests running, which SGLang's flush refuses) checks the same. The servers must hold their KV
     cache: SGLang dies generating while it is released.
     """
+    return client.run(probe_servers(client, ids, reference, tolerance, flush))
+
+
+async def probe_servers(
+    client: RolloutClient, ids: list[list[int]], reference: torch.Tensor, tolerance: float, flush: bool = True
+) -> float:
+    """`verify_probe` on the client's loop: the trainer may go on while it runs (`client.submit`)."""
     if flush:
-        client.call_all("/flush_cache")
+        await client.all_servers("/flush_cache")
     payload = {
         "input_ids": ids,
         "sampling_params": {"max_new_tokens": 1, "temperature": 0},
@@ -211,8 +218,9 @@ def verify_probe(
         "logprob_start_len": 0,
     }
     worst = 0.0
-    replies = client.call_all("/generate", payload)
-    for url, outs in zip(client.live_urls(), replies):
+    urls = client.live_urls()
+    replies = await client.all_servers("/generate", payload, urls=urls)  # those that answered, in order
+    for url, outs in zip([u for u in urls if u not in client.down], replies):
         got = torch.tensor([[lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs])
         diff = (got - reference).abs()
         if diff.mean() > tolerance:
