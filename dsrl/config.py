@@ -83,10 +83,10 @@ class RolloutConfig:
     """In-flight requests at a weight update: wait for them, abort and restart them, abort and resume
     them from the tokens so far under the new weights (partial rollout), or pause them on the servers
     (SGLang /pause_generation, `pause_mode`) and let them go on once the new weights are in."""
-    pause_mode: Literal["in_place", "retract"] = "in_place"
-    """With interrupt pause, SGLang's pause mode: in_place keeps each request's KV cache (computed under
-    the old weights); retract frees it and prefills the request again after the update (under the new
-    weights when the server runs with --disable-radix-cache; else cached prefixes are reused)."""
+    pause_mode: Literal["retract", "in_place"] = "retract"
+    """With interrupt pause, SGLang's pause mode: retract frees each request's KV cache and prefills it
+    again under the new weights (dsrl starts SGLang with --disable-radix-cache then, else the prefix
+    cached under the old weights would be reused); in_place keeps the KV cache of the old weights."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no GRPO signal) and generate other prompts instead."""
     max_concurrency: int = 256

@@ -103,3 +103,19 @@ def test_launcher_keeps_the_trainer_on_the_visible_gpus():
     assert gpu_selection(0, "2,3", hostfile=False) == []  # the launcher takes all visible GPUs itself
     with pytest.raises(SystemExit, match="num_ranks=3"):
         gpu_selection(3, "0,1", hostfile=False)
+
+
+def test_pause_retract_starts_sglang_without_the_prefix_cache_unless_told():
+    """A retracted request is prefilled again after the update; a prefix cached under the old weights
+    would make that prefill reuse old KV. The user's own server_args win."""
+    from dsrl.serving.servers import sglang_command
+
+    def flags(*overrides):
+        cfg = parse_config(["--config", str(ROOT / "configs/toy_gpu_async.yaml"), *overrides]).rollout
+        return sglang_command(cfg, "m", "127.0.0.1", 30000, 0, colocated=False)
+
+    assert "--disable-radix-cache" in flags("--rollout.interrupt", "pause")
+    assert "--disable-radix-cache" not in flags("--rollout.interrupt", "pause", "--rollout.pause_mode", "in_place")
+    assert "--disable-radix-cache" not in flags("--rollout.interrupt", "partial")
+    told = ["--rollout.interrupt", "pause", "--rollout.server_args", '{"disable_radix_cache": false}']
+    assert "--disable-radix-cache" not in flags(*told)

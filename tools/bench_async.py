@@ -25,7 +25,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,9 +86,6 @@ def main() -> None:
         cmd += ["--rollout.pause_mode", pause_mode] if pause_mode else []
         if not args.gpu:
             cmd += ["--rollout.server_args", json.dumps({"decode_delay_ms": args.decode_delay_ms})]
-        elif pause_mode == "retract":  # else the retracted requests' prefixes stay cached: KV of the old weights
-            server_args = yaml.safe_load(config.read_text())["rollout"].get("server_args", {})
-            cmd += ["--rollout.server_args", json.dumps({**server_args, "disable_radix_cache": True})]
         cmd += ["--logging.run_dir", str(run_dir), "--logging.export_hf", "false", "--seed", str(args.seed)]
         cmd += extra
         print(f"== {label}: {' '.join(cmd)}", flush=True)

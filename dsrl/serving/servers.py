@@ -117,6 +117,9 @@ def sglang_command(cfg: RolloutConfig, model_path: str, host: str, port: int, se
         "random_seed": seed,
         "skip_tokenizer_init": True,  # token-in/token-out: dsrl never re-tokenises
         "enable_memory_saver": colocated,  # lets /release_memory_occupation really free the GPU
+        # A retracted request is prefilled again after the update; from a prefix cached under the old
+        # weights unless the cache is off (set disable_radix_cache: false in server_args to keep it).
+        "disable_radix_cache": cfg.interrupt == "pause" and cfg.pause_mode == "retract",
         **cfg.server_args,
     }
     return [sys.executable, "-m", "sglang.launch_server", *as_flags(args)]
