@@ -25,7 +25,8 @@ class Sample:
     weight_version: str
     reward: float = 0.0
     extras: dict[str, Any] = field(default_factory=dict)
-    """spans: [(first token index, weight version)] of the response; per-token arrays the trainer fills in."""
+    """spans: [(first token index, weight version)] of the response (index None where not known: a request
+    paused through an update, `rollout.interrupt pause`); per-token arrays the trainer fills in."""
 
     @property
     def oldest_version(self) -> int:

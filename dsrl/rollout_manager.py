@@ -19,8 +19,8 @@ Around a weight update the in-flight requests are handled by `rollout.interrupt`
   pause    the servers pause them (SGLang's /pause_generation, `rollout.pause_mode`) around the sync and
            then carry on: nothing comes back to the client or is sent again, so an update costs no
            more with a thousand requests in flight than with one.
-Every sample records the weight version of each token span (with `pause`, where the later spans
-start is not seen: a request's reply only says the version it finished under). A group already
+Every sample records the weight version of each token span (with `pause`, where a later span
+starts is not seen: a request's reply only says the version it finished under). A group already
 past the edge of the bound at an update (it could only be dropped) is restarted from scratch.
 """
 
@@ -229,7 +229,7 @@ class RolloutManager:
         # The version of the request's oldest tokens decides whether a weight update interrupts it.
         oldest = min(partial.oldest_version if partial else self.version, group.oldest_so_far(default=self.version))
         rid = f"{self.rid_prefix}-v{oldest}-g{group.gid}-s{slot}-{uuid.uuid4().hex[:8]}"
-        sent_under = self.version  # no request is sent during an update: its first token is this version
+        sent_under = self.version  # its first token's version, or older than it (when it waits for a slot)
         body = {"input_ids": prompt.prompt_ids + done, "sampling_params": params, "return_logprob": True, "rid": rid}
         # Older groups first where the server schedules by priority (the embedded engine; SGLang with
         # --enable-priority-scheduling, else ignored): a group near the staleness bound holds up the next batch.

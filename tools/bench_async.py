@@ -14,7 +14,7 @@ model with a longer one.
     python tools/bench_async.py --gpu --steps 60 --schedules 0 6 7   # SGLang's pause instead of aborts
     python tools/bench_async.py --schedules 0 4 --seed 1 --trainer.lr 1e-3   # other flags go to dsrl train
 
-On GPUs (configs/toy_gpu_async.yaml) SGLang runs at its own speed: no decode delay.
+On GPUs (configs/toy_gpu_async.yaml: max_concurrency 768) SGLang runs at its own speed: no decode delay.
 """
 
 import argparse
