@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -115,11 +116,13 @@ def assert_every_prompt_accounted_for(run_dir: Path, checkpoint: str) -> None:
     assert Counter(trained + waiting) == Counter(handed_out), "a prompt was lost"
 
 
-def test_crash_of_a_rollout_server_in_async_mode_loses_nothing(tmp_path):
-    """k=4 with partial rollout, 2 servers; one is killed mid-run: its requests go to the other, it is
-    restarted, and every prompt is trained once or still waiting at the end."""
+@pytest.mark.parametrize("interrupt", ["partial", "pause"])
+def test_crash_of_a_rollout_server_in_async_mode_loses_nothing(tmp_path, interrupt):
+    """k=4 with partial rollout (or requests paused through updates), 2 servers; one is killed mid-run:
+    its requests go to the other, it is restarted, and every prompt is trained once or still waiting."""
     run_dir = tmp_path / "async_crash"
     args = ["--trainer.total_steps", "6", "--logging.save_every", "6", "--rollout.num_servers", "2"]
+    args += ["--rollout.interrupt", interrupt]
     args += ["--rollout.server_args", json.dumps({"decode_delay_ms": 10})]  # requests in flight at the kill
     proc = subprocess.Popen(
         train_cmd("toy_cpu_async.yaml", run_dir, *args), cwd=ROOT, stderr=subprocess.PIPE, text=True
