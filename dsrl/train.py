@@ -29,6 +29,7 @@ from dsrl.sync.base import (
     CheckpointEngine,
     Clock,
     SyncError,
+    keeps_requests,
     make_checkpoint_engine,
     probe_reference,
     probe_servers,
@@ -432,7 +433,7 @@ def push_weights(
     out = {"sync/bytes": stats.bytes, "sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}
     out |= {f"timing/sync_{phase}": seconds for phase, seconds in stats.phases.items()}
     if cfg.sync.verify == "probe":  # the servers' side needs their KV cache back
-        tolerance, flush = cfg.sync.probe_tolerance, pause is None  # paused requests keep their KV cache
+        tolerance, flush = cfg.sync.probe_tolerance, not keeps_requests(pause)
         if run.colocated:  # done before the servers sleep again (SGLang dies generating asleep)
             with clock("verify"):
                 out["sync/probe_logprob_diff"] = verify_probe(client, probe_ids, reference, tolerance, flush)

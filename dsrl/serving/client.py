@@ -163,14 +163,14 @@ class RolloutClient:
         that cannot be reached is left to `generate`, which resubmits its requests.
         """
         self.cancelled |= self.waiting
-        calls = [self.request(url, "/abort_request", {"abort_all": True}) for url, n in self.in_flight.items() if n]
+        calls = [self.request(url, "/abort_request", {"abort_all": True}) for url in self.busy_urls()]
         await _gather_aborts(calls)
 
     async def abort(self, rids: list[str]) -> None:
         """Abort these requests only: each is sent to every busy server (SGLang ignores an id it does not
         run); one still waiting for a concurrency slot is never sent. For a few requests: see abort_all."""
         self.cancelled |= self.waiting & set(rids)
-        busy = [url for url, n in self.in_flight.items() if n]
+        busy = self.busy_urls()
         calls = [self.request(url, "/abort_request", {"rid": rid}) for rid in rids for url in busy]
         await _gather_aborts(calls)
 
@@ -217,6 +217,10 @@ class RolloutClient:
         if url not in self.down:
             log.warning("rollout server %s is down (%s)", url, reason)
             self.down.append(url)
+
+    def busy_urls(self) -> list[str]:
+        """Servers running any of this client's /generate requests."""
+        return [url for url, n in self.in_flight.items() if n]
 
     def live_urls(self) -> list[str]:
         return [url for url in self.urls if url not in self.down]

@@ -106,6 +106,12 @@ class SyncStats:
         return self.bytes / max(self.seconds, 1e-9) / 1e9
 
 
+def keeps_requests(pause: str | None) -> bool:
+    """Whether requests stay queued on the servers through an update paused this way: then SGLang
+    refuses /flush_cache (it needs an idle server), so neither the update nor the probe may flush."""
+    return pause in ("in_place", "retract")
+
+
 def sync_weights(
     module: torch.nn.Module, engine: CheckpointEngine, weight_version: str, pause: str | None = None
 ) -> SyncStats | None:
@@ -119,7 +125,7 @@ def sync_weights(
     Call on every trainer rank; returns the stats on rank 0, None elsewhere.
     """
     client = engine.client
-    flush = pause not in ("in_place", "retract")
+    flush = not keeps_requests(pause)
     if client is None:
         engine.update_weights(module, weight_version, flush_cache=flush)
         return None
