@@ -186,6 +186,24 @@ class AlgorithmConfig:
 
 
 @dataclass
+class EvalConfig:
+    path: str | None = None
+    """Held-out prompts (.jsonl, .json or .parquet, the fields of data.train_path) scored with the reward
+    function under the weights the servers hold after a sync; unset: no evaluation."""
+    every: int = 0
+    """Evaluate every N steps (0: only at the end). With a path set, the run always ends with an
+    evaluation of its final weights."""
+    before_train: bool = False
+    """Also evaluate the starting weights, before the first step (logged at that step)."""
+    n_samples: int = 1
+    """Responses per prompt."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 is greedy."""
+    max_new_tokens: int | None = None
+    """Longest response in tokens; default rollout.max_new_tokens (a row's sampling_params still win)."""
+
+
+@dataclass
 class LoggingConfig:
     run_dir: str = "runs/dsrl"
     """Directory for the resolved config, tensorboard events, checkpoints, server logs and the exported model."""
@@ -218,6 +236,8 @@ class Config:
     """Checkpoint engine: how weights reach the servers."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantages, policy loss, KL."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation of the policy on held-out prompts."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Outputs of the run."""
     seed: int = 0
@@ -251,17 +271,15 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
         if not ok:
             errors.append(f"--{flag}={value!r}: {allowed}")
 
-    r, t, a, s = cfg.rollout, cfg.trainer, cfg.algorithm, cfg.sync
+    r, t, a, s, e = cfg.rollout, cfg.trainer, cfg.algorithm, cfg.sync, cfg.eval
+    datasets = [("data.train_path", cfg.data.train_path)] + ([("eval.path", e.path)] if e.path else [])
     if check_paths:
         has_config = (Path(cfg.model.path) / "config.json").is_file()
         check(has_config, "model.path", cfg.model.path, "must be a directory with config.json")
-        check(Path(cfg.data.train_path).is_file(), "data.train_path", cfg.data.train_path, "file not found")
-    check(
-        cfg.data.train_path.endswith((".jsonl", ".json", ".parquet")),
-        "data.train_path",
-        cfg.data.train_path,
-        "must end in .jsonl, .json or .parquet",
-    )
+        for flag, path in datasets:
+            check(Path(path).is_file(), flag, path, "file not found")
+    for flag, path in datasets:
+        check(path.endswith((".jsonl", ".json", ".parquet")), flag, path, "must end in .jsonl, .json or .parquet")
     check(cfg.data.max_prompt_tokens > 0, "data.max_prompt_tokens", cfg.data.max_prompt_tokens, "must be > 0")
     check(r.prompts_per_step > 0, "rollout.prompts_per_step", r.prompts_per_step, "must be > 0")
     check(r.n_samples >= 2, "rollout.n_samples", r.n_samples, "GRPO needs at least 2 samples per prompt")
@@ -312,6 +330,10 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     check(s.bucket_bytes > 0, "sync.bucket_bytes", s.bucket_bytes, "must be > 0")
     check(s.timeout_s > 0, "sync.timeout_s", s.timeout_s, "must be > 0")
     check(s.probe_tolerance > 0, "sync.probe_tolerance", s.probe_tolerance, "must be > 0")
+    check(e.every >= 0, "eval.every", e.every, "must be >= 0 (0: only at the end)")
+    check(e.n_samples >= 1, "eval.n_samples", e.n_samples, "must be >= 1")
+    check(e.temperature >= 0, "eval.temperature", e.temperature, "must be >= 0 (0: greedy)")
+    check(e.max_new_tokens is None or e.max_new_tokens > 0, "eval.max_new_tokens", e.max_new_tokens, "must be > 0")
     check(cfg.logging.save_every >= 0, "logging.save_every", cfg.logging.save_every, "must be >= 0")
     check(cfg.logging.keep_last >= 0, "logging.keep_last", cfg.logging.keep_last, "must be >= 0 (0 keeps all)")
 

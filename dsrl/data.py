@@ -32,7 +32,7 @@ def read_rows(path: str, skip_bad_lines: bool = False, bad: list | None = None) 
     """The rows of a .jsonl, .json or .parquet file; an unreadable JSONL line fails, or becomes None when skipped."""
     file = Path(path)
     if not file.is_file():
-        raise DatasetError(f"--data.train_path={path!r}: file not found")
+        raise DatasetError(f"{path}: file not found")
     if file.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -61,14 +61,15 @@ def read_rows(path: str, skip_bad_lines: bool = False, bad: list | None = None) 
 
 
 class PromptDataset:
-    def __init__(self, cfg: DataConfig, tokenizer, seed: int = 0):
-        self.cfg, self.seed = cfg, seed
+    def __init__(self, cfg: DataConfig, tokenizer, seed: int = 0, path: str | None = None):
+        """The prompts of `path` (default `cfg.train_path`: evaluation sets are read the same way)."""
+        self.cfg, self.seed, self.path = cfg, seed, path or cfg.train_path
         self.use_template = cfg.apply_chat_template and getattr(tokenizer, "chat_template", None)
         self.prompts: list[Prompt] = []
         self.skipped_bad: list[tuple[int, str]] = []  # (row, why), with --data.on_bad_row skip
         self.too_long = 0  # skipped or truncated, by --data.on_long_prompt
         self._orders: dict[int, list[int]] = {}
-        rows = read_rows(cfg.train_path, skip_bad_lines=cfg.on_bad_row == "skip", bad=self.skipped_bad)
+        rows = read_rows(self.path, skip_bad_lines=cfg.on_bad_row == "skip", bad=self.skipped_bad)
         for i, row in enumerate(rows):
             if row is None:  # an unreadable line, already counted
                 continue
@@ -91,10 +92,10 @@ class PromptDataset:
                 "%d prompts longer than --data.max_prompt_tokens=%d %s", self.too_long, cfg.max_prompt_tokens, verb
             )
         if not self.prompts:
-            raise DatasetError(f"{cfg.train_path}: no usable prompts ({len(rows)} rows)")
+            raise DatasetError(f"{self.path}: no usable prompts ({len(rows)} rows)")
 
     def _prompt(self, i: int, row, tokenizer) -> Prompt | None:
-        cfg, where = self.cfg, f"{self.cfg.train_path}, row {i}"
+        cfg, where = self.cfg, f"{self.path}, row {i}"
         if not isinstance(row, dict) or cfg.prompt_key not in row:
             found = sorted(row) if isinstance(row, dict) else type(row).__name__
             raise DatasetError(f"{where}: no field {cfg.prompt_key!r} (set --data.prompt_key); row has {found}")

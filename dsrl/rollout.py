@@ -7,6 +7,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from tqdm import tqdm
+
 from dsrl.config import Config, RolloutConfig
 from dsrl.data import Prompt
 from dsrl.rewards import RewardFn
@@ -65,17 +67,20 @@ async def generate_sample(client: RolloutClient, prompt: Prompt, params: dict) -
     )
 
 
-def generate(client: RolloutClient, prompts: list[Prompt], cfg: RolloutConfig, seed: int = 0) -> list[Sample]:
+def generate(
+    client: RolloutClient, prompts: list[Prompt], cfg: RolloutConfig, seed: int = 0, progress: tqdm | None = None
+) -> list[Sample]:
     """n_samples responses per prompt, one request each, groups contiguous in prompt order."""
     params = sampling_params(cfg)
 
+    async def one(p: Prompt, j: int) -> Sample:
+        sample = await generate_sample(client, p, {**params, "sampling_seed": request_seed(seed, p.index, j)})
+        if progress is not None:
+            progress.update()
+        return sample
+
     async def all_samples() -> list[Sample]:
-        jobs = [
-            generate_sample(client, p, {**params, "sampling_seed": request_seed(seed, p.index, j)})
-            for p in prompts
-            for j in range(cfg.n_samples)
-        ]
-        return await asyncio.gather(*jobs)
+        return await asyncio.gather(*(one(p, j) for p in prompts for j in range(cfg.n_samples)))
 
     return client.run(all_samples())
 

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoTokenizer
 from dsrl.algorithms import grpo_advantages
 from dsrl.config import Config, SyncConfig, dump_config, parse_config, validate
 from dsrl.data import DatasetError, PromptDataset
+from dsrl.evaluate import Evaluator
 from dsrl.metrics import MetricsWriter, all_ranks, mean_across_ranks, summary_line, timed
 from dsrl.rewards import load_reward_fn
 from dsrl.rollout import Sample, SyncRollouts
@@ -58,6 +59,8 @@ def train(cfg: Config) -> dict[str, float]:
         # offload_states runs gc.collect() (twice per colocated step), which took 0.28 s each on an H200.
         gc.collect()
         gc.freeze()
+        if run.evaluator is not None and cfg.eval.before_train:
+            evaluate(run, start)
         run.rollouts.start()
         steps = tqdm(range(start, cfg.trainer.total_steps), desc="train", disable=run.rank != 0, dynamic_ncols=True)
         for step in steps:
@@ -73,8 +76,10 @@ def train(cfg: Config) -> dict[str, float]:
                 with timed(timings, "update"):
                     stats = update(run, samples, finite)
                 with timed(timings, "sync"):
-                    sync_stats = sync(run, step + 1)
-            metrics = log_step(run, step, samples, {**rollout_stats, **stats, **timings}, sync_stats)
+                    rank0 = sync(run, step + 1)
+            if run.evaluator is not None and run.evaluator.due(step + 1):  # the weights just synced
+                rank0 |= evaluate(run, step + 1)
+            metrics = log_step(run, step, samples, {**rollout_stats, **stats, **timings}, rank0)
             steps.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
             if cfg.logging.save_every and (step + 1) % cfg.logging.save_every == 0:
                 checkpoint(run, step + 1)
@@ -101,6 +106,8 @@ class Run:
     client: RolloutClient
     ckpt: CheckpointEngine
     rollouts: SyncRollouts | RolloutManager
+    evaluator: Evaluator | None
+    """Rank 0, with --eval.path."""
     writer: MetricsWriter
     colocated: bool
     offload: bool
@@ -160,9 +167,10 @@ def setup(cfg: Config) -> Run:
                                   reward_fn, tokenizer)  # fmt: skip
     if rank_state is not None:
         rollouts.restore(rank_state["rollouts"], start_step)
+    evaluator = Evaluator(cfg, tokenizer, reward_fn, run_dir) if cfg.eval.path and rank == 0 else None
     writer = MetricsWriter(run_dir, cfg.logging.tensorboard and rank == 0)
     return Run(cfg, rank, world, run_dir, model_dir, tokenizer, pad_id, actor, ref, fleet, client, ckpt, rollouts,
-               writer, colocated, offload, start_step)  # fmt: skip
+               evaluator, writer, colocated, offload, start_step)  # fmt: skip
 
 
 def check_writable(run_dir: Path) -> None:
@@ -304,12 +312,21 @@ def alive(client: RolloutClient, url: str) -> bool:
         return False
 
 
-def log_step(run: Run, step: int, samples: list[Sample], local: dict, sync_stats: dict) -> dict[str, float]:
+def evaluate(run: Run, step: int) -> dict[str, float]:
+    """Rank 0: the reward of weight version `step` on the held-out prompts (the servers hold it now)."""
+    metrics = run.evaluator(run.client, step)
+    if step == run.start_step:  # before the first step: no step's metrics to go with
+        run.writer.log(step, metrics)
+    return metrics
+
+
+def log_step(run: Run, step: int, samples: list[Sample], local: dict, rank0: dict) -> dict[str, float]:
+    """`local`: every rank's metrics, averaged; `rank0`: those only rank 0 has (sync, evaluation)."""
     metrics = mean_across_ranks({**rollout_metrics(samples, step), **logprob_mismatch(samples), **local})
     rows = [None] * run.world
     dist.all_gather_object(rows, [s.prompt.index for s in samples[:: run.cfg.rollout.n_samples]])
     if run.rank == 0:
-        metrics.update(sync_stats)
+        metrics.update(rank0)
         run.writer.log(step + 1, metrics, {"rollout/staleness": [step - s.oldest_version for s in samples]})
         with open(run.run_dir / "trained_prompts.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "rows": [row for rank_rows in rows for row in rank_rows]}) + "\n")

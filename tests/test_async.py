@@ -273,7 +273,8 @@ def test_random_schedules_keep_the_bound_and_every_prompt(slow_server, tmp_path,
     "config,k,flags",
     [
         ("toy_cpu_one_step_off.yaml", 1, []),
-        ("toy_cpu_async.yaml", 4, []),
+        # evaluated at the end, beside the manager's own requests
+        ("toy_cpu_async.yaml", 4, ["--eval.path", str(ROOT / "examples/toy/test.jsonl")]),
         # requests stay paused on the server through each update; the probe then runs without a flush
         ("toy_cpu_async.yaml", 4, ["--rollout.interrupt", "pause", "--sync.verify", "probe"]),
     ],
@@ -290,3 +291,7 @@ def test_async_schedules_learn_the_toy_task(tmp_path, config, k, flags):
     assert max(e.value for e in events.Scalars("rollout/staleness_max")) <= k
     assert "rollout/trainer_idle_s" in events.Tags()["scalars"]
     assert "rollout/staleness" in events.Tags()["histograms"]
+    if "--eval.path" in flags:  # the final weights, and only they, answered the evaluation
+        assert [e.step for e in events.Scalars("eval/reward_mean")] == [60]
+        rows = [json.loads(line) for line in (tmp_path / "eval" / "step_60.jsonl").read_text().splitlines()]
+        assert len(rows) == 256 and {r["weight_version"] for r in rows} == {"60"}

@@ -99,6 +99,17 @@ def test_bad_input_dataset_of_unknown_format(tmp_path):
     assert any("must end in .jsonl, .json or .parquet" in e for e in cross_field_errors("--data.train_path", str(path)))
 
 
+def test_bad_input_evaluation_settings(tmp_path):
+    errors = cross_field_errors("--eval.path", "/no/eval.jsonl", "--eval.n_samples", "0", "--eval.temperature", "-1")
+    assert "--eval.path='/no/eval.jsonl': file not found" in errors
+    assert "--eval.n_samples=0: must be >= 1" in errors
+    assert "--eval.temperature=-1.0: must be >= 0 (0: greedy)" in errors
+    path = tmp_path / "eval.csv"
+    path.write_text("prompt\n1=\n")
+    errors = cross_field_errors("--eval.path", str(path))
+    assert f"--eval.path='{path}': must end in .jsonl, .json or .parquet" in errors
+
+
 def test_bad_input_batch_not_divisible_by_ranks():
     errors = cross_field_errors("--rollout.prompts_per_step", "5")
     assert any(e.startswith("--rollout.prompts_per_step=5: must be divisible by the 2 trainer ranks") for e in errors)

@@ -1,5 +1,6 @@
 """End to end on CPU: `dsrl train` with 2 ZeRO-3 ranks and the embedded engine learns the toy task."""
 
+import json
 import subprocess
 import sys
 
@@ -19,6 +20,7 @@ def toy_run(tmp_path_factory):
     cmd = [sys.executable, "-m", "dsrl.cli", "train", "--config", str(ROOT / "configs/toy_cpu.yaml")]
     cmd += ["--trainer.total_steps", str(STEPS), "--logging.run_dir", str(run_dir), "--logging.save_every", "30"]
     cmd += ["--sync.verify", "probe", "--sync.probe_tolerance", "1e-4"]  # fp32 on both sides
+    cmd += ["--eval.path", str(ROOT / "examples/toy/test.jsonl"), "--eval.every", "30", "--eval.before_train", "true"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     events = EventAccumulator(str(run_dir / "tensorboard"))
@@ -59,6 +61,19 @@ def test_metrics_are_logged(toy_run):
     # fp32 on both sides: the engine samples from exactly the distribution the trainer recomputes
     assert max(scalars(events, "mismatch/logprob_abs_diff")) < 1e-4
     assert f"step {STEPS}/{STEPS} | reward" in stderr
+
+
+def test_evaluation_scores_the_weights_of_each_sync(toy_run):
+    """Greedy responses to the 256 held-out prompts, before training, at step 30 and at the end, each
+    from exactly the weight version synced at that step; the trained policy must beat the initial one."""
+    run_dir, events, _ = toy_run
+    evals = {e.step: e.value for e in events.Scalars("eval/reward_mean")}
+    assert sorted(evals) == [0, 30, STEPS]
+    assert evals[STEPS] > evals[0] + 0.2, evals
+    for step in evals:
+        rows = [json.loads(line) for line in (run_dir / "eval" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert len(rows) == 256 and {r["weight_version"] for r in rows} == {str(step)}
+        assert abs(sum(r["reward"] for r in rows) / len(rows) - evals[step]) < 1e-6
 
 
 def test_checkpoint_written(toy_run):

@@ -1,0 +1,88 @@
+"""Evaluation: the reward of the weights the servers hold, on held-out prompts (`--eval.path`).
+
+Called by the loop right after a sync, on trainer rank 0, so every response comes from exactly
+that weight version (checked: each sample carries its `weight_version`). It runs beside an
+asynchronous rollout's own requests, on the same servers, and no update can come between: the
+other ranks wait for rank 0 in the next step's collectives. The generations go to
+<run_dir>/eval/step_<N>.jsonl.
+"""
+
+import json
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dsrl.config import Config
+from dsrl.data import PromptDataset
+from dsrl.rewards import RewardFn
+from dsrl.rollout import Sample, generate, request_seed, score_one
+from dsrl.serving.client import RolloutClient
+
+log = logging.getLogger(__name__)
+
+
+class Evaluator:
+    def __init__(self, cfg: Config, tokenizer, reward_fn: RewardFn, run_dir: Path):
+        e = cfg.eval
+        self.cfg, self.tokenizer, self.reward_fn, self.out_dir = cfg, tokenizer, reward_fn, run_dir / "eval"
+        self.dataset = PromptDataset(cfg.data, tokenizer, cfg.seed, path=e.path)
+        self.rollout = replace(  # the sampling of an evaluation
+            cfg.rollout,
+            n_samples=e.n_samples,
+            temperature=e.temperature,
+            max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
+        )
+
+    def due(self, step: int) -> bool:
+        """Whether the weights of `step` are evaluated: every `eval.every` steps and the last."""
+        every = self.cfg.eval.every
+        return step == self.cfg.trainer.total_steps or (every > 0 and step % every == 0)
+
+    def __call__(self, client: RolloutClient, step: int) -> dict[str, float]:
+        start = time.perf_counter()
+        prompts = self.dataset.prompts
+        # disable=None: a bar on a terminal, none in a log file (it would sit inside the train bar)
+        with tqdm(total=len(prompts) * self.rollout.n_samples, desc=f"eval {step}", leave=False, disable=None) as bar:
+            samples = generate(client, prompts, self.rollout, request_seed(self.cfg.seed, step), bar)
+        for s in samples:
+            try:
+                s.reward = score_one(s, self.reward_fn, self.tokenizer)
+            except (RuntimeError, TypeError) as e:
+                raise type(e)(f"--eval.path={self.dataset.path!r}: {e}") from e
+        others = {s.weight_version for s in samples} - {str(step)}
+        if others:  # the sync's version check makes this a bug, not a setting
+            raise RuntimeError(f"evaluation of weight version {step} got responses from versions {sorted(others)}")
+        self.write(step, samples)
+        rewards = torch.tensor([s.reward for s in samples])
+        metrics = {
+            "eval/reward_mean": rewards.mean().item(),
+            "eval/reward_std": rewards.std().item() if len(samples) > 1 else 0.0,
+            "eval/response_length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+            "eval/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+            "timing/eval": time.perf_counter() - start,
+        }
+        log.info(
+            "eval at step %d: reward %.3f±%.3f over %d responses to %s (%.1fs)",
+            step, metrics["eval/reward_mean"], metrics["eval/reward_std"], len(samples), self.dataset.path,
+            metrics["timing/eval"],
+        )  # fmt: skip
+        return metrics
+
+    def write(self, step: int, samples: list[Sample]) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.out_dir / f"step_{step}.jsonl", "w") as f:
+            for s in samples:
+                row = {
+                    "row": s.prompt.index,
+                    "prompt": s.prompt.text,
+                    "response": self.tokenizer.decode(s.response_ids, skip_special_tokens=True),
+                    "answer": s.prompt.answer,
+                    "reward": s.reward,
+                    "finish_reason": s.finish_reason,
+                    "weight_version": s.weight_version,
+                }
+                f.write(json.dumps(row, default=str) + "\n")
