@@ -146,9 +146,6 @@ class SyncConfig:
     """Bytes of gathered parameters sent per bucket; a larger tensor travels alone. On GPUs use 1 GiB: each
     bucket costs SGLang a request and a load (~1-3 ms), and the trainer keeps 3 buckets' worth of buffers
     (the server one for NCCL). CUDA IPC with one trainer rank ignores it: the whole model is one bucket."""
-    per_tensor: bool = False
-    """Broadcast transport: one broadcast per tensor, received into SGLang's per-tensor buffers, instead of
-    one flat bucket that SGLang first builds with a copy of the bucket's size (torch.cat) before receiving."""
     verify: Literal["off", "weights", "probe"] = "off"
     """Check every sync: weights = each server parameter equals the trainer's (embedded engine, Llama-family
     SGLang); probe = the servers' logprobs of fixed probe tokens match the trainer's forward (any model)."""

@@ -39,9 +39,8 @@ def main(model_dir: str, train_path: str, out: str) -> None:
     results = {"world": dist.get_world_size(), "num_params": len(named), "embed_bytes": embed_bytes, "cases": []}
     try:
         cases = [("broadcast", 1), ("broadcast", embed_bytes), ("broadcast", 1 << 30), ("disk", 4096)]
-        cases = [(t, b, False) for t, b in cases] + [("broadcast", embed_bytes, True)]  # + one broadcast per tensor
-        for version, (transport, bucket_bytes, per_tensor) in enumerate(cases, start=1):
-            sync_cfg = SyncConfig(type=transport, bucket_bytes=bucket_bytes, per_tensor=per_tensor)
+        for version, (transport, bucket_bytes) in enumerate(cases, start=1):
+            sync_cfg = SyncConfig(type=transport, bucket_bytes=bucket_bytes)
             engine = make_checkpoint_engine(sync_cfg, client, run_dir, "gloo")
             with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=0):
                 if rank == 0:
@@ -56,7 +55,6 @@ def main(model_dir: str, train_path: str, out: str) -> None:
                     {
                         "transport": transport,
                         "bucket_bytes": bucket_bytes,
-                        "per_tensor": per_tensor,
                         "buckets": len(buckets),
                         "bytes": stats.bytes,
                         "versions": client.weight_versions(),

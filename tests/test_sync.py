@@ -25,12 +25,8 @@ def sync_results(request, toy_weights, tmp_path_factory):
     return {**json.loads(out.read_text()), "port": port, "ranks": request.param}
 
 
-def case(results, transport, bucket_bytes, per_tensor=False):
-    return next(
-        c
-        for c in results["cases"]
-        if (c["transport"], c["bucket_bytes"], c["per_tensor"]) == (transport, bucket_bytes, per_tensor)
-    )
+def case(results, transport, bucket_bytes):
+    return next(c for c in results["cases"] if c["transport"] == transport and c["bucket_bytes"] == bucket_bytes)
 
 
 def test_bucket_smaller_than_any_tensor(sync_results):
@@ -50,13 +46,6 @@ def test_bucket_larger_than_the_model(sync_results):
     c = case(sync_results, "broadcast", 1 << 30)
     assert c["buckets"] == 1 and c["bytes"] == sync_results["model_bytes"]
     assert c["versions"] == ["3", "3"]
-
-
-def test_one_broadcast_per_tensor(sync_results):
-    """--sync.per_tensor: SGLang's per-tensor receive path (no flat bucket on the server)."""
-    c = case(sync_results, "broadcast", sync_results["embed_bytes"], per_tensor=True)
-    assert 1 < c["buckets"] and c["bytes"] == sync_results["model_bytes"]
-    assert c["versions"] == ["5", "5"]  # and verify_weights found every parameter equal
 
 
 def test_disk_transport(sync_results):

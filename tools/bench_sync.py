@@ -40,7 +40,6 @@ def parse_args(argv=None):
     p.add_argument("--bucket-mb", nargs="+", type=float, default=[256], help="0 = whole model")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--ranks", type=int, default=2, help="ZeRO-3 trainer ranks (cpu mode).")
-    p.add_argument("--per-tensor", action="store_true", help="nccl: one broadcast per tensor (--sync.per_tensor)")
     p.add_argument("--pause", default=None, help="pause the servers around each sync (abort, in_place): the old path")
     p.add_argument("--workdir", default=None, help="Models, logs, results (default: a temporary directory).")
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -178,7 +177,7 @@ def rank_main(args) -> None:
     try:
         for bucket_mb in args.bucket_mb:
             bucket_bytes = int(bucket_mb * (1 << 20)) if bucket_mb > 0 else total
-            engine.cfg = SyncConfig(type=transport, bucket_bytes=bucket_bytes, per_tensor=args.per_tensor)
+            engine.cfg = SyncConfig(type=transport, bucket_bytes=bucket_bytes)
             probe, probe_before = None, None
             if gpu:  # the mean |logprob diff| of the probe: before any sync, and after one
                 ids, reference = probe_reference(actor, actor.module.config.vocab_size)

@@ -1,10 +1,10 @@
 """Broadcast transport: trainer rank 0 broadcasts flattened buckets to every server rank in one group.
 
 NCCL on GPUs, gloo on CPU. Each bucket is one uint8 tensor holding its tensors' bytes back to
-back, sent with SGLang's `load_format: flattened_bucket` (or, `sync.per_tensor`, one broadcast per
-tensor of it) -- one request per bucket, each request posted once the previous one is answered
-(the servers must see them in order). While bucket i is broadcast, bucket i+1 is being gathered
-onto rank 0 (`FlatGatherer`), and a failed reply aborts the wait at once.
+back, sent with SGLang's `load_format: flattened_bucket` -- one broadcast and one request per
+bucket, each request posted once the previous one is answered (the servers must see them in
+order). While bucket i is broadcast, bucket i+1 is being gathered onto rank 0 (`FlatGatherer`),
+and a failed reply aborts the wait at once.
 """
 
 import asyncio
@@ -121,19 +121,19 @@ class BroadcastEngine(CheckpointEngine):
 
     def _send(
         self, bucket: FlatBucket, weight_version: str, flush_cache: bool, previous: Future | None
-    ) -> tuple[Future, list[dist.Work]]:
+    ) -> tuple[Future, dist.Work]:
         payload = {
             "names": bucket.names,
             "dtypes": bucket.dtypes,
             "shapes": bucket.shapes,
             "group_name": self.group_name,
-            "load_format": None if self.cfg.per_tensor else "flattened_bucket",
+            "load_format": "flattened_bucket",
             "flush_cache": flush_cache and bucket.last,
             "weight_version": weight_version if bucket.last else None,
         }
         reply = self.client.submit(self._post_after(previous, payload))
-        tensors = bucket.tensors() if self.cfg.per_tensor else [bucket.flat]
-        return reply, [dist.broadcast(t, group=self.group, group_src=0, async_op=True) for t in tensors]
+        work = dist.broadcast(bucket.flat, group=self.group, group_src=0, async_op=True)
+        return reply, work
 
     async def _post_after(self, previous: Future | None, payload: dict) -> list:
         """Post one bucket's request once the previous bucket's has been answered.
@@ -148,10 +148,10 @@ class BroadcastEngine(CheckpointEngine):
             await asyncio.wrap_future(previous)  # a failed bucket stops the rest
         return await self.client.all_servers("/update_weights_from_distributed", payload)
 
-    def _wait(self, works: list[dist.Work], replies: list[Future]) -> None:
-        """Wait for a bucket's broadcasts, failing fast when a server has already answered with an error."""
+    def _wait(self, work: dist.Work, replies: list[Future]) -> None:
+        """Wait for a broadcast, failing fast when a server has already answered with an error."""
         deadline = time.monotonic() + self.cfg.timeout_s
-        while not all(work.is_completed() for work in works):
+        while not work.is_completed():
             failed = next((r for r in replies if r.done() and r.exception() is not None), None)
             if failed is not None:
                 raise SyncError(f"a server failed during the weight update: {failed.exception()}")
@@ -161,5 +161,4 @@ class BroadcastEngine(CheckpointEngine):
                     "(--sync.timeout_s); a server may have died: check its log"
                 )
             time.sleep(0.0005)
-        for work in works:
-            work.wait()
+        work.wait()

@@ -55,16 +55,6 @@ class FlatBucket:
     """uint8 tensor on rank 0; None on the other ranks."""
     last: bool
 
-    def tensors(self) -> list[torch.Tensor]:
-        """Each tensor of the bucket, as a view of `flat` with its dtype and shape (rank 0)."""
-        out, offset = [], 0
-        for dtype, shape in zip(self.dtypes, self.shapes):
-            dtype = getattr(torch, dtype)
-            nbytes = torch.Size(shape).numel() * dtype.itemsize
-            out.append(self.flat[offset : offset + nbytes].view(dtype).view(shape))
-            offset += nbytes
-        return out
-
 
 class FlatGatherer:
     """Gathers ZeRO-3 partitions bucket by bucket straight into SGLang's flat layout.
