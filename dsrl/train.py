@@ -107,7 +107,7 @@ class Run:
     ckpt: CheckpointEngine
     rollouts: SyncRollouts | RolloutManager
     evaluator: Evaluator | None
-    """Rank 0, with --eval.path."""
+    """With --eval.path; rank 0 runs it."""
     writer: MetricsWriter
     colocated: bool
     offload: bool
@@ -142,11 +142,13 @@ def setup(cfg: Config) -> Run:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     dataset = PromptDataset(cfg.data, tokenizer, cfg.seed)
-    if cfg.rollout.server_urls or rollout_engine(cfg) == "sglang":
-        check_fits_context(
-            cfg, dataset, AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-        )
     reward_fn = load_reward_fn(cfg.algorithm.reward_fn)
+    evaluator = Evaluator(cfg, tokenizer, reward_fn, run_dir) if cfg.eval.path else None  # every rank: same errors
+    if cfg.rollout.server_urls or rollout_engine(cfg) == "sglang":
+        model_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+        check_fits_context(cfg, dataset, model_config)
+        if evaluator is not None:
+            check_fits_context(cfg, evaluator.dataset, model_config, evaluation=True)
     actor = load_engine(cfg, model_dir, world, train=True)
     ref = load_engine(cfg, model_dir, world, train=False) if cfg.algorithm.kl_coef > 0 else None
     start_step, rank_state = resume(cfg, run_dir, actor, rank)
@@ -167,7 +169,6 @@ def setup(cfg: Config) -> Run:
                                   reward_fn, tokenizer)  # fmt: skip
     if rank_state is not None:
         rollouts.restore(rank_state["rollouts"], start_step)
-    evaluator = Evaluator(cfg, tokenizer, reward_fn, run_dir) if cfg.eval.path and rank == 0 else None
     writer = MetricsWriter(run_dir, cfg.logging.tensorboard and rank == 0)
     return Run(cfg, rank, world, run_dir, model_dir, tokenizer, pad_id, actor, ref, fleet, client, ckpt, rollouts,
                evaluator, writer, colocated, offload, start_step)  # fmt: skip
@@ -314,6 +315,8 @@ def alive(client: RolloutClient, url: str) -> bool:
 
 def evaluate(run: Run, step: int) -> dict[str, float]:
     """Rank 0: the reward of weight version `step` on the held-out prompts (the servers hold it now)."""
+    if run.rank != 0:
+        return {}
     metrics = run.evaluator(run.client, step)
     if step == run.start_step:  # before the first step: no step's metrics to go with
         run.writer.log(step, metrics)
@@ -345,25 +348,27 @@ def finish(run: Run, metrics: dict[str, float]) -> None:
         export_hf(run.actor.module, run.model_dir, run.run_dir / "hf", run.cfg.sync.bucket_bytes)
 
 
-def check_fits_context(cfg: Config, dataset: PromptDataset, model_config) -> None:
+def check_fits_context(cfg: Config, dataset: PromptDataset, model_config, evaluation: bool = False) -> None:
     """SGLang refuses a request whose prompt + max_new_tokens passes the model's context, and an input
     within 6 tokens of it (its scheduler keeps context - 1 - 5): a partial rollout resumes with prompt +
     tokens so far as input. Fail at start-up, naming the first row, rather than mid-run."""
     context = getattr(model_config, "max_position_embeddings", None)
     if not context:
         return
-    partial = cfg.rollout.placement == "disaggregate" and cfg.rollout.interrupt == "partial"
+    partial = cfg.rollout.placement == "disaggregate" and cfg.rollout.interrupt == "partial" and not evaluation
     limit = context - 6 if partial else context
+    flag = "eval.max_new_tokens" if evaluation else "rollout.max_new_tokens"
+    default_new_tokens = (evaluation and cfg.eval.max_new_tokens) or cfg.rollout.max_new_tokens
     for p in dataset.prompts:
-        new_tokens = int(p.sampling.get("max_new_tokens", cfg.rollout.max_new_tokens))
+        new_tokens = int(p.sampling.get("max_new_tokens", default_new_tokens))
         if len(p.prompt_ids) + new_tokens > limit:
             why = f"the model's context ({context})" + (
                 ", less the 6 tokens SGLang keeps free, which a resumed partial rollout needs" if partial else ""
             )
             raise DatasetError(
-                f"{cfg.data.train_path}, row {p.index}: prompt ({len(p.prompt_ids)} tokens) + max_new_tokens "
+                f"{dataset.path}, row {p.index}: prompt ({len(p.prompt_ids)} tokens) + max_new_tokens "
                 f"({new_tokens}) = {len(p.prompt_ids) + new_tokens} tokens, over {limit}: {why}. Lower "
-                "--rollout.max_new_tokens (or the row's sampling_params) or --data.max_prompt_tokens"
+                f"--{flag} (or the row's sampling_params) or --data.max_prompt_tokens"
                 + (", or use --rollout.interrupt abort" if partial else "")
             )
 

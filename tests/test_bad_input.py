@@ -289,3 +289,7 @@ def test_prompt_and_max_new_tokens_past_sglangs_context_name_the_row(tmp_path):
     cfg.rollout.placement, cfg.rollout.interrupt = "disaggregate", "partial"
     with pytest.raises(DatasetError, match=r"rows.jsonl, row 1: .*over 58.*--rollout.interrupt abort"):
         check_fits_context(cfg, dataset, context)
+    check_fits_context(cfg, dataset, context, evaluation=True)  # evaluation requests are never resumed
+    cfg.eval.max_new_tokens = 63  # row 0: 2 + 63 tokens (row 1 keeps its own 58)
+    with pytest.raises(DatasetError, match=r"rows.jsonl, row 0: .*over 64.*--eval.max_new_tokens"):
+        check_fits_context(cfg, dataset, context, evaluation=True)

@@ -45,6 +45,13 @@ def test_missing_prompt_field_names_the_row(tmp_path, tokenizer):
         PromptDataset(DataConfig(train_path=path), tokenizer)
 
 
+def test_a_bad_row_of_the_evaluation_set_names_that_file(tmp_path, tokenizer):
+    train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "1="}])
+    held_out = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "2="}, {"question": "3="}])
+    with pytest.raises(DatasetError, match=r"eval.jsonl, row 1: no field 'prompt'"):
+        PromptDataset(DataConfig(train_path=train), tokenizer, path=held_out)
+
+
 def test_invalid_json_names_the_line(tmp_path, tokenizer):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "1="}\n{"prompt": \n')
