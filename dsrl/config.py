@@ -79,6 +79,10 @@ class RolloutConfig:
     max_staleness: int = 0
     """Disaggregated: how many weight versions a trained sample may lag the trainer (0 synchronous,
     1 one-step-off, k fully async). Generation runs ahead by at most this many batches."""
+    max_ahead: int | None = None
+    """Disaggregated: how many batches generation may admit ahead of the trainer (default, and at most,
+    max_staleness). Lower it to keep short responses fresh while long ones may still take up to
+    max_staleness versions to finish: a group is only as stale as the time it waits to be trained."""
     interrupt: Literal["wait", "abort", "partial", "pause"] = "partial"
     """In-flight requests at a weight update: wait for them, abort and restart them, abort and resume
     them from the tokens so far under the new weights (partial rollout), or pause them on the servers
@@ -298,6 +302,12 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     )
     check(r.max_concurrency >= 1, "rollout.max_concurrency", r.max_concurrency, "must be >= 1")
     check(r.max_staleness >= 0, "rollout.max_staleness", r.max_staleness, "must be >= 0")
+    check(
+        r.max_ahead is None or 0 <= r.max_ahead <= r.max_staleness,
+        "rollout.max_ahead",
+        r.max_ahead,
+        f"must be in [0, rollout.max_staleness={r.max_staleness}]",
+    )
     check(
         r.max_staleness == 0 or r.placement == "disaggregate",
         "rollout.max_staleness",

@@ -3,14 +3,15 @@
 The manager lives on the rollout client's event loop. It admits one GRPO group (a prompt and its
 n samples) at a time, as long as
 
-    groups admitted so far  <=  (weight version + max_staleness + 1) * groups per step
+    groups admitted so far  <=  (weight version + max_ahead + 1) * groups per step
 
-(AReaL's rule, in groups so GRPO groups stay whole). Admission is what keeps generation from
-running ahead; a check at consumption is what makes the bound a guarantee: a group whose oldest
-token span is more than `max_staleness` versions behind the trainer is dropped and its prompt
-generated again, never trained on. So that this is rare, a batch takes the oldest finished groups
-first, and waits for a group still generating that started `max_staleness` versions ago (the
-bound on admission means there are at most a batch of those): later, it would be too stale.
+(AReaL's rule, in groups so GRPO groups stay whole, with max_ahead = max_staleness by default).
+Admission is what keeps generation from running ahead; a check at consumption is what makes the
+bound a guarantee: a group whose oldest token span is more than `max_staleness` versions behind
+the trainer is dropped and its prompt generated again, never trained on. So that this is rare, a
+batch takes the oldest finished groups first, and waits for a group still generating that started
+`max_staleness` versions ago (the bound on admission means there are at most a batch of those):
+later, it would be too stale.
 
 Around a weight update the in-flight requests are handled by `rollout.interrupt`:
   wait     stop admitting, let every in-flight request finish, then sync;
@@ -95,6 +96,9 @@ class RolloutManager:
         self.reward_fn, self.tokenizer = reward_fn, tokenizer
         r = cfg.rollout
         self.n, self.k, self.mode = r.n_samples, r.max_staleness, r.interrupt
+        # Admitting fewer batches ahead than the bound keeps a group that finishes fast from waiting
+        # k versions in the queue; a slow one still has k versions to finish in.
+        self.ahead = r.max_staleness if r.max_ahead is None else r.max_ahead
         self.groups_per_step = stream.per_rank
         self.rid_prefix = f"dsrl-r{stream.rank}"
         self.params = sampling_params(r)
@@ -199,7 +203,7 @@ class RolloutManager:
             self.cond.notify_all()
 
     def _capacity_left(self) -> bool:
-        return self.admitted < (self.version + self.k + 1) * self.groups_per_step
+        return self.admitted < (self.version + self.ahead + 1) * self.groups_per_step
 
     async def _admit_loop(self) -> None:
         while True:

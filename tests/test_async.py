@@ -73,7 +73,9 @@ def test_abort_reaches_requests_still_waiting_for_a_concurrency_slot(slow_server
     assert second["meta_info"]["finish_reason"]["type"] == "abort" and second["output_ids"] == []
 
 
-def manager_for(client, tmp_path, k: int, interrupt: str, groups: int, n: int, lengths: list[int], seed: int):
+def manager_for(
+    client, tmp_path, k: int, interrupt: str, groups: int, n: int, lengths: list[int], seed: int, ahead=None
+):
     rows = [
         {**row, "sampling_params": {"max_new_tokens": length, "ignore_eos": True}}
         for row, length in zip(toy.make_rows(len(lengths), seed), lengths)
@@ -84,7 +86,7 @@ def manager_for(client, tmp_path, k: int, interrupt: str, groups: int, n: int, l
     cfg.data.shuffle = False
     cfg.rollout.prompts_per_step, cfg.rollout.n_samples = groups, n
     cfg.rollout.max_staleness, cfg.rollout.interrupt, cfg.rollout.placement = k, interrupt, "disaggregate"
-    cfg.rollout.max_new_tokens = 16
+    cfg.rollout.max_new_tokens, cfg.rollout.max_ahead = 16, ahead
     dataset = PromptDataset(cfg.data, TOKENIZER)
     stream = PromptStream(dataset, groups, rank=0, world=1)
     return RolloutManager(client, cfg, stream, toy.reward, TOKENIZER), stream
@@ -236,19 +238,24 @@ def test_a_group_at_its_last_chance_is_waited_for_not_dropped(slow_server, tmp_p
     n=st.integers(2, 3),
     steps=st.integers(3, 6),
     seed=st.integers(0, 10_000),
+    lazy=st.booleans(),
 )
-def test_random_schedules_keep_the_bound_and_every_prompt(slow_server, tmp_path, k, interrupt, groups, n, steps, seed):
+def test_random_schedules_keep_the_bound_and_every_prompt(
+    slow_server, tmp_path, k, interrupt, groups, n, steps, seed, lazy
+):
     rng = random.Random(seed)
     lengths = [rng.choice([1, 2, 3, 12, 16]) for _ in range(64)]  # mostly short, a long tail
     client = slow_server
     simulated_update(client, 0)
-    manager, stream = manager_for(client, tmp_path, k, interrupt, groups, n, lengths, seed)
+    ahead = rng.randint(0, k) if lazy else None  # admitting fewer batches ahead than the bound
+    manager, stream = manager_for(client, tmp_path, k, interrupt, groups, n, lengths, seed, ahead)
     manager.start()
     trained: list[int] = []
     try:
         for step in range(steps):
             samples, stats = manager.collect(step)
             assert len(samples) == groups * n
+            assert manager.admitted <= (step + (k if ahead is None else ahead) + 1) * groups, "admitted too far ahead"
             for s in samples:
                 assert step - s.oldest_version <= k, f"sample {step - s.oldest_version} versions stale, bound {k}"
                 assert s.reward == toy.reward(

@@ -71,6 +71,10 @@ def test_bad_input_wrong_choice(capsys):
 def test_bad_input_conflicting_options():
     errors = cross_field_errors("--rollout.max_staleness", "2")  # placement is colocate by default
     assert any(e.startswith("--rollout.max_staleness=2: asynchronous rollout needs") for e in errors)
+    errors = cross_field_errors(
+        "--rollout.placement", "disaggregate", "--rollout.max_staleness", "2", "--rollout.max_ahead", "3"
+    )
+    assert "--rollout.max_ahead=3: must be in [0, rollout.max_staleness=2]" in errors
     errors = cross_field_errors("--rollout.placement", "disaggregate", "--sync.type", "ipc")
     assert any(e.startswith("--sync.type='ipc': ipc needs --rollout.placement colocate") for e in errors)
 

@@ -12,6 +12,7 @@ model with a longer one.
     python tools/bench_async.py --gpu --steps 60   # 2 GPUs: trainer on GPU 0, SGLang on GPU 1
     python tools/bench_async.py --gpu --steps 60 --schedules 0 4 --rollout.max_concurrency 768
     python tools/bench_async.py --gpu --steps 60 --schedules 0 6 7   # SGLang's pause instead of aborts
+    python tools/bench_async.py --gpu --steps 60 --schedules 0 7 9   # admitting 4 batches ahead, or 1
     python tools/bench_async.py --schedules 0 4 --seed 1 --trainer.lr 1e-3   # other flags go to dsrl train
 
 On GPUs (configs/toy_gpu_async.yaml: max_concurrency 768) SGLang runs at its own speed: no decode delay.
@@ -32,16 +33,17 @@ sys.path.insert(0, str(ROOT))
 
 from dsrl.toy import make_rows  # noqa: E402
 
-SCHEDULES = [  # (label, max_staleness, interrupt, pause_mode); 5- are not in the default set
-    ("synchronous", 0, "wait", None),
-    ("one-step-off", 1, "wait", None),
-    ("one-step-off + partial", 1, "partial", None),
-    ("async k=4", 4, "wait", None),
-    ("async k=4 + partial", 4, "partial", None),
-    ("async k=8 + partial", 8, "partial", None),  # for tails that outlast 4 trainer steps
-    ("async k=4 + pause in place", 4, "pause", "in_place"),  # requests stay on the server through updates
-    ("async k=4 + pause retract", 4, "pause", "retract"),
-    ("async k=2 + pause retract", 2, "pause", "retract"),
+SCHEDULES = [  # (label, max_staleness, interrupt, pause_mode, max_ahead); 5- are not in the default set
+    ("synchronous", 0, "wait", None, None),
+    ("one-step-off", 1, "wait", None, None),
+    ("one-step-off + partial", 1, "partial", None, None),
+    ("async k=4", 4, "wait", None, None),
+    ("async k=4 + partial", 4, "partial", None, None),
+    ("async k=8 + partial", 8, "partial", None, None),  # for tails that outlast 4 trainer steps
+    ("async k=4 + pause in place", 4, "pause", "in_place", None),  # requests stay on the server through updates
+    ("async k=4 + pause retract", 4, "pause", "retract", None),
+    ("async k=2 + pause retract", 2, "pause", "retract", None),
+    ("async k=4 + pause retract, 1 ahead", 4, "pause", "retract", 1),  # short groups wait less in the queue
 ]
 
 
@@ -83,12 +85,13 @@ def main() -> None:
         model_config["max_position_embeddings"] = 2 ** (long_tokens + 32).bit_length()
         (model / "config.json").write_text(json.dumps(model_config, indent=2))
     schedules = [SCHEDULES[i] for i in args.schedules] if args.schedules else SCHEDULES[:5]
-    for label, k, interrupt, pause_mode in schedules:
-        run_dir = work / f"k{k}_{interrupt}{'_' + pause_mode if pause_mode else ''}"
+    for label, k, interrupt, pause_mode, ahead in schedules:
+        run_dir = work / f"k{k}_{interrupt}{'_' + pause_mode if pause_mode else ''}{f'_ahead{ahead}' if ahead else ''}"
         cmd = [sys.executable, "-m", "dsrl.cli", "train", "--config", str(config)]
         cmd += ["--model.path", str(model), "--data.train_path", str(data), "--trainer.total_steps", str(args.steps)]
         cmd += ["--rollout.max_staleness", str(k), "--rollout.interrupt", interrupt]
         cmd += ["--rollout.pause_mode", pause_mode] if pause_mode else []
+        cmd += ["--rollout.max_ahead", "null" if ahead is None else str(ahead)]  # null: max_staleness ahead
         if not args.gpu:
             cmd += ["--rollout.server_args", json.dumps({"decode_delay_ms": args.decode_delay_ms})]
         cmd += ["--logging.run_dir", str(run_dir), "--logging.export_hf", "false", "--seed", str(args.seed)]

@@ -88,7 +88,7 @@ for s in "$@"; do
       grep -a "^nccl" "$OUT/bench_nccl.log" | tail -26 | tee -a "$SUMMARY"
       ;;
     async)
-      stage async ${ASYNC_LIMIT:-590} python3 tools/bench_async.py --gpu --steps ${ASYNC_STEPS:-60} --schedules ${ASYNC_SCHEDULES:-0 4 7} \
+      stage async ${ASYNC_LIMIT:-590} python3 tools/bench_async.py --gpu --steps ${ASYNC_STEPS:-60} --schedules ${ASYNC_SCHEDULES:-0 7 9} \
         --workdir /tmp/bench_async ${ASYNC_EXTRA:-}
       grep -a "^{\|steps x\|^schedule\|^synchronous\|^one-step\|^async" "$OUT/async.log" | tail -12 | tee -a "$SUMMARY"
       grep -a "Error" "$OUT/async.log" | tail -3 | tee -a "$SUMMARY"
