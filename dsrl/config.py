@@ -200,7 +200,7 @@ class EvalConfig:
     before_train: bool = False
     """Also evaluate the starting weights, before the first step (logged at that step)."""
     n_samples: int = 1
-    """Responses per prompt."""
+    """Responses per prompt (above 1, eval/reward_best_mean adds each prompt's best)."""
     temperature: float = 0.0
     """Sampling temperature; 0 is greedy."""
     max_new_tokens: int | None = None

@@ -65,6 +65,9 @@ class Evaluator:
             "eval/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
             "timing/eval": time.perf_counter() - start,
         }
+        n = self.rollout.n_samples
+        if n > 1:  # best of n per prompt (generate keeps each prompt's samples together)
+            metrics["eval/reward_best_mean"] = rewards.view(-1, n).max(-1).values.mean().item()
         log.info(
             "eval at step %d: reward %.3f±%.3f over %d responses to %s (%.1fs)",
             step, metrics["eval/reward_mean"], metrics["eval/reward_std"], len(samples), self.dataset.path,

@@ -281,7 +281,7 @@ def test_random_schedules_keep_the_bound_and_every_prompt(
     [
         ("toy_cpu_one_step_off.yaml", 1, []),
         # evaluated at the end, beside the manager's own requests
-        ("toy_cpu_async.yaml", 4, ["--eval.path", str(ROOT / "examples/toy/test.jsonl")]),
+        ("toy_cpu_async.yaml", 4, ["--eval.path", str(ROOT / "examples/toy/test.jsonl"), "--eval.n_samples", "2"]),
         # requests stay paused on the server through each update; the probe then runs without a flush
         ("toy_cpu_async.yaml", 4, ["--rollout.interrupt", "pause", "--sync.verify", "probe"]),
     ],
@@ -301,4 +301,7 @@ def test_async_schedules_learn_the_toy_task(tmp_path, config, k, flags):
     if "--eval.path" in flags:  # the final weights, and only they, answered the evaluation
         assert [e.step for e in events.Scalars("eval/reward_mean")] == [60]
         rows = [json.loads(line) for line in (tmp_path / "eval" / "step_60.jsonl").read_text().splitlines()]
-        assert len(rows) == 256 and {r["weight_version"] for r in rows} == {"60"}
+        assert len(rows) == 2 * 256 and {r["weight_version"] for r in rows} == {"60"}
+        assert all(rows[i]["row"] == rows[i + 1]["row"] for i in range(0, len(rows), 2))  # a prompt's samples together
+        best = [max(rows[i]["reward"], rows[i + 1]["reward"]) for i in range(0, len(rows), 2)]
+        assert abs(events.Scalars("eval/reward_best_mean")[0].value - sum(best) / len(best)) < 1e-6
