@@ -19,7 +19,7 @@ from tqdm import tqdm
 from dsrl.config import Config
 from dsrl.data import PromptDataset
 from dsrl.rewards import RewardFn
-from dsrl.rollout import Sample, generate, request_seed, score_one
+from dsrl.rollout import Sample, generate, request_seed, score
 from dsrl.serving.client import RolloutClient
 
 log = logging.getLogger(__name__)
@@ -48,11 +48,10 @@ class Evaluator:
         # disable=None: a bar on a terminal, none in a log file (it would sit inside the train bar)
         with tqdm(total=len(prompts) * self.rollout.n_samples, desc=f"eval {step}", leave=False, disable=None) as bar:
             samples = generate(client, prompts, self.rollout, request_seed(self.cfg.seed, step), bar)
-        for s in samples:
-            try:
-                s.reward = score_one(s, self.reward_fn, self.tokenizer)
-            except (RuntimeError, TypeError) as e:
-                raise type(e)(f"--eval.path={self.dataset.path!r}: {e}") from e
+        try:
+            score(samples, self.reward_fn, self.tokenizer)
+        except (RuntimeError, TypeError) as e:  # score_one's errors name the row; say which file
+            raise type(e)(f"--eval.path={self.dataset.path!r}: {e}") from e
         others = {s.weight_version for s in samples} - {str(step)}
         if others:  # the sync's version check makes this a bug, not a setting
             raise RuntimeError(f"evaluation of weight version {step} got responses from versions {sorted(others)}")
