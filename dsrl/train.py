@@ -289,7 +289,10 @@ def heal_fleet(run: Run) -> None:
     dist.all_gather_object(down, run.client.down)
     new_urls = [None]
     if run.rank == 0:
-        dead = {u for urls in down for u in urls} | {u for u in run.client.urls if not alive(run.client, u)}
+        exited = run.fleet.exited()
+        if exited is None:  # external servers
+            exited = {u for u in run.client.urls if not alive(run.client, u)}
+        dead = {u for urls in down for u in urls} | exited
         if dead:
             new_urls = [run.fleet.replace(dead)]
     dist.broadcast_object_list(new_urls, src=0)

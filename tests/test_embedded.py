@@ -211,3 +211,27 @@ def test_higher_priority_requests_are_scheduled_first(toy_weights, tmp_path):
     finally:
         client.close()
         fleet.stop()
+
+
+def test_fleet_sees_a_dead_server_by_its_process_and_restarts_it(toy_weights, tmp_path):
+    """The trainer finds dead servers it started by their process (no HTTP round trip per sync): a
+    killed server shows in `exited()`, and `replace` brings up one that answers at a new address."""
+    fleet = start_fleet(RolloutConfig(num_servers=2), str(toy_weights), tmp_path, 0, "embedded")
+    try:
+        assert fleet.exited() == set()
+        victim, survivor = fleet.urls
+        fleet.processes[0].proc.kill()
+        deadline = time.monotonic() + 10
+        while victim not in fleet.exited() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fleet.exited() == {victim}
+        urls = fleet.replace(fleet.exited())
+        assert urls[1] == survivor and urls[0] != victim and fleet.exited() == set()
+        client = RolloutClient(urls, timeout_s=60)
+        try:
+            client.run(client.request(urls[0], "/model_info", method="GET"))  # raises if it does not answer
+            assert len(gen(client, {"max_new_tokens": 3, "ignore_eos": True})["output_ids"]) == 3
+        finally:
+            client.close()
+    finally:
+        fleet.stop()

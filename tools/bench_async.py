@@ -12,7 +12,7 @@ model with a longer one.
     python tools/bench_async.py --gpu --steps 60   # 2 GPUs: trainer on GPU 0, SGLang on GPU 1
     python tools/bench_async.py --gpu --steps 60 --schedules 0 4 --rollout.max_concurrency 768
     python tools/bench_async.py --gpu --steps 60 --schedules 0 6 7   # SGLang's pause instead of aborts
-    python tools/bench_async.py --gpu --steps 60 --schedules 0 7 9   # admitting 4 batches ahead, or 1
+    python tools/bench_async.py --gpu --steps 60 --schedules 0 7 9 10   # admitting 4 batches ahead, 1 or 2
     python tools/bench_async.py --schedules 0 4 --seed 1 --trainer.lr 1e-3   # other flags go to dsrl train
 
 On GPUs (configs/toy_gpu_async.yaml: max_concurrency 768) SGLang runs at its own speed: no decode delay.
@@ -44,6 +44,7 @@ SCHEDULES = [  # (label, max_staleness, interrupt, pause_mode, max_ahead); 5- ar
     ("async k=4 + pause retract", 4, "pause", "retract", None),
     ("async k=2 + pause retract", 2, "pause", "retract", None),
     ("async k=4 + pause retract, 1 ahead", 4, "pause", "retract", 1),  # short groups wait less in the queue
+    ("async k=4 + pause retract, 2 ahead", 4, "pause", "retract", 2),
 ]
 
 
