@@ -3,6 +3,7 @@
 # of every stage is printed last. Usage (on the GPU machine, from the repo root):
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup colocate toy greedy rollout   # 1 GPU
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup bench_ipc                      # 1 GPU
+#   source .gpu/setup.sh; bash tools/gpu_run.sh crash                                # 1 GPU
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup disaggregate bench_nccl        # 2 GPUs
 #   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py;
 #                                                         ASYNC_EXTRA="--rollout.max_concurrency 768" passes flags on)
@@ -43,6 +44,10 @@ for s in "$@"; do
     smoke)
       stage smoke 300 python3 tools/gpu_sglang_smoke.py /tmp/models/0.5b
       grep -a "^OK\|^FAIL\|^sleep\|PASSED" "$OUT/smoke.log" | tee -a "$SUMMARY"
+      ;;
+    crash)  # kill SGLang's scheduler: the fleet must see the server exit and restart it (tools/gpu_server_crash.py)
+      stage crash 300 python3 tools/gpu_server_crash.py --workdir /tmp/crash
+      grep -a "^RESULT\|^killing\|Error" "$OUT/crash.log" | tee -a "$SUMMARY"
       ;;
     smoke_nosaver)
       stage smoke_nosaver 300 python3 tools/gpu_sglang_smoke.py /tmp/models/0.5b --no-memory-saver
