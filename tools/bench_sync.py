@@ -16,6 +16,7 @@ next bucket, `broadcast` for the wire, `server_load`/`server_replies` for SGLang
     python tools/bench_sync.py                                   # cpu, ~750 MB fp32 model
     python tools/bench_sync.py --mode ipc --models 0.5b 1.5b 3b --bucket-mb 64 256 1024 0
     python tools/bench_sync.py --mode nccl --models 0.5b 1.5b 3b --bucket-mb 64 256 1024 0
+    python tools/bench_sync.py --mode ipc --server-gpu 1 --models 3b --bucket-mb 0   # IPC to another GPU
 (--bucket-mb 0 = the whole model in one bucket)
 """
 
@@ -42,6 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--ranks", type=int, default=2, help="ZeRO-3 trainer ranks (cpu mode).")
     p.add_argument("--pause", default=None, help="pause the servers around each sync (abort, in_place): the old path")
     p.add_argument("--workdir", default=None, help="Models, logs, results (default: a temporary directory).")
+    p.add_argument("--server-gpu", type=int, default=None, help="ipc mode: the server's GPU (default 0, the trainer's)")
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--receiver", nargs=4, metavar=("PORT", "SIZES", "REPEATS", "BACKEND"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -152,8 +154,8 @@ def rank_main(args) -> None:
     rollout = RolloutConfig(prompts_per_step=2, n_samples=2)
     if gpu:
         rollout.engine = "sglang"
-        rollout.placement = "colocate" if args.mode == "ipc" else "disaggregate"
-        rollout.first_gpu = 0 if args.mode == "ipc" else 1
+        rollout.first_gpu = 1 if args.mode == "nccl" else args.server_gpu or 0
+        rollout.placement = "colocate" if rollout.first_gpu == 0 else "disaggregate"
         rollout.mem_fraction_static = 0.35
         rollout.startup_timeout_s = 600
         rollout.server_args = {"attention_backend": "triton", "sampling_backend": "pytorch", "disable_cuda_graph": True}
