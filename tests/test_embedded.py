@@ -1,6 +1,8 @@
 """The embedded engine over HTTP, through dsrl's client: SGLang's fields, control endpoints, weight updates."""
 
 import asyncio
+import socket
+import subprocess
 import time
 
 import pytest
@@ -10,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from dsrl.config import RolloutConfig
 from dsrl.serving.client import NoServerLeft, RolloutClient, ServerError
-from dsrl.serving.servers import free_port, start_fleet
+from dsrl.serving.servers import ServerFleet, ServerProcess, embedded_command, free_port, start_fleet
 from dsrl.sync.group import init_weight_update_group
 
 PROMPT = [5, 11, 6, 12]  # "394="
@@ -235,3 +237,36 @@ def test_fleet_sees_a_dead_server_by_its_process_and_restarts_it(toy_weights, tm
             client.close()
     finally:
         fleet.stop()
+
+
+def test_a_server_that_loses_its_port_while_starting_is_started_again(toy_weights, tmp_path):
+    """Several runs on one host: a port free when picked can be taken before the server binds it. The
+    server then exits while starting; the fleet starts it once more on a new port."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1], free_port()]
+    cfg = RolloutConfig(num_servers=1)
+
+    def launch(i: int) -> ServerProcess:
+        port, log_path = ports[len(started)], tmp_path / "server_0.log"
+        with open(log_path, "ab") as log_file:
+            cmd = embedded_command(cfg, str(toy_weights), "127.0.0.1", port, seed=0)
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        started.append(ServerProcess(f"http://127.0.0.1:{port}", proc, log_path))
+        return started[-1]
+
+    started: list[ServerProcess] = []
+    fleet = ServerFleet(urls=[""], processes=[launch(0)], launch=launch, startup_timeout_s=60)
+    try:
+        fleet.wait_started(0)
+        assert len(started) == 2 and started[0].proc.poll() is not None, "the first start should have failed"
+        assert fleet.urls == [f"http://127.0.0.1:{ports[1]}"]
+        client = RolloutClient(fleet.urls, timeout_s=60)
+        try:
+            assert len(gen(client, {"max_new_tokens": 3, "ignore_eos": True})["output_ids"]) == 3
+        finally:
+            client.close()
+    finally:
+        fleet.stop()
+        taken.close()

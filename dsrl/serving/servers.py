@@ -32,6 +32,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+PORT_TAKEN = ("address already in use", "EADDRINUSE")  # in a server's log: it could not bind a port
+
+
 def log_tail(path: Path, lines: int = 30) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -159,13 +162,27 @@ class ServerFleet:
             old = self.processes[i]
             old.stop(grace_s=5)
             log.warning("rollout server %s is down (exit code %s): restarting it", url, old.proc.poll())
-            server = self.launch(i)
-            wait_healthy(server, self.startup_timeout_s)
-            self.processes[i], self.urls[i] = server, server.url
-            log.info("rollout server %d restarted at %s", i, server.url)
+            self.processes[i] = self.launch(i)
+            self.wait_started(i)
+            log.info("rollout server %d restarted at %s", i, self.urls[i])
         if not self.urls:
             raise RuntimeError(f"no rollout server left: {sorted(dead)} are down and cannot be restarted")
         return list(self.urls)
+
+    def wait_started(self, i: int) -> None:
+        """Wait for server i to answer /health. One that lost a port to another process (several runs
+        on one host: a port is free when picked, taken before the server binds it; seen with SGLang's
+        own ports on an 8-GPU host) is started once more, on new ports."""
+        try:
+            wait_healthy(self.processes[i], self.startup_timeout_s)
+        except RuntimeError as e:
+            if not any(sign in str(e) for sign in PORT_TAKEN):
+                raise
+            log.warning("rollout server %d lost a port to another process while starting: starting it again", i)
+            self.processes[i].stop(grace_s=5)
+            self.processes[i] = self.launch(i)
+            wait_healthy(self.processes[i], self.startup_timeout_s)
+        self.urls[i] = self.processes[i].url
 
     def __enter__(self) -> "ServerFleet":
         return self
@@ -218,9 +235,9 @@ def start_fleet(cfg: RolloutConfig, model_path: str, run_dir: Path, seed: int, e
             server = launch(i)
             fleet.processes.append(server)
             fleet.urls.append(server.url)
-        for server in fleet.processes:
-            wait_healthy(server, cfg.startup_timeout_s)
-            log.info("rollout server ready at %s (log: %s)", server.url, server.log_path)
+        for i in range(len(fleet.processes)):
+            fleet.wait_started(i)
+            log.info("rollout server ready at %s (log: %s)", fleet.urls[i], fleet.processes[i].log_path)
     except BaseException:
         fleet.stop()
         raise
