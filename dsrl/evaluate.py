@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dsrl.config import Config
+from dsrl.config import Config, RolloutConfig
 from dsrl.data import PromptDataset
 from dsrl.rewards import RewardFn
 from dsrl.rollout import Sample, generate, request_seed, score
@@ -25,17 +25,23 @@ from dsrl.serving.client import RolloutClient
 log = logging.getLogger(__name__)
 
 
+def eval_rollout(cfg: Config) -> RolloutConfig:
+    """The sampling of an evaluation: `eval.*` over `rollout.*`. Its requests are never interrupted."""
+    e = cfg.eval
+    return replace(
+        cfg.rollout,
+        n_samples=e.n_samples,
+        temperature=e.temperature,
+        max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
+        interrupt="wait",
+    )
+
+
 class Evaluator:
     def __init__(self, cfg: Config, tokenizer, reward_fn: RewardFn, run_dir: Path):
-        e = cfg.eval
         self.cfg, self.tokenizer, self.reward_fn, self.out_dir = cfg, tokenizer, reward_fn, run_dir / "eval"
-        self.dataset = PromptDataset(cfg.data, tokenizer, cfg.seed, path=e.path)
-        self.rollout = replace(  # the sampling of an evaluation
-            cfg.rollout,
-            n_samples=e.n_samples,
-            temperature=e.temperature,
-            max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
-        )
+        self.dataset = PromptDataset(cfg.data, tokenizer, cfg.seed, path=cfg.eval.path)
+        self.rollout = eval_rollout(cfg)
 
     def due(self, step: int) -> bool:
         """Whether the weights of `step` are evaluated: every `eval.every` steps and the last."""

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from dsrl.algorithms import grpo_advantages
-from dsrl.config import Config, SyncConfig, dump_config, parse_config, validate
+from dsrl.config import Config, RolloutConfig, SyncConfig, dump_config, parse_config, validate
 from dsrl.data import DatasetError, PromptDataset
 from dsrl.evaluate import Evaluator
 from dsrl.metrics import MetricsWriter, all_ranks, mean_across_ranks, summary_line, timed
@@ -146,9 +146,9 @@ def setup(cfg: Config) -> Run:
     evaluator = Evaluator(cfg, tokenizer, reward_fn, run_dir) if cfg.eval.path else None  # every rank: same errors
     if cfg.rollout.server_urls or rollout_engine(cfg) == "sglang":
         model_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-        check_fits_context(cfg, dataset, model_config)
+        check_fits_context(cfg.rollout, dataset, model_config)
         if evaluator is not None:
-            check_fits_context(cfg, evaluator.dataset, model_config, evaluation=True)
+            check_fits_context(evaluator.rollout, evaluator.dataset, model_config, flags="eval")
     actor = load_engine(cfg, model_dir, world, train=True)
     ref = load_engine(cfg, model_dir, world, train=False) if cfg.algorithm.kl_coef > 0 else None
     start_step, rank_state = resume(cfg, run_dir, actor, rank)
@@ -351,19 +351,18 @@ def finish(run: Run, metrics: dict[str, float]) -> None:
         export_hf(run.actor.module, run.model_dir, run.run_dir / "hf", run.cfg.sync.bucket_bytes)
 
 
-def check_fits_context(cfg: Config, dataset: PromptDataset, model_config, evaluation: bool = False) -> None:
+def check_fits_context(rollout: RolloutConfig, dataset: PromptDataset, model_config, flags: str = "rollout") -> None:
     """SGLang refuses a request whose prompt + max_new_tokens passes the model's context, and an input
     within 6 tokens of it (its scheduler keeps context - 1 - 5): a partial rollout resumes with prompt +
-    tokens so far as input. Fail at start-up, naming the first row, rather than mid-run."""
+    tokens so far as input. Fail at start-up, naming the first row, rather than mid-run. `rollout` is
+    the sampling of these prompts' requests, set by `--{flags}.max_new_tokens`."""
     context = getattr(model_config, "max_position_embeddings", None)
     if not context:
         return
-    partial = cfg.rollout.placement == "disaggregate" and cfg.rollout.interrupt == "partial" and not evaluation
+    partial = rollout.placement == "disaggregate" and rollout.interrupt == "partial"
     limit = context - 6 if partial else context
-    flag = "eval.max_new_tokens" if evaluation else "rollout.max_new_tokens"
-    default_new_tokens = (evaluation and cfg.eval.max_new_tokens) or cfg.rollout.max_new_tokens
     for p in dataset.prompts:
-        new_tokens = int(p.sampling.get("max_new_tokens", default_new_tokens))
+        new_tokens = int(p.sampling.get("max_new_tokens", rollout.max_new_tokens))
         if len(p.prompt_ids) + new_tokens > limit:
             why = f"the model's context ({context})" + (
                 ", less the 6 tokens SGLang keeps free, which a resumed partial rollout needs" if partial else ""
@@ -371,7 +370,7 @@ def check_fits_context(cfg: Config, dataset: PromptDataset, model_config, evalua
             raise DatasetError(
                 f"{dataset.path}, row {p.index}: prompt ({len(p.prompt_ids)} tokens) + max_new_tokens "
                 f"({new_tokens}) = {len(p.prompt_ids) + new_tokens} tokens, over {limit}: {why}. Lower "
-                f"--{flag} (or the row's sampling_params) or --data.max_prompt_tokens"
+                f"--{flags}.max_new_tokens (or the row's sampling_params) or --data.max_prompt_tokens"
                 + (", or use --rollout.interrupt abort" if partial else "")
             )
 

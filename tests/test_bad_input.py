@@ -12,6 +12,7 @@ import pytest
 from dsrl import toy
 from dsrl.config import Config, ConfigError, DataConfig, ModelConfig, build_parser, parse_config, to_config, validate
 from dsrl.data import DatasetError, Prompt, PromptDataset
+from dsrl.evaluate import eval_rollout
 from dsrl.rewards import load_reward_fn
 from dsrl.rollout import Sample, score_one
 from dsrl.serving.client import RolloutClient, ServerError
@@ -289,11 +290,11 @@ def test_prompt_and_max_new_tokens_past_sglangs_context_name_the_row(tmp_path):
     dataset = PromptDataset(cfg.data, toy.build_tokenizer())
     context = toy.build_model_config()  # 64 tokens
     assert len(dataset.prompts[1].prompt_ids) + 58 <= 64
-    check_fits_context(cfg, dataset, context)  # fits as a fresh request
+    check_fits_context(cfg.rollout, dataset, context)  # fits as a fresh request
     cfg.rollout.placement, cfg.rollout.interrupt = "disaggregate", "partial"
     with pytest.raises(DatasetError, match=r"rows.jsonl, row 1: .*over 58.*--rollout.interrupt abort"):
-        check_fits_context(cfg, dataset, context)
-    check_fits_context(cfg, dataset, context, evaluation=True)  # evaluation requests are never resumed
+        check_fits_context(cfg.rollout, dataset, context)
+    check_fits_context(eval_rollout(cfg), dataset, context, "eval")  # evaluation requests are never resumed
     cfg.eval.max_new_tokens = 63  # row 0: 2 + 63 tokens (row 1 keeps its own 58)
     with pytest.raises(DatasetError, match=r"rows.jsonl, row 0: .*over 64.*--eval.max_new_tokens"):
-        check_fits_context(cfg, dataset, context, evaluation=True)
+        check_fits_context(eval_rollout(cfg), dataset, context, "eval")
