@@ -171,6 +171,9 @@ class AlgorithmConfig:
     """PPO clip range below 1: ratios under 1 - clip_low are clipped."""
     clip_high: float = 0.2
     """PPO clip range above 1 (raise it for DAPO's clip-higher)."""
+    clip_ratio_c: float | None = 3.0
+    """Dual-clip PPO (Ye et al. 2020, arXiv:1912.09729): a token with a negative advantage costs at most
+    -A * clip_ratio_c, however large its ratio (a stale token's could be 1e8); null disables. Must be > 1."""
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     """Loss aggregation: mean over all response tokens, or mean over sequences of each sequence's token mean."""
     kl_coef: float = 0.0
@@ -329,6 +332,7 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     check(t.max_bad_steps >= 1, "trainer.max_bad_steps", t.max_bad_steps, "must be >= 1")
     check(0 <= a.clip_low < 1, "algorithm.clip_low", a.clip_low, "must be in [0, 1)")
     check(a.clip_high >= 0, "algorithm.clip_high", a.clip_high, "must be >= 0")
+    check(a.clip_ratio_c is None or a.clip_ratio_c > 1, "algorithm.clip_ratio_c", a.clip_ratio_c, "must be > 1 or null")
     check(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
     check(a.is_cap >= 1, "algorithm.is_cap", a.is_cap, "must be >= 1")
     check(

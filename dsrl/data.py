@@ -1,4 +1,4 @@
-"""Prompt datasets: JSONL or parquet rows, tokenized once, served in a seeded order by step."""
+"""Prompt datasets (JSONL or parquet rows, tokenized once, served in a seeded order by step) and samples."""
 
 import json
 import logging
@@ -26,6 +26,27 @@ class Prompt:
     answer: Any
     sampling: dict[str, Any] = field(default_factory=dict)
     """Per-prompt overrides of the sampling parameters (the row's `sampling_params` field)."""
+
+
+@dataclass
+class Sample:
+    """One response to a prompt, token-in/token-out, and what the trainer computes for it."""
+
+    prompt: Prompt
+    response_ids: list[int]
+    engine_logprobs: list[float]
+    """Logprobs the rollout engine reported for `response_ids` (its sampling distribution)."""
+    finish_reason: str
+    weight_version: int
+    """The weight version the response finished under."""
+    reward: float = 0.0
+    extras: dict[str, Any] = field(default_factory=dict)
+    """spans: [(first token index, weight version)] of the response (index None where not known: a request
+    paused through an update, `rollout.interrupt pause`); per-token arrays the trainer fills in."""
+
+    @property
+    def oldest_version(self) -> int:
+        return min(version for _, version in self.extras["spans"])
 
 
 def read_rows(path: str, skip_bad_lines: bool = False, bad: list | None = None) -> list:

@@ -17,9 +17,9 @@ import torch
 from tqdm import tqdm
 
 from dsrl.config import Config, RolloutConfig
-from dsrl.data import PromptDataset
+from dsrl.data import PromptDataset, Sample
 from dsrl.rewards import RewardFn
-from dsrl.rollout import Sample, generate, request_seed, score
+from dsrl.rollout import generate, request_seed, score
 from dsrl.serving.client import RolloutClient
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class Evaluator:
             score(samples, self.reward_fn, self.tokenizer)
         except (RuntimeError, TypeError) as e:  # score_one's errors name the row; say which file
             raise type(e)(f"--eval.path={self.dataset.path!r}: {e}") from e
-        others = {s.weight_version for s in samples} - {str(step)}
+        others = {s.weight_version for s in samples} - {step}
         if others:  # the sync's version check makes this a bug, not a setting
             raise RuntimeError(f"evaluation of weight version {step} got responses from versions {sorted(others)}")
         self.write(step, samples)

@@ -9,44 +9,60 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dsrl.collectives import reduce_device
+
 log = logging.getLogger("dsrl")
 
 
-@contextmanager
-def timed(timings: dict[str, float], phase: str) -> Iterator[None]:
-    """Add the phase's seconds to timing/<phase>; on GPU also record its peak memory."""
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        timings[f"timing/{phase}"] = timings.get(f"timing/{phase}", 0.0) + time.perf_counter() - start
+class Timer:
+    """Seconds per named phase, summed over repeats: `with timer("send"):`, or `timer.each(items, "gather")`
+    for the time spent producing each item of an iterator. With `memory`, a phase on GPU also records
+    its peak memory and the device memory in use at its end."""
+
+    def __init__(self, memory: bool = False):
+        self.seconds: dict[str, float] = {}
+        self.memory: dict[str, float] = {}
+        self.track_memory = memory
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        cuda = self.track_memory and torch.cuda.is_available() and torch.cuda.is_initialized()
         if cuda:
-            free, total = torch.cuda.mem_get_info()
-            timings[f"memory/{phase}_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
-            timings[f"memory/{phase}_device_used_gb"] = (total - free) / 1e9
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+            if cuda:
+                free, total = torch.cuda.mem_get_info()
+                self.memory[f"memory/{phase}_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+                self.memory[f"memory/{phase}_device_used_gb"] = (total - free) / 1e9
+
+    def each(self, items, phase: str):
+        """Iterate `items`, counting the time spent producing each one under `phase`."""
+        it = iter(items)
+        while True:
+            with self(phase):
+                item = next(it, _END)
+            if item is _END:
+                return
+            yield item
+
+    def metrics(self, prefix: str = "timing/") -> dict[str, float]:
+        return {f"{prefix}{phase}": s for phase, s in self.seconds.items()} | self.memory
 
 
-def _reduce_device() -> str:
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
+_END = object()
 
 
 def mean_across_ranks(values: dict[str, float]) -> dict[str, float]:
     """Mean of each metric over trainer ranks (every rank must pass the same keys)."""
     keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_reduce_device())
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=reduce_device())
     dist.all_reduce(t)
     t /= dist.get_world_size()
     return dict(zip(keys, t.tolist()))
-
-
-def all_ranks(ok: bool) -> bool:
-    """True on every rank when `ok` holds on every rank."""
-    flag = torch.tensor([float(ok)], device=_reduce_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 class MetricsWriter:

@@ -1,16 +1,17 @@
-"""Rollouts: GRPO groups of samples from the servers, token-in/token-out, then their rewards."""
+"""Rollouts: the schedule protocol the loop drives, GRPO groups of samples from the servers
+(token-in/token-out), the one parser of a `/generate` reply, and rewards."""
 
 import asyncio
 import logging
 import math
 import numbers
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
 
 from tqdm import tqdm
 
 from dsrl.config import Config, RolloutConfig
-from dsrl.data import Prompt
+from dsrl.data import Prompt, Sample
 from dsrl.rewards import RewardFn
 from dsrl.serving.client import RolloutClient
 
@@ -18,21 +19,74 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class Sample:
-    prompt: Prompt
-    response_ids: list[int]
-    engine_logprobs: list[float]
-    """Logprobs the rollout engine reported for `response_ids` (its sampling distribution)."""
-    finish_reason: str
-    weight_version: str
-    reward: float = 0.0
-    extras: dict[str, Any] = field(default_factory=dict)
-    """spans: [(first token index, weight version)] of the response (index None where not known: a request
-    paused through an update, `rollout.interrupt pause`); per-token arrays the trainer fills in."""
+class Batch:
+    """One step's samples: whole GRPO groups, contiguous, `n_samples` each."""
 
-    @property
-    def oldest_version(self) -> int:
-        return min(version for _, version in self.extras["spans"])
+    samples: list[Sample]
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The schedule's own figures for this step (rollout/...)."""
+    filtered_rows: list[int] = field(default_factory=list)
+    """Dataset rows dropped since the last batch by dynamic sampling (a group with no signal)."""
+
+
+class Rollouts(ABC):
+    """A rollout schedule, as the training loop drives it:
+
+        start()                                   once, before the first step
+        for step: collect(step)                   the batch trained at weight version `step`
+                  before_update()                 then every trainer rank syncs the weights
+                  after_update(step + 1)          the servers hold version step + 1 now
+        state() / restore(state, step)            what a checkpoint keeps of the schedule
+        stop()                                    at the end, also on error
+
+    The synchronous schedule generates inside `collect` and needs none of the hooks; the
+    asynchronous one (`RolloutManager`) generates between them.
+    """
+
+    @abstractmethod
+    def collect(self, step: int) -> Batch:
+        """The batch to train on at weight version `step`."""
+
+    def start(self) -> None:
+        """Start generating ahead of the trainer, where the schedule does."""
+
+    def before_update(self) -> None:
+        """Put requests in flight in the state the weight update needs (see `rollout.interrupt`)."""
+
+    def after_update(self, version: int) -> None:
+        """The servers hold weight version `version`: resume generating."""
+
+    def stop(self) -> None:
+        """Stop generating and wait for the schedule's tasks to end."""
+
+    def state(self) -> dict:
+        """What a checkpoint keeps: enough to continue without losing or repeating a prompt."""
+        return {}
+
+    def restore(self, state: dict, version: int) -> None:
+        """Continue from `state()` of a run checkpointed at weight version `version`."""
+
+
+@dataclass
+class Generation:
+    """A `/generate` reply, parsed: the one place dsrl reads SGLang's response fields."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: int | None
+    """None when the request was aborted before it was sent (the client answered, not a server)."""
+
+
+def parse_generation(out: dict) -> Generation:
+    meta = out["meta_info"]
+    version = meta.get("weight_version")
+    return Generation(
+        output_ids=list(out["output_ids"]),
+        logprobs=[lp for lp, _, _ in meta.get("output_token_logprobs") or []],
+        finish_reason=meta["finish_reason"]["type"],
+        weight_version=None if version is None else int(version),
+    )
 
 
 def sampling_params(cfg: RolloutConfig) -> dict:
@@ -54,16 +108,15 @@ def request_seed(*parts: int) -> int:
 
 async def generate_sample(client: RolloutClient, prompt: Prompt, params: dict) -> Sample:
     params = {**params, **prompt.sampling}
-    out = await client.generate({"input_ids": prompt.prompt_ids, "sampling_params": params, "return_logprob": True})
-    meta = out["meta_info"]
-    logprobs = [lp for lp, _, _ in meta["output_token_logprobs"]]
+    reply = await client.generate({"input_ids": prompt.prompt_ids, "sampling_params": params, "return_logprob": True})
+    out = parse_generation(reply)
     return Sample(
         prompt=prompt,
-        response_ids=out["output_ids"],
-        engine_logprobs=logprobs,
-        finish_reason=meta["finish_reason"]["type"],
-        weight_version=str(meta["weight_version"]),
-        extras={"spans": [(0, int(meta["weight_version"]))]},
+        response_ids=out.output_ids,
+        engine_logprobs=out.logprobs,
+        finish_reason=out.finish_reason,
+        weight_version=out.weight_version,
+        extras={"spans": [(0, out.weight_version)]},
     )
 
 
@@ -104,33 +157,16 @@ def score(samples: list[Sample], reward_fn: RewardFn, tokenizer) -> None:
         s.reward = score_one(s, reward_fn, tokenizer)
 
 
-class SyncRollouts:
-    """The synchronous schedule: each step's batch is generated with the current weights, then scored."""
+class SyncRollouts(Rollouts):
+    """The synchronous schedule: each step's batch is generated with the current weights, then scored.
+    The data position follows from the step, so a checkpoint needs nothing of it."""
 
     def __init__(self, client: RolloutClient, cfg: Config, dataset, reward_fn: RewardFn, tokenizer, rank, world):
         self.client, self.cfg, self.dataset = client, cfg, dataset
         self.reward_fn, self.tokenizer, self.rank, self.world = reward_fn, tokenizer, rank, world
 
-    def collect(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+    def collect(self, step: int) -> Batch:
         prompts = self.dataset.batch(step, self.cfg.rollout.prompts_per_step, self.rank, self.world)
         samples = generate(self.client, prompts, self.cfg.rollout, request_seed(self.cfg.seed, step))
         score(samples, self.reward_fn, self.tokenizer)
-        return samples, {}
-
-    def start(self) -> None:
-        pass
-
-    def before_update(self) -> None:
-        pass
-
-    def after_update(self, version: int) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def state(self) -> dict:  # the data position follows from the step
-        return {}
-
-    def restore(self, state: dict, version: int) -> None:
-        pass
+        return Batch(samples)

@@ -33,9 +33,9 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 
 from dsrl.config import Config
-from dsrl.data import Prompt, PromptDataset
+from dsrl.data import Prompt, PromptDataset, Sample
 from dsrl.rewards import RewardFn
-from dsrl.rollout import Sample, request_seed, sampling_params, score_one
+from dsrl.rollout import Batch, Rollouts, parse_generation, request_seed, sampling_params, score_one
 from dsrl.serving.client import RolloutClient
 
 log = logging.getLogger(__name__)
@@ -90,28 +90,27 @@ class ManagerStats:
     gen_idle_s: float = 0.0
 
 
-class RolloutManager:
+class RolloutManager(Rollouts):
     def __init__(self, client: RolloutClient, cfg: Config, stream: PromptStream, reward_fn: RewardFn, tokenizer):
         self.client, self.cfg, self.stream = client, cfg, stream
         self.reward_fn, self.tokenizer = reward_fn, tokenizer
         r = cfg.rollout
-        self.n, self.k, self.mode = r.n_samples, r.max_staleness, r.interrupt
+        self.n_samples, self.max_staleness, self.interrupt = r.n_samples, r.max_staleness, r.interrupt
         # Admitting fewer batches ahead than the bound keeps a group that finishes fast from waiting
-        # k versions in the queue; a slow one still has k versions to finish in.
-        self.ahead = r.max_staleness if r.max_ahead is None else r.max_ahead
+        # max_staleness versions in the queue; a slow one still has that many versions to finish in.
+        self.max_ahead = r.max_staleness if r.max_ahead is None else r.max_ahead
         self.groups_per_step = stream.per_rank
         self.rid_prefix = f"dsrl-r{stream.rank}"
         self.params = sampling_params(r)
         self.version = 0  # the weight version the servers hold (or are about to)
         self.admitted = 0  # groups admitted; drops give their slot back
         self.in_flight = 0  # requests out at the servers
-        self.ready: deque[Group] = deque()
-        self.generating: set[int] = set()  # ids of groups with samples still out
-        self.groups: dict[int, Group] = {}
+        self.ready: deque[Group] = deque()  # finished groups, waiting to be trained on
+        self.generating: dict[int, Group] = {}  # gid -> group with samples still out
         self.interrupted: list[tuple[Group, int, Sample | None]] = []  # resubmitted once the new weights are live
         self.doomed: set[int] = set()  # groups past the staleness edge: restarted from scratch
         self.next_gid = 0
-        self.filtered_rows: list[int] = []  # prompts skipped by dynamic sampling (all rewards equal)
+        self.filtered_rows: list[int] = []  # skipped by dynamic sampling since the last batch (for the trace)
         self.paused = False  # no admissions while a weight update is prepared
         self.stopped = False
         self.error: BaseException | None = None
@@ -129,15 +128,15 @@ class RolloutManager:
         if self.cond is not None:
             self.client.run(self._stop())
 
-    def collect(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+    def collect(self, step: int) -> Batch:
         """The next batch: groups_per_step complete groups within the staleness bound (trainer version = step)."""
         start = time.perf_counter()
         groups = self.client.run(self._next_batch(step))
         waited = time.perf_counter() - start
-        stats = asdict(self.take_stats())
-        metrics = {f"rollout/{k}": float(v) for k, v in stats.items()}
+        metrics = {f"rollout/{name}": float(v) for name, v in asdict(self.take_stats()).items()}
         metrics.update({"rollout/trainer_idle_s": waited, "rollout/queue_depth": float(len(self.ready))})
-        return [s for g in groups for s in g.samples], metrics
+        filtered, self.filtered_rows = self.filtered_rows, []
+        return Batch([s for g in groups for s in g.samples], metrics, filtered)
 
     def before_update(self) -> None:
         """Stop admitting; in `wait` mode also let every in-flight request finish."""
@@ -169,7 +168,7 @@ class RolloutManager:
 
     def outstanding(self) -> list[int]:
         """Dataset rows handed out but not yet trained on: generating, queued, or waiting to be generated again."""
-        groups = [self.groups[i] for i in self.generating] + list(self.ready)
+        groups = list(self.generating.values()) + list(self.ready)
         return [g.prompt.index for g in groups] + [p.index for p in self.stream.returned]
 
     # -- on the event loop ---------------------------------------------------------------------
@@ -203,7 +202,7 @@ class RolloutManager:
             self.cond.notify_all()
 
     def _capacity_left(self) -> bool:
-        return self.admitted < (self.version + self.ahead + 1) * self.groups_per_step
+        return self.admitted < (self.version + self.max_ahead + 1) * self.groups_per_step
 
     async def _admit_loop(self) -> None:
         while True:
@@ -212,11 +211,10 @@ class RolloutManager:
                 if self.stopped:
                     return
                 self.admitted += 1
-                group = Group(self.next_gid, self.stream.next(), [None] * self.n, self.n, self.version)
+                group = Group(self.next_gid, self.stream.next(), [None] * self.n_samples, self.n_samples, self.version)
                 self.next_gid += 1
-                self.generating.add(id(group))
-                self.groups[id(group)] = group
-            for slot in range(self.n):
+                self.generating[group.gid] = group
+            for slot in range(self.n_samples):
                 self._spawn(self._run_sample(group, slot, None))
 
     async def _run_sample(self, group: Group, slot: int, partial: Sample | None) -> None:
@@ -245,28 +243,27 @@ class RolloutManager:
         finally:
             group.started.pop(rid)
             await self._request_finished()
-        meta = out["meta_info"]
-        reason = meta["finish_reason"]["type"]
-        tokens = out["output_ids"][: params["max_new_tokens"]]
-        logprobs = [lp for lp, _, _ in meta.get("output_token_logprobs", [])][: len(tokens)]
-        sample = partial or Sample(prompt, [], [], "", "", extras={"spans": []})
+        reply = parse_generation(out)
+        tokens = reply.output_ids[: params["max_new_tokens"]]
+        logprobs = reply.logprobs[: len(tokens)]
+        sample = partial or Sample(prompt, [], [], "", sent_under, extras={"spans": []})
         if tokens:  # (none when aborted before it was sent: the client's reply carries no version)
-            finished_under = int(meta["weight_version"])
+            finished_under = reply.weight_version
             sample.extras["spans"].append((len(sample.response_ids), min(sent_under, finished_under)))
             if finished_under > sent_under:  # paused through an update: where the newer tokens start is unseen
                 sample.extras["spans"].append((None, finished_under))
             sample.response_ids = sample.response_ids + tokens
             sample.engine_logprobs = sample.engine_logprobs + logprobs
-        if reason == "abort":  # resubmitted by _after_update, under the new weights
+        if reply.finish_reason == "abort":  # resubmitted by _after_update, under the new weights
             self.stats.interrupted += 1
-            resume = self.mode == "partial" and sample.response_ids
+            resume = self.interrupt == "partial" and sample.response_ids
             self.interrupted.append((group, slot, sample if resume else None))
             return
-        await self._sample_done(group, slot, sample, reason, int(meta["weight_version"]))
+        await self._sample_done(group, slot, sample, reply.finish_reason, reply.weight_version)
 
     async def _sample_done(self, group: Group, slot: int, sample: Sample, reason: str, version: int) -> None:
         sample.finish_reason = reason
-        sample.weight_version = str(version)
+        sample.weight_version = version
         group.samples[slot] = sample
         group.pending -= 1
         if group.pending == 0:
@@ -289,8 +286,7 @@ class RolloutManager:
         for s in group.samples:
             s.reward = score_one(s, self.reward_fn, self.tokenizer)
         async with self.cond:
-            self.generating.discard(id(group))
-            self.groups.pop(id(group))
+            del self.generating[group.gid]
             if self.cfg.rollout.dynamic_sampling and len({s.reward for s in group.samples}) == 1:
                 self.stats.filtered += 1  # no learning signal: skip this prompt and admit another
                 self.filtered_rows.append(group.prompt.index)
@@ -301,12 +297,12 @@ class RolloutManager:
 
     async def _next_batch(self, trainer_version: int) -> list[Group]:
         """groups_per_step finished groups, oldest first; one still generating that must be in it is waited for."""
-        last_chance = trainer_version - self.k  # a group started under this version is too stale for the next batch
+        last_chance = trainer_version - self.max_staleness  # a group started under it is too stale for the next batch
         async with self.cond:
             while True:
                 if self.error is not None:
                     raise RuntimeError(f"rollout failed: {self.error!r}") from self.error
-                for group in [g for g in self.ready if trainer_version - g.oldest_version > self.k]:
+                for group in [g for g in self.ready if trainer_version - g.oldest_version > self.max_staleness]:
                     self.ready.remove(group)  # finished too late: never train on it; generate the prompt again
                     self.stats.dropped_stale += 1
                     self.stream.give_back(group.prompt)
@@ -315,25 +311,25 @@ class RolloutManager:
                 ready = sorted(self.ready, key=lambda g: g.oldest_version)
                 if len(ready) >= self.groups_per_step:
                     batch = ready[: self.groups_per_step]
-                    waiting = any(self.groups[i].version <= last_chance for i in self.generating)
+                    waiting = any(g.version <= last_chance for g in self.generating.values())
                     if batch[-1].oldest_version <= last_chance or not waiting:
-                        taken = {id(g) for g in batch}
-                        self.ready = deque(g for g in self.ready if id(g) not in taken)
+                        taken = {g.gid for g in batch}
+                        self.ready = deque(g for g in self.ready if g.gid not in taken)
                         return batch
                 await self.cond.wait()
 
     async def _before_update(self) -> None:
         async with self.cond:
             self.paused = True
-            if self.mode == "wait":
+            if self.interrupt == "wait":
                 await self.cond.wait_for(lambda: self.in_flight == 0 or self.error is not None)
                 return
             # The next batch is trained at version + 1: a group whose oldest tokens are older than `edge`
             # can only be dropped, so it restarts from scratch; every other sample resumes (or restarts).
-            edge = self.version + 1 - self.k
-            doomed = [self.groups[i] for i in self.generating if self.groups[i].oldest_so_far(edge) < edge]
+            edge = self.version + 1 - self.max_staleness
+            doomed = [g for g in self.generating.values() if g.oldest_so_far(edge) < edge]
             self.doomed |= {g.gid for g in doomed}
-            if self.mode == "pause":  # the rest stay on the servers, which the sync pauses
+            if self.interrupt == "pause":  # the rest stay on the servers, which the sync pauses
                 await self.client.abort([rid for g in doomed for rid in g.started])
                 await self.cond.wait_for(lambda: not any(g.started for g in doomed) or self.error is not None)
                 return
@@ -354,7 +350,7 @@ class RolloutManager:
                 self.stats.restarted += partial is None
                 self._spawn(self._run_sample(group, slot, partial))
         for group in restart.values():  # too stale to train on: every sample from scratch
-            self.stats.restarted += self.n
-            group.samples, group.pending, group.version = [None] * self.n, self.n, version
-            for slot in range(self.n):
+            self.stats.restarted += self.n_samples
+            group.samples, group.pending, group.version = [None] * self.n_samples, self.n_samples, version
+            for slot in range(self.n_samples):
                 self._spawn(self._run_sample(group, slot, None))

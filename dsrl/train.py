@@ -7,8 +7,7 @@ import gc
 import json
 import logging
 import sys
-from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -17,27 +16,18 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from dsrl.algorithms import grpo_advantages
+from dsrl.collectives import all_ranks
 from dsrl.config import Config, RolloutConfig, SyncConfig, dump_config, parse_config, validate
-from dsrl.data import DatasetError, PromptDataset
+from dsrl.data import DatasetError, PromptDataset, Sample
 from dsrl.evaluate import Evaluator
-from dsrl.metrics import MetricsWriter, all_ranks, mean_across_ranks, summary_line, timed
+from dsrl.metrics import MetricsWriter, Timer, mean_across_ranks, summary_line
 from dsrl.rewards import load_reward_fn
-from dsrl.rollout import Sample, SyncRollouts
+from dsrl.rollout import Batch, Rollouts, SyncRollouts
 from dsrl.rollout_manager import PromptStream, RolloutManager
-from dsrl.serving.client import RolloutClient, ServerError
+from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import ServerFleet, start_fleet
-from dsrl.sync.base import (
-    CheckpointEngine,
-    Clock,
-    SyncError,
-    keeps_requests,
-    make_checkpoint_engine,
-    probe_reference,
-    probe_servers,
-    sync_weights,
-    verify_probe,
-    verify_weights,
-)
+from dsrl.sync.base import make_checkpoint_engine
+from dsrl.sync.weight_sync import WeightSync
 from dsrl.zero.actor import compute_logprobs, logprob_mismatch, update_actor
 from dsrl.zero.checkpoint import export_hf, find_checkpoint, load_checkpoint, save_checkpoint
 from dsrl.zero.engine import init_distributed, load_engine, offload_states, prepare_model_dir, reload_states, use_cuda
@@ -54,7 +44,7 @@ def train(cfg: Config) -> dict[str, float]:
     start = run.start_step
     metrics: dict[str, float] = {}
     try:
-        push_weights(run, str(start), wake_servers=False)  # every server holds the trainer's weights first
+        run.weights.update(start)  # every server holds the trainer's weights first
         # What start-up built lives for the whole run: keep it out of the collector's scans. DeepSpeed's
         # offload_states runs gc.collect() (twice per colocated step), which took 0.28 s each on an H200.
         gc.collect()
@@ -64,22 +54,22 @@ def train(cfg: Config) -> dict[str, float]:
         run.rollouts.start()
         steps = tqdm(range(start, cfg.trainer.total_steps), desc="train", disable=run.rank != 0, dynamic_ncols=True)
         for step in steps:
-            timings: dict[str, float] = {}
-            with timed(timings, "step"):
-                with timed(timings, "generate"):
-                    samples, rollout_stats = run.rollouts.collect(step)
-                if run.colocated:
-                    with timed(timings, "release"):
-                        release_servers(run)
-                with timed(timings, "logprobs"):
-                    finite = compute_all_logprobs(run, samples)
-                with timed(timings, "update"):
-                    stats = update(run, samples, finite)
-                with timed(timings, "sync"):
+            timer = Timer(memory=True)
+            with timer("step"):
+                with timer("generate"):
+                    batch = run.rollouts.collect(step)
+                if run.weights.colocated:
+                    with timer("release"):
+                        run.weights.sleep()
+                with timer("logprobs"):
+                    finite = compute_all_logprobs(run, batch.samples)
+                with timer("update"):
+                    stats = update(run, batch.samples, finite)
+                with timer("sync"):
                     rank0 = sync(run, step + 1)
             if run.evaluator is not None and run.evaluator.due(step + 1):  # the weights just synced
                 rank0 |= evaluate(run, step + 1)
-            metrics = log_step(run, step, samples, {**rollout_stats, **stats, **timings}, rank0)
+            metrics = log_step(run, step, batch, {**batch.metrics, **stats, **timer.metrics()}, rank0)
             steps.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
             if cfg.logging.save_every and (step + 1) % cfg.logging.save_every == 0:
                 checkpoint(run, step + 1)
@@ -104,20 +94,14 @@ class Run:
     ref: object | None
     fleet: ServerFleet
     client: RolloutClient
-    ckpt: CheckpointEngine
-    rollouts: SyncRollouts | RolloutManager
+    """Every rank generates through its own client; only rank 0's talks to the servers about weights."""
+    weights: WeightSync
+    rollouts: Rollouts
     evaluator: Evaluator | None
     """With --eval.path; rank 0 runs it."""
     writer: MetricsWriter
-    colocated: bool
-    offload: bool
     start_step: int
     bad_steps: int = 0
-    probe: Future | None = None
-    """Disaggregated, rank 0: the last sync's probe of the servers, running while the trainer steps."""
-    weights_awake: set[str] = field(default_factory=set)
-    """Colocated, mid-sync: servers whose weights are back but not yet their KV cache (a retried sync
-    wakes only the others: SGLang refuses to resume memory that is not released)."""
 
     def close(self) -> None:
         self.rollouts.stop()
@@ -152,17 +136,15 @@ def setup(cfg: Config) -> Run:
     actor = load_engine(cfg, model_dir, world, train=True)
     ref = load_engine(cfg, model_dir, world, train=False) if cfg.algorithm.kl_coef > 0 else None
     start_step, rank_state = resume(cfg, run_dir, actor, rank)
-    colocated = cfg.rollout.placement == "colocate"
-    offload = colocated and use_cuda(cfg)  # the trainer lends the GPU to the servers between updates
+    offload = cfg.rollout.placement == "colocate" and use_cuda(cfg)  # the trainer lends the GPU to the servers
     if offload:  # before any server starts: it sizes its KV cache from the memory it finds free
         offload_states(actor, params=False)
     fleet = start_rollout_fleet(cfg, model_dir, run_dir, rank)
     client = RolloutClient(fleet.urls, cfg.rollout.max_concurrency, cfg.rollout.request_timeout_s)
     backend = "nccl" if use_cuda(cfg) else "gloo"
-    ckpt = make_checkpoint_engine(
-        resolve_sync(cfg), client if rank == 0 else None, run_dir, backend, cfg.rollout.tp_size
-    )
-    if colocated:
+    transport = make_checkpoint_engine(resolve_sync(cfg), client, run_dir, backend, cfg.rollout.tp_size)
+    weights = WeightSync(cfg, actor, fleet, client, transport, offload)
+    if cfg.rollout.placement == "colocate":
         rollouts = SyncRollouts(client, cfg, dataset, reward_fn, tokenizer, rank, world)
     else:  # disaggregated: generation runs ahead of training by up to max_staleness versions
         rollouts = RolloutManager(client, cfg, PromptStream(dataset, cfg.rollout.prompts_per_step, rank, world),
@@ -170,8 +152,8 @@ def setup(cfg: Config) -> Run:
     if rank_state is not None:
         rollouts.restore(rank_state["rollouts"], start_step)
     writer = MetricsWriter(run_dir, cfg.logging.tensorboard and rank == 0)
-    return Run(cfg, rank, world, run_dir, model_dir, tokenizer, pad_id, actor, ref, fleet, client, ckpt, rollouts,
-               evaluator, writer, colocated, offload, start_step)  # fmt: skip
+    return Run(cfg, rank, world, run_dir, model_dir, tokenizer, pad_id, actor, ref, fleet, client, weights, rollouts,
+               evaluator, writer, start_step)  # fmt: skip
 
 
 def check_writable(run_dir: Path) -> None:
@@ -198,11 +180,11 @@ def resume(cfg: Config, run_dir: Path, actor, rank: int) -> tuple[int, dict | No
 
 
 def checkpoint(run: Run, step: int) -> None:
-    if run.offload:
+    if run.weights.offload:
         reload_states(run.actor)
-    state = {"step": step, "weight_version": str(step)}
+    state = {"step": step, "weight_version": step}
     save_checkpoint(run.actor, run.run_dir, state, {"rollouts": run.rollouts.state()}, run.cfg.logging.keep_last)
-    if run.offload:
+    if run.weights.offload:
         offload_states(run.actor, params=True)
 
 
@@ -224,7 +206,7 @@ def compute_all_logprobs(run: Run, samples: list[Sample]) -> bool:
 
 def update(run: Run, samples: list[Sample], finite: bool) -> dict[str, float]:
     """GRPO advantages and the PPO update; a step with non-finite inputs is skipped and counted."""
-    rewards = torch.tensor([s.reward for s in samples])
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     advantages = grpo_advantages(rewards, run.cfg.rollout.n_samples, run.cfg.algorithm.norm_adv_by_std)
     if finite and all_ranks(bool(torch.isfinite(advantages).all())):
         run.bad_steps = 0
@@ -240,80 +222,15 @@ def update(run: Run, samples: list[Sample], finite: bool) -> dict[str, float]:
 
 
 def sync(run: Run, version: int) -> dict[str, float]:
-    """Bring every server to `version`; a server that died is restarted (or dropped) and the sync retried."""
-    clock = Clock()
-    probed = check_last_probe(run)
-    with clock("drain"):
+    """Every server to weight `version`, with the rollout schedule's requests drained (or left to the pause)."""
+    timer = Timer()
+    with timer("drain"):
         run.rollouts.before_update()
-        dist.barrier()  # every rank's requests are drained (or, interrupt pause, left to the pause) first
-    for attempt in range(2):
-        with clock("heal"):
-            heal_fleet(run)
-        try:
-            stats, ok = push_weights(run, str(version), run.colocated, clock, paused_requests(run.cfg)), True
-        except (SyncError, ServerError) as e:  # only rank 0 talks to the servers
-            stats, ok, error = {}, False, e
-        if all_ranks(ok):
-            break
-        if run.rank == 0:
-            log.warning("weight sync to version %d failed (%s); checking the servers and syncing again", version, error)
-            for url in run.client.live_urls():
-                if not alive(run.client, url):
-                    run.client.mark_down(url, "no answer after a failed weight sync")
-        if attempt == 1:
-            raise SyncError(f"weight sync to version {version} failed twice") from (error if run.rank == 0 else None)
-    with clock("readmit"):
+        dist.barrier()
+    metrics = run.weights.update(version)
+    with timer("readmit"):
         run.rollouts.after_update(version)
-    return stats | probed | {f"timing/sync_{phase}": seconds for phase, seconds in clock.seconds.items()}
-
-
-def check_last_probe(run: Run) -> dict[str, float]:
-    """The previous sync's probe, which ran in the background; a mismatch stops the run on every rank."""
-    pending, run.probe, error, out = run.probe, None, None, {}
-    if pending is not None:
-        try:
-            out["sync/probe_logprob_diff"] = pending.result()
-        except (SyncError, ServerError) as e:
-            error = e
-    if not all_ranks(error is None):
-        raise error or SyncError("the weight probe after the last sync failed (trainer rank 0 has the details)")
-    return out
-
-
-def heal_fleet(run: Run) -> None:
-    """Servers that went down are restarted (when dsrl started them) or dropped; every rank adopts the new fleet.
-
-    A restarted server joins before the sync that follows, so it never serves other weights.
-    """
-    down = [None] * run.world
-    dist.all_gather_object(down, run.client.down)
-    new_urls = [None]
-    if run.rank == 0:
-        exited = run.fleet.exited()
-        if exited is None:  # external servers
-            exited = {u for u in run.client.urls if not alive(run.client, u)}
-        dead = {u for urls in down for u in urls} | exited
-        if dead:
-            new_urls = [run.fleet.replace(dead)]
-    dist.broadcast_object_list(new_urls, src=0)
-    if new_urls[0] is not None:
-        fresh = [u for u in new_urls[0] if u not in run.client.urls]
-        run.client.set_urls(new_urls[0])
-        run.ckpt.reset()
-        if run.colocated and run.rank == 0:  # match the fleet: it is asleep until this sync wakes it
-            for url in fresh:
-                run.client.run(run.client.request(url, "/release_memory_occupation", {"tags": ["weights", "kv_cache"]}))
-
-
-def alive(client: RolloutClient, url: str) -> bool:
-    """Whether a server answers at all. Not /health: SGLang's runs a one-token generation, which
-    takes a second and crashes a colocated server whose memory is released (seen on an H100/H200);
-    a server whose scheduler dies takes its HTTP process down with it."""
-    try:
-        client.run(client.request(url, "/model_info", method="GET", timeout_s=30))
-        return True
-    except ServerError:
-        return False
+    return metrics | timer.metrics("timing/sync_")
 
 
 def evaluate(run: Run, step: int) -> dict[str, float]:
@@ -326,26 +243,29 @@ def evaluate(run: Run, step: int) -> dict[str, float]:
     return metrics
 
 
-def log_step(run: Run, step: int, samples: list[Sample], local: dict, rank0: dict) -> dict[str, float]:
+def log_step(run: Run, step: int, batch: Batch, local: dict, rank0: dict) -> dict[str, float]:
     """`local`: every rank's metrics, averaged; `rank0`: those only rank 0 has (sync, evaluation)."""
+    samples = batch.samples
     metrics = mean_across_ranks({**rollout_metrics(samples, step), **logprob_mismatch(samples), **local})
     rows = [None] * run.world
-    dist.all_gather_object(rows, [s.prompt.index for s in samples[:: run.cfg.rollout.n_samples]])
+    dist.all_gather_object(rows, ([s.prompt.index for s in samples[:: run.cfg.rollout.n_samples]], batch.filtered_rows))
     if run.rank == 0:
         metrics.update(rank0)
         run.writer.log(step + 1, metrics, {"rollout/staleness": [step - s.oldest_version for s in samples]})
-        with open(run.run_dir / "trained_prompts.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "rows": [row for rank_rows in rows for row in rank_rows]}) + "\n")
+        trace = {"step": step, "rows": [row for trained, _ in rows for row in trained]}
+        filtered = [row for _, rank_filtered in rows for row in rank_filtered]
+        with open(run.run_dir / "trained_prompts.jsonl", "a") as f:  # every prompt used, once
+            f.write(json.dumps(trace | ({"filtered": filtered} if filtered else {})) + "\n")
         log.info(summary_line(step + 1, run.cfg.trainer.total_steps, metrics))
     return metrics
 
 
 def finish(run: Run, metrics: dict[str, float]) -> None:
-    metrics.update(check_last_probe(run))
+    metrics.update(run.weights.check_probe())
     if run.rank == 0 and metrics:
         log.info("final metrics: %s", json.dumps({k: round(v, 6) for k, v in sorted(metrics.items())}))
     run.rollouts.stop()
-    if run.offload:
+    if run.weights.offload:
         reload_states(run.actor)
     if run.cfg.logging.export_hf:
         export_hf(run.actor.module, run.model_dir, run.run_dir / "hf", run.cfg.sync.bucket_bytes)
@@ -390,80 +310,11 @@ def start_rollout_fleet(cfg: Config, model_dir: str, run_dir: Path, rank: int) -
     return fleet[0] or ServerFleet(urls=urls[0])
 
 
-def release_servers(run: Run) -> None:
-    """Colocated: once every rank has its samples, the servers give their memory to the trainer."""
-    dist.barrier()
-    if run.rank == 0:
-        run.client.call_all("/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
-    if run.offload:
-        reload_states(run.actor)
-
-
 def resolve_sync(cfg: Config) -> SyncConfig:
     if cfg.sync.type != "auto":
         return cfg.sync
     ipc = cfg.rollout.placement == "colocate" and use_cuda(cfg)
     return replace(cfg.sync, type="ipc" if ipc else "broadcast")
-
-
-def paused_requests(cfg: Config) -> str | None:
-    """SGLang's pause mode for an update that requests stay in flight through (interrupt pause), else None."""
-    asynchronous = cfg.rollout.placement == "disaggregate" and cfg.rollout.interrupt == "pause"
-    return cfg.rollout.pause_mode if asynchronous else None
-
-
-def push_weights(
-    run: Run, weight_version: str, wake_servers: bool, clock: Clock | None = None, pause: str | None = None
-) -> dict[str, float]:
-    """Sync the actor's weights into the servers; `pause` as in `sync_weights`.
-
-    Colocated on GPUs the order matters: trainer states out -> server weights back -> sync ->
-    trainer params out -> server KV cache back (the KV cache needs the memory the params held).
-    """
-    cfg, client, actor = run.cfg, run.ckpt.client, run.actor  # client: None except on rank 0
-    clock = clock or Clock()
-    if run.offload:
-        with clock("offload"):
-            offload_states(actor, params=False)
-    try:
-        if wake_servers and client is not None:
-            with clock("wake"):
-                asleep = [url for url in client.live_urls() if url not in run.weights_awake]
-                client.run(client.all_servers("/resume_memory_occupation", {"tags": ["weights"]}, urls=asleep))
-                run.weights_awake.update(asleep)
-        stats, error = sync_weights(actor.module, run.ckpt, weight_version, pause), None
-    except (SyncError, ServerError) as e:  # only rank 0 talks to the servers
-        stats, error = None, e
-    # Every rank learns the outcome before the collectives below (verification gathers, the probe's
-    # forward); a rank that went on alone would wait in them forever (seen with a server dying mid-sync).
-    if not all_ranks(error is None):
-        raise error or SyncError(f"the weight sync to version {weight_version} failed on trainer rank 0")
-    if cfg.sync.verify == "weights":
-        with clock("verify"):
-            verify_weights(actor.module, client, cfg.sync.bucket_bytes)
-    if cfg.sync.verify == "probe":  # the trainer's side now, while its params are still on the GPU
-        with clock("verify"):
-            probe_ids, reference = probe_reference(actor, actor.module.config.vocab_size)
-    if run.offload:
-        with clock("offload"):
-            run.ckpt.release()
-            offload_states(actor, params=True)
-    if wake_servers and client is not None:
-        with clock("wake"):
-            client.call_all("/resume_memory_occupation", {"tags": ["kv_cache"]})
-            run.weights_awake.clear()
-    if stats is None:
-        return {}
-    out = {"sync/bytes": stats.bytes, "sync/seconds": stats.seconds, "sync/gb_per_s": stats.gb_per_s}
-    out |= {f"timing/sync_{phase}": seconds for phase, seconds in stats.phases.items()}
-    if cfg.sync.verify == "probe":  # the servers' side needs their KV cache back
-        tolerance, flush = cfg.sync.probe_tolerance, not keeps_requests(pause)
-        if run.colocated:  # done before the servers sleep again (SGLang dies generating asleep)
-            with clock("verify"):
-                out["sync/probe_logprob_diff"] = verify_probe(client, probe_ids, reference, tolerance, flush)
-        else:  # behind a busy server's queue it took 0.1 s per step on an H200; checked at the next sync
-            run.probe = client.submit(probe_servers(client, probe_ids, reference, tolerance, flush))
-    return out
 
 
 def rollout_metrics(samples: list[Sample], trainer_version: int) -> dict[str, float]:

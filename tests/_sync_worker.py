@@ -1,11 +1,13 @@
-"""Run by test_sync.py under the deepspeed launcher (2 CPU ranks, and 1): real ZeRO-3, real embedded server.
+"""Run by test_sync.py under the deepspeed launcher (2 CPU ranks, and 1): real ZeRO-3, real embedded servers.
 
-For each bucket size, new random weights go into the ZeRO-3 actor, a sync pushes them, and every
-server parameter is compared with the trainer's gathered one. Writes its findings as JSON.
+For each bucket size, new random weights go into the ZeRO-3 actor, `WeightSync.update` pushes them
+and compares every server parameter with the trainer's gathered one. Then the update's sequence of
+calls to the servers, per mode, and an update that fails on rank 0 only. Writes its findings as JSON.
 """
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import deepspeed
@@ -15,7 +17,9 @@ from safetensors.torch import save_file
 
 from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
 from dsrl.serving.client import RolloutClient
-from dsrl.sync.base import SyncError, make_checkpoint_engine, sync_weights, verify_weights
+from dsrl.sync.base import SyncError, make_checkpoint_engine
+from dsrl.sync.verify import verify_weights
+from dsrl.sync.weight_sync import WeightSync
 from dsrl.train import start_rollout_fleet
 from dsrl.zero.buckets import FlatGatherer, gathered_buckets, param_bytes, plan_buckets
 from dsrl.zero.engine import init_distributed, load_engine
@@ -33,22 +37,21 @@ def main(model_dir: str, train_path: str, out: str) -> None:
     actor = load_engine(cfg, model_dir, dist.get_world_size(), train=True)
     run_dir = Path(out).parent
     fleet = start_rollout_fleet(cfg, model_dir, run_dir, rank)
-    client = RolloutClient(fleet.urls) if rank == 0 else None
+    client = RecordingClient(fleet.urls)
     named = list(actor.module.named_parameters())
     embed_bytes = param_bytes(named[0][1])
     results = {"world": dist.get_world_size(), "num_params": len(named), "embed_bytes": embed_bytes, "cases": []}
     try:
         cases = [("broadcast", 1), ("broadcast", embed_bytes), ("broadcast", 1 << 30), ("disk", 4096)]
         for version, (transport, bucket_bytes) in enumerate(cases, start=1):
-            sync_cfg = SyncConfig(type=transport, bucket_bytes=bucket_bytes)
-            engine = make_checkpoint_engine(sync_cfg, client, run_dir, "gloo")
+            cfg.sync = SyncConfig(type=transport, bucket_bytes=bucket_bytes, verify="weights")  # raises on a difference
+            engine = make_checkpoint_engine(cfg.sync, client, run_dir, "gloo")
             with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=0):
                 if rank == 0:
                     torch.manual_seed(version)
                     for _, p in named:
                         p.data.normal_()
-            stats = sync_weights(actor.module, engine, str(version))
-            verify_weights(actor.module, client, bucket_bytes)  # raises on any difference
+            metrics = WeightSync(cfg, actor, fleet, client, engine, offload=False).update(version)
             if rank == 0:
                 buckets = plan_buckets(named, bucket_bytes)
                 results["cases"].append(
@@ -56,7 +59,7 @@ def main(model_dir: str, train_path: str, out: str) -> None:
                         "transport": transport,
                         "bucket_bytes": bucket_bytes,
                         "buckets": len(buckets),
-                        "bytes": stats.bytes,
+                        "bytes": metrics["sync/bytes"],
                         "versions": client.weight_versions(),
                     }
                 )
@@ -84,17 +87,124 @@ def main(model_dir: str, train_path: str, out: str) -> None:
                 client.request(client.urls[1], "/update_weights_from_disk", {"model_path": str(run_dir / "bad")})
             )
         try:
-            verify_weights(actor.module, client, 1 << 30)
+            verify_weights(actor.module, client, 1 << 30, rank == 0)
             results["corrupt_detected"] = None
         except SyncError as e:
             results["corrupt_detected"] = str(e)
         results["model_bytes"] = sum(param_bytes(p) for _, p in named)
+        results["sequences"] = update_sequences(cfg, actor, fleet, client, run_dir)
+        results["failure_on_rank0"] = failure_on_rank0(cfg, actor, fleet, client, run_dir)
+        results["gradient"] = gradient_against_one_rank(cfg, actor)
     finally:
-        if client:
-            client.close()
+        client.close()
         fleet.stop()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
+
+
+class RecordingClient(RolloutClient):
+    """The real client, keeping the path of every call it makes to a server (rank 0 makes them all)."""
+
+    def __init__(self, urls: list[str]):
+        super().__init__(urls)
+        self.calls: list[str] = []
+
+    async def request(self, url, path, payload=None, method="POST", timeout_s=None):
+        self.calls.append(path if path != "/resume_memory_occupation" else f"{path} {payload['tags']}")
+        return await super().request(url, path, payload, method, timeout_s)
+
+    def take_calls(self) -> list[str]:
+        """The calls since the last take, consecutive repeats (one per server, per bucket) collapsed."""
+        calls, self.calls = self.calls, []
+        return [c for i, c in enumerate(calls) if i == 0 or c != calls[i - 1]]
+
+
+def update_sequences(cfg: Config, actor, fleet, client: RecordingClient, run_dir: Path) -> dict[str, list[str]]:
+    """The calls one update makes to the servers, in order, per mode (probe verification on)."""
+    modes = {
+        "colocate": {"placement": "colocate"},
+        "disaggregate": {"placement": "disaggregate"},
+        "pause": {"placement": "disaggregate", "interrupt": "pause", "pause_mode": "retract"},
+    }
+    cfg.sync = SyncConfig(type="broadcast", verify="probe", probe_tolerance=1e-4)
+    engine = make_checkpoint_engine(cfg.sync, client, run_dir, "gloo")
+    out = {}
+    for version, (mode, fields) in enumerate(modes.items(), start=10):
+        cfg.rollout = replace(cfg.rollout, **fields)
+        weights = WeightSync(cfg, actor, fleet, client, engine, offload=False)
+        client.take_calls()
+        if mode == "colocate":
+            weights.sleep()  # the servers slept while the trainer stepped
+        weights.update(version)
+        weights.check_probe()  # disaggregated, the probe runs in the background: wait for it
+        out[mode] = client.take_calls()
+    return out
+
+
+def failure_on_rank0(cfg: Config, actor, fleet, client: RecordingClient, run_dir: Path) -> str:
+    """A server that refuses the update (its weights released behind dsrl's back) fails it on rank 0;
+    every rank must raise, after the one retry, rather than go on alone."""
+    cfg.rollout = replace(cfg.rollout, placement="disaggregate", interrupt="partial")
+    cfg.sync = SyncConfig(type="broadcast", timeout_s=30)
+    engine = make_checkpoint_engine(cfg.sync, client, run_dir, "gloo")
+    if dist.get_rank() == 0:
+        client.call_all("/release_memory_occupation", {"tags": ["weights"]})
+    try:
+        WeightSync(cfg, actor, fleet, client, engine, offload=False).update(99)
+        outcome = "no error"
+    except SyncError as e:
+        outcome = f"SyncError: {e}"
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, outcome)
+    if dist.get_rank() == 0:
+        client.call_all("/resume_memory_occupation", {"tags": ["weights"]})
+    return outcomes
+
+
+def gradient_against_one_rank(cfg: Config, actor) -> dict:
+    """The ZeRO-3 gradient of the token_mean PPO loss, the batch split over the ranks with unequal token
+    totals (rank 0: 3 response tokens, rank 1: 16), against plain torch's gradient of the whole batch on
+    one process. Each rank dividing by its own token count gave the mean of per-rank means instead."""
+    from transformers import AutoModelForCausalLM
+
+    from dsrl.data import Prompt, Sample
+    from dsrl.zero.actor import compute_logprobs, global_denominators, micro_batch_loss, pack
+
+    lengths, advantages = [1, 2, 7, 9], torch.tensor([1.0, -0.5, 0.3, -1.2])
+    batch = [
+        Sample(Prompt(i, [5, 6 + i, 12], "", None), [(3 + i + j) % 12 + 2 for j in range(n)], [0.0] * n, "stop", 0)
+        for i, n in enumerate(lengths)
+    ]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    named = list(actor.module.named_parameters())
+    with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=0):
+        if rank == 0:  # weights at the scale of a real init (the sync cases left std 1): fp32 noise stays ~1e-8
+            torch.manual_seed(0)
+            for _, p in named:
+                p.data.normal_(std=0.05)
+    per_rank = len(batch) // world
+    mine, adv = batch[rank * per_rank : (rank + 1) * per_rank], advantages[rank * per_rank : (rank + 1) * per_rank]
+    compute_logprobs(actor, mine, "old_logprobs", cfg, pad_id=0)  # ratio 1: the loss's gradient is -A grad(logp) / N
+    num_tokens, num_seqs = global_denominators(mine)
+    mb = cfg.trainer.micro_batch_size
+    for i in range(0, len(mine), mb):
+        loss, _, _ = micro_batch_loss(actor, mine[i : i + mb], adv[i : i + mb], cfg, 0, num_tokens, num_seqs)
+        actor.backward(loss, scale_wrt_gas=False)
+        if i + mb < len(mine):
+            actor.step()  # not at the boundary: counts the micro-step; the optimizer runs at the last one
+    grads = {name: deepspeed.utils.safe_get_full_grad(p) for name, p in named}  # every rank gathers
+    with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+        weights = {name: p.detach().clone() for name, p in named}
+    if rank != 0:
+        return {}
+    model = AutoModelForCausalLM.from_config(actor.module.config)
+    model.load_state_dict(weights, strict=False)  # the tied lm_head follows the embedding
+    ids, attention, mask = pack(batch, 0, torch.device("cpu"))
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+    (-(advantages[:, None] * torch.exp(logp - logp.detach()) * mask).sum() / mask.sum()).backward()
+    diff = max((grads[name] - p.grad).abs().max().item() for name, p in model.named_parameters() if name in grads)
+    return {"max_abs_diff": diff, "max_abs_grad": max(g.abs().max().item() for g in grads.values())}
 
 
 def gather_to_all_padded(cfg: Config, run_dir: Path) -> dict:

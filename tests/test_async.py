@@ -15,8 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from dsrl import toy
 from dsrl.config import Config, DataConfig, ModelConfig
-from dsrl.data import PromptDataset
-from dsrl.rollout import Sample
+from dsrl.data import PromptDataset, Sample
 from dsrl.rollout_manager import Group, PromptStream, RolloutManager
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import start_fleet
@@ -113,7 +112,7 @@ def test_partial_update_interrupts_requests_in_flight_and_resumes_them(slow_serv
         simulated_update(client, 1)
         manager.after_update(1)
         stats = manager.take_stats()
-        samples, _ = manager.collect(1)
+        samples = manager.collect(1).samples
     finally:
         manager.stop()
     assert stats.interrupted > 0, "no request was in flight at the update, or the abort did not reach it"
@@ -152,7 +151,7 @@ def test_pause_keeps_requests_in_flight_through_an_update(slow_server, tmp_path)
         simulated_update(client, 1, mode="in_place")
         manager.after_update(1)
         stats = manager.take_stats()
-        samples, _ = manager.collect(1)
+        samples = manager.collect(1).samples
     finally:
         manager.stop()
     assert stats.interrupted == stats.resumed == stats.restarted == 0
@@ -161,12 +160,13 @@ def test_pause_keeps_requests_in_flight_through_an_update(slow_server, tmp_path)
 
 
 def test_probe_in_the_background_passes_on_equal_weights_and_fails_on_others(slow_server, toy_weights):
-    """Disaggregated, the probe runs on the client's loop while the trainer steps (`train.check_last_probe`
+    """Disaggregated, the probe runs on the client's loop while the trainer steps (`WeightSync.check_probe`
     takes its result at the next sync): with requests in flight and no flush it still tells weights apart."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dsrl.sync.base import SyncError, probe_ids, probe_servers
+    from dsrl.sync.base import SyncError
+    from dsrl.sync.verify import probe_ids, probe_servers
 
     model = AutoModelForCausalLM.from_pretrained(toy_weights)
     ids = probe_ids(model.config.vocab_size)
@@ -192,9 +192,8 @@ def test_a_partial_sample_aborted_at_its_last_token_finishes_without_a_request(s
     manager, stream = manager_for(slow_server, tmp_path, k=2, interrupt="partial", groups=1, n=1, lengths=[4], seed=0)
     prompt = stream.next()
     group = Group(0, prompt, [None], 1, 0)
-    full = Sample(prompt, [7, 7, 7, 7], [-0.5] * 4, "", "0", extras={"spans": [(0, 0), (2, 1)]})
-    manager.groups[id(group)] = group
-    manager.generating.add(id(group))
+    full = Sample(prompt, [7, 7, 7, 7], [-0.5] * 4, "", 0, extras={"spans": [(0, 0), (2, 1)]})
+    manager.generating[group.gid] = group
 
     async def resume():
         manager.cond = asyncio.Condition()
@@ -203,7 +202,7 @@ def test_a_partial_sample_aborted_at_its_last_token_finishes_without_a_request(s
     slow_server.run(resume())
     assert manager.ready and manager.ready[0] is group
     sample = group.samples[0]
-    assert sample.response_ids == [7, 7, 7, 7] and sample.finish_reason == "length" and sample.weight_version == "1"
+    assert sample.response_ids == [7, 7, 7, 7] and sample.finish_reason == "length" and sample.weight_version == 1
 
 
 def test_a_group_at_its_last_chance_is_waited_for_not_dropped(slow_server, tmp_path):
@@ -216,7 +215,8 @@ def test_a_group_at_its_last_chance_is_waited_for_not_dropped(slow_server, tmp_p
     rows, resumed, dropped = [], 0, 0
     try:
         for step in range(3):
-            samples, metrics = manager.collect(step)
+            batch = manager.collect(step)
+            samples, metrics = batch.samples, batch.metrics
             rows.append(samples[0].prompt.index)
             resumed += metrics["rollout/resumed"]
             dropped += metrics["rollout/dropped_stale"]
@@ -251,9 +251,12 @@ def test_random_schedules_keep_the_bound_and_every_prompt(
     manager, stream = manager_for(client, tmp_path, k, interrupt, groups, n, lengths, seed, ahead)
     manager.start()
     trained: list[int] = []
+    filtered: list[int] = []
     try:
         for step in range(steps):
-            samples, stats = manager.collect(step)
+            batch = manager.collect(step)
+            samples = batch.samples
+            filtered += batch.filtered_rows
             assert len(samples) == groups * n
             assert manager.admitted <= (step + (k if ahead is None else ahead) + 1) * groups, "admitted too far ahead"
             for s in samples:
@@ -272,7 +275,7 @@ def test_random_schedules_keep_the_bound_and_every_prompt(
         manager.stop()
     assert len(trained) == len(set(trained)), "a prompt was trained twice"
     handed_out = list(range(stream.position))  # shuffle is off: row i is the i-th prompt handed out
-    accounted = sorted(trained + manager.outstanding() + manager.filtered_rows)
+    accounted = sorted(trained + manager.outstanding() + filtered + manager.filtered_rows)
     assert accounted == handed_out, "a prompt was lost"
 
 
@@ -301,7 +304,7 @@ def test_async_schedules_learn_the_toy_task(tmp_path, config, k, flags):
     if "--eval.path" in flags:  # the final weights, and only they, answered the evaluation
         assert [e.step for e in events.Scalars("eval/reward_mean")] == [60]
         rows = [json.loads(line) for line in (tmp_path / "eval" / "step_60.jsonl").read_text().splitlines()]
-        assert len(rows) == 2 * 256 and {r["weight_version"] for r in rows} == {"60"}
+        assert len(rows) == 2 * 256 and {r["weight_version"] for r in rows} == {60}
         assert all(rows[i]["row"] == rows[i + 1]["row"] for i in range(0, len(rows), 2))  # a prompt's samples together
         best = [max(rows[i]["reward"], rows[i + 1]["reward"]) for i in range(0, len(rows), 2)]
         assert abs(events.Scalars("eval/reward_best_mean")[0].value - sum(best) / len(best)) < 1e-6

@@ -11,10 +11,10 @@ import pytest
 
 from dsrl import toy
 from dsrl.config import Config, ConfigError, DataConfig, ModelConfig, build_parser, parse_config, to_config, validate
-from dsrl.data import DatasetError, Prompt, PromptDataset
+from dsrl.data import DatasetError, Prompt, PromptDataset, Sample
 from dsrl.evaluate import eval_rollout
 from dsrl.rewards import load_reward_fn
-from dsrl.rollout import Sample, score_one
+from dsrl.rollout import score_one
 from dsrl.serving.client import RolloutClient, ServerError
 from dsrl.serving.servers import free_port, wait_healthy
 from dsrl.train import check_fits_context, check_writable
@@ -198,7 +198,7 @@ def test_bad_input_long_prompts_truncated_and_counted(tmp_path):
 
 
 def sample(row: int = 7) -> Sample:
-    return Sample(Prompt(row, [5, 12], "1=", "1"), [5, 1], [-0.1, -0.2], "stop", "0", extras={"spans": [(0, 0)]})
+    return Sample(Prompt(row, [5, 12], "1=", "1"), [5, 1], [-0.1, -0.2], "stop", 0, extras={"spans": [(0, 0)]})
 
 
 def test_bad_input_reward_module_missing():
@@ -262,9 +262,10 @@ def test_bad_input_request_to_dead_server_names_it():
 
 
 def test_bad_input_non_finite_rewards_skip_steps_then_stop(tmp_path):
-    """Rewards too large for float32 make every advantage inf: each step is skipped, then the run stops."""
+    """Rewards too large to sum even in float64 (the advantages are computed in it) make the advantages
+    non-finite: each step is skipped, then the run stops."""
     module = tmp_path / "huge_reward.py"
-    module.write_text("def reward(prompt, response, answer):\n    return 1e39 if len(response) % 2 else 0.0\n")
+    module.write_text("def reward(prompt, response, answer):\n    return 1.7e308 if len(response) % 2 else 0.0\n")
     cmd = [sys.executable, "-m", "dsrl.cli", "train", "--config", str(ROOT / "configs/toy_cpu.yaml")]
     cmd += ["--logging.run_dir", str(tmp_path / "run"), "--algorithm.reward_fn", "huge_reward:reward"]
     cmd += ["--trainer.total_steps", "10", "--trainer.max_bad_steps", "2"]

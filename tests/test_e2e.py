@@ -72,7 +72,7 @@ def test_evaluation_scores_the_weights_of_each_sync(toy_run):
     assert evals[STEPS] > evals[0] + 0.2, evals
     for step in evals:
         rows = [json.loads(line) for line in (run_dir / "eval" / f"step_{step}.jsonl").read_text().splitlines()]
-        assert len(rows) == 256 and {r["weight_version"] for r in rows} == {str(step)}
+        assert len(rows) == 256 and {r["weight_version"] for r in rows} == {step}
         assert abs(sum(r["reward"] for r in rows) / len(rows) - evals[step]) < 1e-6
 
 

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from dsrl.collectives import init_weight_update_group
 from dsrl.config import RolloutConfig
 from dsrl.serving.client import NoServerLeft, RolloutClient, ServerError
 from dsrl.serving.servers import ServerFleet, ServerProcess, embedded_command, free_port, start_fleet
-from dsrl.sync.group import init_weight_update_group
 
 PROMPT = [5, 11, 6, 12]  # "394="
 EOS = 1

@@ -78,3 +78,45 @@ def test_one_rank_sends_buckets_from_the_parameters_own_memory(sync_results):
 def test_no_shared_memory_left_behind(sync_results):
     """DeepSpeed's CPU all-reduce leaves a 69 MB /dev/shm file per rank unless dsrl unlinks it."""
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{sync_results['port']}_*"))
+
+
+def test_update_calls_the_servers_in_order_per_mode(sync_results):
+    """WeightSync.update, one method, one order: colocated servers wake their weights before the send and
+    their KV cache before the probe; disaggregated ones are probed after; paused ones pause and continue
+    around the send and are probed without a flush (SGLang refuses one with requests queued)."""
+    seq = sync_results["sequences"]
+    group = ["/server_info", "/init_weights_update_group"]  # the first send of a transport forms its group
+    assert seq["colocate"] == [
+        "/release_memory_occupation",
+        "/resume_memory_occupation ['weights']",
+        *group,
+        "/update_weights_from_distributed",
+        "/model_info",
+        "/resume_memory_occupation ['kv_cache']",
+        "/flush_cache",
+        "/generate",
+    ]
+    assert seq["disaggregate"] == ["/update_weights_from_distributed", "/model_info", "/flush_cache", "/generate"]
+    assert seq["pause"] == [
+        "/pause_generation",
+        "/update_weights_from_distributed",
+        "/continue_generation",
+        "/model_info",
+        "/generate",
+    ]
+
+
+def test_a_failure_on_rank_0_surfaces_on_every_rank(sync_results):
+    """Only rank 0 talks to the servers; a refused update must fail every rank (after the one retry),
+    or the others would wait forever in the next collective."""
+    outcomes = sync_results["failure_on_rank0"]
+    assert len(outcomes) == sync_results["ranks"]
+    assert all(o.startswith("SyncError: weight sync to version 99 failed twice") for o in outcomes), outcomes
+
+
+def test_token_mean_gradient_over_ranks_equals_the_whole_batch_gradient(sync_results):
+    """loss_agg token_mean is the mean over every response token of the mini-batch, however the tokens
+    fall on the ranks (here 3 on rank 0 and 16 on rank 1): equal to one process's gradient to 1e-6."""
+    grad = sync_results["gradient"]
+    assert grad["max_abs_grad"] > 1e-3, grad  # a gradient worth comparing
+    assert grad["max_abs_diff"] < 1e-6, grad

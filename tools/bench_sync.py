@@ -8,8 +8,9 @@ Modes:
   nccl  2 GPUs: trainer on GPU 0, SGLang on GPU 1, NCCL broadcast; limit: a raw NCCL broadcast of
         the same bucket sizes to a bare receiver on GPU 1.
 
-The sync path is timed end to end as the trainer runs it (its requests drained, so no pause):
-gather into flat buckets -> send -> server load -> KV flush -> version check. Each figure is the
+The sync path is timed end to end as the trainer runs it (`WeightSync.update`, its requests drained,
+so no pause unless --pause): heal -> gather into flat buckets -> send -> server load -> KV flush ->
+version check. Each figure is the
 best of --repeats, printed with where that run's time went (rank 0's view: `gather` waits for the
 next bucket, `broadcast` for the wire, `server_load`/`server_replies` for SGLang's answers).
 
@@ -41,7 +42,12 @@ def parse_args(argv=None):
     p.add_argument("--bucket-mb", nargs="+", type=float, default=[256], help="0 = whole model")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--ranks", type=int, default=2, help="ZeRO-3 trainer ranks (cpu mode).")
-    p.add_argument("--pause", default=None, help="pause the servers around each sync (abort, in_place): the old path")
+    p.add_argument(
+        "--pause",
+        choices=["retract", "in_place"],
+        default=None,
+        help="pause the servers around each sync (interrupt pause)",
+    )
     p.add_argument("--workdir", default=None, help="Models, logs, results (default: a temporary directory).")
     p.add_argument("--server-gpu", type=int, default=None, help="ipc mode: the server's GPU (default 0, the trainer's)")
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -78,7 +84,7 @@ def receiver(port: int, sizes: list[int], repeats: int, backend: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from dsrl.sync.group import init_weight_update_group
+    from dsrl.collectives import init_weight_update_group
 
     device = "cpu"
     if backend == "nccl":
@@ -98,8 +104,8 @@ def raw_limit(mode: str, sizes: list[int], repeats: int) -> float:
     import torch
     import torch.distributed as dist
 
+    from dsrl.collectives import init_weight_update_group
     from dsrl.serving.servers import free_port
-    from dsrl.sync.group import init_weight_update_group
 
     if mode == "ipc":  # a device-to-device copy of the same bytes
         src = torch.empty(sum(sizes), dtype=torch.uint8, device="cuda")
@@ -143,7 +149,9 @@ def rank_main(args) -> None:
 
     from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
     from dsrl.serving.client import RolloutClient
-    from dsrl.sync.base import make_checkpoint_engine, probe_reference, sync_weights, verify_probe
+    from dsrl.sync.base import make_checkpoint_engine
+    from dsrl.sync.verify import probe_reference, verify_probe
+    from dsrl.sync.weight_sync import WeightSync
     from dsrl.train import start_rollout_fleet
     from dsrl.zero.buckets import param_bytes
     from dsrl.zero.engine import init_distributed, load_engine
@@ -156,6 +164,8 @@ def rank_main(args) -> None:
         rollout.engine = "sglang"
         rollout.first_gpu = 1 if args.mode == "nccl" else args.server_gpu or 0
         rollout.placement = "colocate" if rollout.first_gpu == 0 else "disaggregate"
+    if args.pause:
+        rollout.placement, rollout.interrupt, rollout.pause_mode = "disaggregate", "pause", args.pause
         rollout.mem_fraction_static = 0.35
         rollout.startup_timeout_s = 600
         rollout.server_args = {"attention_backend": "triton", "sampling_backend": "pytorch", "disable_cuda_graph": True}
@@ -171,30 +181,38 @@ def rank_main(args) -> None:
     # one flat buffer, which a single rank sends from without a copy (FlatGatherer)
     actor = load_engine(cfg, str(model_dir), dist.get_world_size(), train=True)
     fleet = start_rollout_fleet(cfg, str(model_dir), workdir / model_dir.name, rank)
-    client = RolloutClient(fleet.urls) if rank == 0 else None
+    client = RolloutClient(fleet.urls)
     total = sum(param_bytes(p) for p in actor.module.parameters())
     rows = []
     transport = {"cpu": "broadcast", "ipc": "ipc", "nccl": "broadcast"}[args.mode]
     engine = make_checkpoint_engine(SyncConfig(type=transport), client, workdir, "nccl" if gpu else "gloo")
+    # The update as training runs it (heal, send, version check), without offloading the trainer's states:
+    # the figure is the sync's own. Versions count up across bucket sizes.
+    weights = WeightSync(cfg, actor, fleet, client, engine, offload=False)
+    version = 0
     try:
         for bucket_mb in args.bucket_mb:
             bucket_bytes = int(bucket_mb * (1 << 20)) if bucket_mb > 0 else total
-            engine.cfg = SyncConfig(type=transport, bucket_bytes=bucket_bytes)
+            engine.cfg = cfg.sync = SyncConfig(type=transport, bucket_bytes=bucket_bytes)
             probe, probe_before = None, None
             if gpu:  # the mean |logprob diff| of the probe: before any sync, and after one
                 ids, reference = probe_reference(actor, actor.module.config.vocab_size)
                 probe_before = verify_probe(client, ids, reference, float("inf")) if rank == 0 else None
-            sync_weights(actor.module, engine, "warmup", args.pause)  # forms the group, first-touch allocations
+            version += 1
+            weights.update(version)  # forms the group, first-touch allocations
             if gpu:
                 probe = verify_probe(client, ids, reference, float("inf")) if rank == 0 else None
             times, phases = [], []
-            for i in range(args.repeats):
+            for _ in range(args.repeats):
+                version += 1
                 dist.barrier()
                 start = time.perf_counter()
-                stats = sync_weights(actor.module, engine, f"{bucket_mb}-{i}", args.pause)
+                metrics = weights.update(version)
                 dist.barrier()
                 times.append(time.perf_counter() - start)
-                phases.append(stats.phases if stats else {})
+                phases.append(
+                    {k.removeprefix("timing/sync_"): v for k, v in metrics.items() if k.startswith("timing/")}
+                )
                 if args.mode == "ipc":  # as in training: the buffers go back to the server after each sync
                     engine.release()
                     torch.cuda.empty_cache()
@@ -219,8 +237,7 @@ def rank_main(args) -> None:
                 )
                 print(json.dumps(rows[-1]), flush=True)
     finally:
-        if client:
-            client.close()
+        client.close()
         fleet.stop()
     if rank == 0:
         with open(workdir / "results.jsonl", "a") as f:

@@ -208,9 +208,18 @@ class RolloutClient:
         return self.run(self.all_servers(path, payload, method))
 
     def weight_versions(self) -> list[str]:
-        """Each live server's weight version, in `urls` order (down servers skipped)."""
+        """Each live server's weight version as SGLang reports it (a string), in `urls` order (down servers skipped)."""
         # /model_info, not /get_weight_version: SGLang 0.5.17 answers the latter with 404.
         return [str(info["weight_version"]) for info in self.call_all("/model_info", method="GET")]
+
+    def responds(self, url: str) -> bool:
+        """Whether a server answers at all. Not /health: SGLang's runs a one-token generation, which takes a
+        second and crashes a colocated server whose memory is released (seen on an H100/H200)."""
+        try:
+            self.run(self.request(url, "/model_info", method="GET", timeout_s=30))
+            return True
+        except ServerError:
+            return False
 
     def mark_down(self, url: str, reason: str) -> None:
         """Take a server out of the rotation (once); the trainer restarts or drops it before the next sync."""

@@ -307,7 +307,7 @@ class Engine:
                 param.copy_(tensor)
 
     def init_group(self, body: dict) -> None:
-        from dsrl.sync.group import init_weight_update_group
+        from dsrl.collectives import init_weight_update_group
 
         name = body.get("group_name", "weight_update_group")
         self.groups[name] = init_weight_update_group(
@@ -438,33 +438,69 @@ def _filter_top_k_top_p(probs: torch.Tensor, top_k: int, top_p: float) -> torch.
 # -- HTTP ---------------------------------------------------------------------------------------
 
 
-def build_app(engine: Engine) -> web.Application:
-    routes = web.RouteTableDef()
-    unpaused = asyncio.Event()
-    unpaused.set()
+def ok(**fields) -> web.Response:
+    return web.json_response({"success": True, **fields})
 
-    def ok(**fields) -> web.Response:
-        return web.json_response({"success": True, **fields})
 
-    async def body_of(request: web.Request) -> dict:
-        if not request.can_read_body:
-            return {}
-        body = await request.json()
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        return body
+async def body_of(request: web.Request) -> dict:
+    if not request.can_read_body:
+        return {}
+    body = await request.json()
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
 
-    @web.middleware
-    async def errors(request: web.Request, handler):
-        try:
-            return await handler(request)
-        except (BadRequest, KeyError, TypeError, ValueError) as e:
-            message = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-            return web.json_response({"success": False, "message": message, "error": {"message": message}}, status=400)
 
-    @routes.route("*", "/generate")
-    async def generate(request: web.Request) -> web.Response:
-        body = await body_of(request)
+@web.middleware
+async def errors(request: web.Request, handler):
+    """SGLang's way to refuse a request: HTTP 400 with the reason as `message`."""
+    try:
+        return await handler(request)
+    except (BadRequest, KeyError, TypeError, ValueError) as e:
+        message = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+        return web.json_response({"success": False, "message": message, "error": {"message": message}}, status=400)
+
+
+def request_ids(body: dict, n: int) -> list[str]:
+    """One id per prompt of a /generate body, as SGLang names them."""
+    rid = body.get("rid")
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(n)]
+    if isinstance(rid, list):
+        return rid
+    return [f"{rid}_{i}" for i in range(n)] if n > 1 else [rid]
+
+
+class Api:
+    """The endpoints dsrl calls, one handler each, with SGLang 0.5.17's paths and fields."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.unpaused = asyncio.Event()  # like SGLang, requests sent while paused wait outside the scheduler
+        self.unpaused.set()
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/generate", self.generate),
+            web.get("/health", self.health),
+            web.get("/model_info", self.model_info),
+            web.get("/server_info", self.server_info),
+            web.post("/flush_cache", self.flush_cache),
+            web.post("/pause_generation", self.pause_generation),
+            web.post("/continue_generation", self.continue_generation),
+            web.post("/abort_request", self.abort_request),
+            web.post("/release_memory_occupation", self.release_memory),
+            web.post("/resume_memory_occupation", self.resume_memory),
+            web.post("/init_weights_update_group", self.init_weights_update_group),
+            web.post("/update_weights_from_distributed", self.update_weights_from_distributed),
+            web.post("/update_weights_from_disk", self.update_weights_from_disk),
+            web.post("/update_weight_version", self.update_weight_version),
+            web.post("/get_weights_by_name", self.get_weights_by_name),
+        ]
+
+    async def generate(self, request: web.Request) -> web.Response:
+        """Token-in/token-out generation; a list of prompts is a batch (a list comes back)."""
+        body, engine = await body_of(request), self.engine
         if "text" in body:
             raise BadRequest("the embedded engine is token-in/token-out: send input_ids, not text")
         input_ids = body.get("input_ids")
@@ -474,18 +510,11 @@ def build_app(engine: Engine) -> web.Application:
         batch = input_ids if batched else [input_ids]
         params = body.get("sampling_params") or {}
         params = params if isinstance(params, list) else [params] * len(batch)
-        rid = body.get("rid")
-        if rid is None:
-            rids = [uuid.uuid4().hex for _ in batch]
-        elif isinstance(rid, list):
-            rids = rid
-        else:
-            rids = [f"{rid}_{i}" for i in range(len(batch))] if batched and len(batch) > 1 else [rid]
         if engine.released:  # SGLang's scheduler dies on this; fail loudly here so CPU tests catch the order
             raise BadRequest(f"memory {sorted(engine.released)} is released; /resume_memory_occupation first")
-        await unpaused.wait()  # like SGLang, requests sent while paused wait outside the scheduler
+        await self.unpaused.wait()
         loop = asyncio.get_running_loop()
-        reqs = [engine.make_request(ids, p, r, loop) for ids, p, r in zip(batch, params, rids)]
+        reqs = [engine.make_request(ids, p, r, loop) for ids, p, r in zip(batch, params, request_ids(body, len(batch)))]
         for req in reqs:
             req.priority = int(body.get("priority") or 0)
             engine.submit(req)
@@ -495,143 +524,113 @@ def build_app(engine: Engine) -> web.Application:
             for req in reqs:
                 engine.abort(req.rid)
             raise
-        if not body.get("return_logprob"):
-            for res in results:
+        for res, ids in zip(results, batch):
+            if not body.get("return_logprob"):
                 res["meta_info"].pop("output_token_logprobs")
-        elif body.get("logprob_start_len", -1) not in (None, -1):
-            for res, ids in zip(results, batch):
-                rows = await asyncio.to_thread(engine.prompt_logprobs, ids, int(body["logprob_start_len"]))
-                res["meta_info"]["input_token_logprobs"] = rows
+            elif body.get("logprob_start_len", -1) not in (None, -1):
+                start = int(body["logprob_start_len"])
+                res["meta_info"]["input_token_logprobs"] = await asyncio.to_thread(engine.prompt_logprobs, ids, start)
         return web.json_response(results if batched else results[0])
 
-    @routes.get("/health")
-    @routes.get("/health_generate")
-    async def health(request: web.Request) -> web.Response:
-        if engine.released:  # SGLang's /health generates a token, and its scheduler dies doing so asleep
-            log.error("/health while memory %s is released: SGLang's scheduler crashes here", sorted(engine.released))
+    async def health(self, request: web.Request) -> web.Response:
+        if self.engine.released:  # SGLang's /health generates a token, and its scheduler dies doing so asleep
+            log.error(
+                "/health while memory %s is released: SGLang's scheduler crashes here", sorted(self.engine.released)
+            )
             os._exit(1)
-        return web.Response(status=200 if engine.thread.is_alive() else 503)
+        return web.Response(status=200 if self.engine.thread.is_alive() else 503)
 
-    @routes.get("/get_model_info")
-    @routes.get("/model_info")
-    async def model_info(request: web.Request) -> web.Response:
+    async def model_info(self, request: web.Request) -> web.Response:
+        config = self.engine.model.config
         return web.json_response(
             {
-                "model_path": engine.model_path,
-                "tokenizer_path": engine.model_path,
+                "model_path": self.engine.model_path,
+                "tokenizer_path": self.engine.model_path,
                 "is_generation": True,
-                "weight_version": engine.weight_version,
-                "model_type": engine.model.config.model_type,
-                "architectures": engine.model.config.architectures,
+                "weight_version": self.engine.weight_version,
+                "model_type": config.model_type,
+                "architectures": config.architectures,
             }
         )
 
-    @routes.get("/get_server_info")
-    @routes.get("/server_info")
-    async def server_info(request: web.Request) -> web.Response:
+    async def server_info(self, request: web.Request) -> web.Response:
+        engine = self.engine
         return web.json_response(
             {"model_path": engine.model_path, "weight_version": engine.weight_version, "engine": "dsrl-embedded"}
         )
 
-    @routes.route("*", "/get_weight_version")
-    async def get_weight_version(request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": engine.weight_version})
-
-    @routes.post("/update_weight_version")
-    async def update_weight_version(request: web.Request) -> web.Response:
-        body = await body_of(request)
-        if body.get("abort_all_requests", True):
-            engine.abort(abort_all=True)
-        engine.weight_version = str(body["new_version"])
-        return ok(message=f"Weight version updated to {engine.weight_version}", new_version=engine.weight_version)
-
-    @routes.route("*", "/flush_cache")
-    async def flush_cache(request: web.Request) -> web.Response:
-        if not engine.is_idle():
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if not self.engine.is_idle():
             return web.Response(status=400, text="Cache not flushed because there are pending requests.")
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details.")
 
-    @routes.post("/pause_generation")
-    async def pause_generation(request: web.Request) -> web.Response:
-        engine.pause((await body_of(request)).get("mode", "abort"))
-        unpaused.clear()
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        self.engine.pause((await body_of(request)).get("mode", "abort"))
+        self.unpaused.clear()
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
-    @routes.post("/continue_generation")
-    async def continue_generation(request: web.Request) -> web.Response:
-        engine.resume()
-        unpaused.set()
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        self.engine.resume()
+        self.unpaused.set()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
-    @routes.post("/abort_request")
-    async def abort_request(request: web.Request) -> web.Response:
+    async def abort_request(self, request: web.Request) -> web.Response:
         body = await body_of(request)
-        engine.abort(body.get("rid", ""), bool(body.get("abort_all", False)))
+        self.engine.abort(body.get("rid", ""), bool(body.get("abort_all", False)))
         return web.Response(status=200)
 
-    @routes.route("*", "/release_memory_occupation")
-    async def release_memory(request: web.Request) -> web.Response:
-        engine.release_memory((await body_of(request)).get("tags"))
+    async def release_memory(self, request: web.Request) -> web.Response:
+        self.engine.release_memory((await body_of(request)).get("tags"))
         return web.json_response(None)
 
-    @routes.route("*", "/resume_memory_occupation")
-    async def resume_memory(request: web.Request) -> web.Response:
-        engine.resume_memory((await body_of(request)).get("tags"))
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        self.engine.resume_memory((await body_of(request)).get("tags"))
         return web.json_response(None)
 
-    @routes.post("/init_weights_update_group")
-    async def init_weights_update_group(request: web.Request) -> web.Response:
-        body = await body_of(request)
-        await asyncio.to_thread(engine.init_group, body)
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        await asyncio.to_thread(self.engine.init_group, await body_of(request))
         return ok(message="Succeeded to initialize custom process group.")
 
-    @routes.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(request: web.Request) -> web.Response:
-        import torch.distributed as dist
-
-        name = (await body_of(request)).get("group_name", "weight_update_group")
-        if name not in engine.groups:
-            raise BadRequest(f"Group {name} not in {sorted(engine.groups)}")
-        dist.destroy_process_group(engine.groups.pop(name))
-        return ok(message="Succeeded to destroy custom process group.")
-
-    @routes.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         body = await body_of(request)
-        await asyncio.to_thread(engine.update_from_distributed, body)
-        return _weights_updated(engine, body, "Succeeded to update parameter online.")
+        await asyncio.to_thread(self.engine.update_from_distributed, body)
+        return self._weights_updated(body, "Succeeded to update parameter online.")
 
-    @routes.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: web.Request) -> web.Response:
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await body_of(request)
-        await asyncio.to_thread(engine.update_from_disk, body["model_path"])
-        return _weights_updated(engine, body, "Succeeded to update model weights.", num_paused_requests=0)
+        await asyncio.to_thread(self.engine.update_from_disk, body["model_path"])
+        return self._weights_updated(body, "Succeeded to update model weights.", num_paused_requests=0)
 
-    @routes.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(request: web.Request) -> web.Response:
-        raise BadRequest("update_weights_from_tensor passes CUDA IPC handles; the embedded CPU engine has none")
-
-    @routes.route("*", "/get_weights_by_name")
-    async def get_weights_by_name(request: web.Request) -> web.Response:
+    async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await body_of(request)
-        param = engine.params.get(body["name"])
+        if body.get("abort_all_requests", True):
+            self.engine.abort(abort_all=True)
+        self.engine.weight_version = str(body["new_version"])
+        return ok(
+            message=f"Weight version updated to {self.engine.weight_version}", new_version=self.engine.weight_version
+        )
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        body = await body_of(request)
+        param = self.engine.params.get(body["name"])
         if param is None:
             return web.json_response({"error": {"message": "Get parameter by name failed"}}, status=400)
-        with engine.model_lock:
+        with self.engine.model_lock:
             rows = param.detach()[: int(body.get("truncate_size", 100))].tolist()
         return web.json_response(rows)
 
+    def _weights_updated(self, body: dict, message: str, **extra) -> web.Response:
+        if body.get("weight_version") is not None:
+            self.engine.weight_version = str(body["weight_version"])
+            message += f" Weight version updated to {self.engine.weight_version}."
+        return ok(message=message, **extra)
+
+
+def build_app(engine: Engine) -> web.Application:
     app = web.Application(middlewares=[errors], client_max_size=1 << 30)
-    app.add_routes(routes)
+    app.add_routes(Api(engine).routes())
     app.on_shutdown.append(lambda app: asyncio.to_thread(engine.stop))
     return app
-
-
-def _weights_updated(engine: Engine, body: dict, message: str, **extra) -> web.Response:
-    if body.get("weight_version") is not None:
-        engine.weight_version = str(body["weight_version"])
-        message += f" Weight version updated to {engine.weight_version}."
-    return web.json_response({"success": True, "message": message, **extra})
 
 
 def main(argv: list[str] | None = None) -> None:

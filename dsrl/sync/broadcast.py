@@ -17,18 +17,19 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from dsrl.collectives import init_weight_update_group
 from dsrl.config import SyncConfig
+from dsrl.metrics import Timer
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import free_port
-from dsrl.sync.base import CheckpointEngine, Clock, SyncError
-from dsrl.sync.group import init_weight_update_group
+from dsrl.sync.base import CheckpointEngine, SyncError
 from dsrl.zero.buckets import FlatBucket, FlatGatherer
 
 log = logging.getLogger(__name__)
 
 
 class BroadcastEngine(CheckpointEngine):
-    def __init__(self, cfg: SyncConfig, client: RolloutClient | None, backend: str):
+    def __init__(self, cfg: SyncConfig, client: RolloutClient, backend: str):
         super().__init__(cfg, client)
         self.backend = backend
         self.group: dist.ProcessGroup | None = None
@@ -75,16 +76,16 @@ class BroadcastEngine(CheckpointEngine):
         replies.result(self.cfg.timeout_s)
         log.info("weight-update group %s: trainer + %d server ranks over %s", self.group_name, world - 1, self.backend)
 
-    def update_weights(self, module: torch.nn.Module, weight_version: str, flush_cache: bool) -> int:
+    def send(self, module: torch.nn.Module, weight_version: int, flush_cache: bool) -> int:
         if self.gatherer is None or self.gatherer.bucket_bytes != self.cfg.bucket_bytes:
             self.gatherer = FlatGatherer(module, self.cfg.bucket_bytes)
-        if self.client is None:
+        if not self.rank0:
             for _ in self.gatherer:  # join each bucket's gather onto rank 0
                 pass
             return 0
         sent, in_flight, replies, failure = 0, None, [], None
-        clock = Clock()
-        for bucket in clock.timed(self.gatherer, "gather"):  # gathering bucket i+1 overlaps sending bucket i
+        clock = Timer()
+        for bucket in clock.each(self.gatherer, "gather"):  # gathering bucket i+1 overlaps sending bucket i
             if failure is not None:
                 continue  # keep joining the other ranks' transfers, send nothing more
             try:
@@ -120,7 +121,7 @@ class BroadcastEngine(CheckpointEngine):
         self.group = None
 
     def _send(
-        self, bucket: FlatBucket, weight_version: str, flush_cache: bool, previous: Future | None
+        self, bucket: FlatBucket, weight_version: int, flush_cache: bool, previous: Future | None
     ) -> tuple[Future, dist.Work]:
         payload = {
             "names": bucket.names,
@@ -129,7 +130,7 @@ class BroadcastEngine(CheckpointEngine):
             "group_name": self.group_name,
             "load_format": "flattened_bucket",
             "flush_cache": flush_cache and bucket.last,
-            "weight_version": weight_version if bucket.last else None,
+            "weight_version": str(weight_version) if bucket.last else None,
         }
         reply = self.client.submit(self._post_after(previous, payload))
         work = dist.broadcast(bucket.flat, group=self.group, group_src=0, async_op=True)

@@ -18,13 +18,13 @@ from dsrl.zero.buckets import gathered_buckets
 
 
 class DiskEngine(CheckpointEngine):
-    def __init__(self, cfg: SyncConfig, client: RolloutClient | None, root: Path):
+    def __init__(self, cfg: SyncConfig, client: RolloutClient, root: Path):
         super().__init__(cfg, client)
         self.root = root
         self.previous: Path | None = None
 
-    def update_weights(self, module: torch.nn.Module, weight_version: str, flush_cache: bool) -> int:
-        if self.client is None:
+    def send(self, module: torch.nn.Module, weight_version: int, flush_cache: bool) -> int:
+        if not self.rank0:
             for _ in gathered_buckets(module, self.cfg.bucket_bytes):  # join the gathers
                 pass
             return 0
@@ -42,7 +42,7 @@ class DiskEngine(CheckpointEngine):
         (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)  # servers never see a half-written version
-        payload = {"model_path": str(out.resolve()), "weight_version": weight_version, "flush_cache": flush_cache}
+        payload = {"model_path": str(out.resolve()), "weight_version": str(weight_version), "flush_cache": flush_cache}
         self.client.run(self.client.all_servers("/update_weights_from_disk", payload))
         if self.previous is not None and self.previous != out:
             shutil.rmtree(self.previous, ignore_errors=True)

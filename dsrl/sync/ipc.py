@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from dsrl.config import SyncConfig
+from dsrl.metrics import Timer
 from dsrl.serving.client import RolloutClient
-from dsrl.sync.base import CheckpointEngine, Clock
+from dsrl.sync.base import CheckpointEngine
 from dsrl.zero.buckets import FlatBucket, FlatGatherer
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ def serialize(obj) -> str:
 
 
 class IpcEngine(CheckpointEngine):
-    def __init__(self, cfg: SyncConfig, client: RolloutClient | None, tp_size: int):
+    def __init__(self, cfg: SyncConfig, client: RolloutClient, tp_size: int):
         super().__init__(cfg, client)
         self.tp_size = tp_size
         self.gatherer: FlatGatherer | None = None
@@ -56,33 +57,33 @@ class IpcEngine(CheckpointEngine):
             offset += n
         return serialize({"flattened_tensor": bucket.flat, "metadata": metadata})
 
-    def update_weights(self, module: torch.nn.Module, weight_version: str, flush_cache: bool) -> int:
-        rank, world = dist.get_rank(), dist.get_world_size()
+    def send(self, module: torch.nn.Module, weight_version: int, flush_cache: bool) -> int:
+        world = dist.get_world_size()
         # With one rank the buckets are views of the parameters' own memory (nothing is allocated), and
         # each bucket costs SGLang a handle opening and a load: one bucket is fastest (3B on an H200: 22 ms
         # whole vs 39 ms in 1 GB buckets).
         bucket_bytes = self.cfg.bucket_bytes if world > 1 else 1 << 62
         if self.gatherer is None or self.gatherer.bucket_bytes != bucket_bytes:
             self.gatherer = FlatGatherer(module, bucket_bytes, to_all=True)
-        sent, pending, clock = 0, None, Clock()
-        for bucket in clock.timed(self.gatherer, "gather"):
+        sent, pending, clock = 0, None, Timer()
+        for bucket in clock.each(self.gatherer, "gather"):
             with clock("handles"):
                 torch.cuda.current_stream().synchronize()  # the server reads it from another process
                 handle = self._handle(bucket)
                 handles = [handle]
                 if world > 1:
-                    handles = [None] * world if rank == 0 else None
+                    handles = [None] * world if self.rank0 else None
                     dist.gather_object(handle, handles, dst=0)
             with clock("server_load"):
                 self._wait_loaded(pending)  # bucket i-1; its buffer is gathered into two buckets later
-            if rank == 0:
-                weight_version_now = weight_version if bucket.last else None
+            if self.rank0:
+                weight_version_now = str(weight_version) if bucket.last else None
                 pending = self._post(handles, weight_version_now, flush_cache and bucket.last)
             sent += bucket.flat.numel()
         with clock("server_load"):
             self._wait_loaded(pending)
         self.profile = clock.seconds
-        return sent if rank == 0 else 0
+        return sent if self.rank0 else 0
 
     def release(self) -> None:
         """Colocated: give the flat buffers back before the server's KV cache returns."""

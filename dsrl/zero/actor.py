@@ -3,10 +3,19 @@
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 
-from dsrl.algorithms import aggregate, entropy_from_logits, importance_weights, kl_estimate, ppo_clip_loss
+from dsrl.algorithms import (
+    LOG_RATIO_LIMIT,
+    aggregate,
+    entropy_from_logits,
+    importance_weights,
+    kl_estimate,
+    ppo_clip_loss,
+)
+from dsrl.collectives import reduce_device
 from dsrl.config import Config
-from dsrl.rollout import Sample
+from dsrl.data import Sample
 
 
 def pack(samples: list[Sample], pad_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -63,9 +72,58 @@ def logprob_mismatch(samples: list[Sample]) -> dict[str, float]:
     }
 
 
+def global_denominators(mini: list[Sample]) -> tuple[float, float]:
+    """The mini-batch's response tokens and sequences over every rank, divided by the number of ranks.
+
+    DeepSpeed averages the ranks' gradients; a rank that divides its sum by (global count / ranks)
+    then contributes exactly its share of the global mean. Dividing by its own count instead made
+    `token_mean` the mean of per-rank means: wrong whenever ranks hold different token totals.
+    """
+    counts = [float(sum(len(s.response_ids) for s in mini)), float(len(mini))]
+    counts = torch.tensor(counts, dtype=torch.float64, device=reduce_device())
+    dist.all_reduce(counts)
+    counts /= dist.get_world_size()
+    return counts[0].item(), counts[1].item()
+
+
+def micro_batch_loss(
+    engine, chunk: list[Sample], advantages: torch.Tensor, cfg: Config, pad_id: int, num_tokens: float, num_seqs: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """The policy loss of one micro-batch as its share of the mini-batch loss (`global_denominators`),
+    its metrics, and its response mask."""
+    a = cfg.algorithm
+    input_ids, attention, mask = pack(chunk, pad_id, engine.device)
+    width = mask.shape[1]
+    old = per_token(chunk, "old_logprobs", width, engine.device)
+    logprobs, entropy = forward_logprobs(engine, input_ids, attention, cfg.rollout.temperature, True)
+    weights = None
+    if a.off_policy != "none":
+        behaviour = per_token(chunk, "engine_logprobs", width, engine.device)
+        weights = importance_weights(old, behaviour, a.off_policy, a.is_cap)
+    loss, stats = ppo_clip_loss(
+        logprobs, old, advantages.to(engine.device), mask, a.clip_low, a.clip_high, a.loss_agg, num_tokens,
+        num_seqs, weights, a.clip_ratio_c,
+    )  # fmt: skip
+    n = mask.sum().clamp(min=1)
+    if weights is not None:
+        raw = torch.exp((old - behaviour).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+        stats["is_weight_mean"] = (weights * mask).sum() / n
+        stats["is_weight_max"] = (raw * mask).max()
+        stats["is_capped_frac"] = ((raw > a.is_cap).float() * mask).sum() / n
+    stats["pg_loss"] = loss.detach()
+    if a.kl_coef > 0:
+        kl = kl_estimate(logprobs, per_token(chunk, "ref_logprobs", width, engine.device), a.kl_estimator)
+        loss = loss + a.kl_coef * aggregate(kl, mask, a.loss_agg, num_tokens, num_seqs)
+        stats["kl"] = (kl.detach() * mask).sum() / n
+    if a.entropy_coef > 0:
+        loss = loss - a.entropy_coef * aggregate(entropy, mask, a.loss_agg, num_tokens, num_seqs)
+    stats["entropy"] = (entropy.detach() * mask).sum() / n
+    return loss, stats, mask
+
+
 def update_actor(engine, samples: list[Sample], advantages: torch.Tensor, cfg: Config, pad_id: int) -> dict:
     """PPO-clip epochs over the batch: `updates_per_step` optimizer steps per epoch, micro-batched."""
-    a, t = cfg.algorithm, cfg.trainer
+    t = cfg.trainer
     mini_size = len(samples) // t.updates_per_step
     for s in samples:
         s.extras["engine_logprobs"] = torch.tensor(s.engine_logprobs)
@@ -75,36 +133,12 @@ def update_actor(engine, samples: list[Sample], advantages: torch.Tensor, cfg: C
     for _ in range(t.ppo_epochs):
         for m in range(0, len(samples), mini_size):
             mini = samples[m : m + mini_size]
-            num_tokens = float(sum(len(s.response_ids) for s in mini))
+            num_tokens, num_seqs = global_denominators(mini)
             for i in range(0, len(mini), t.micro_batch_size):
                 chunk = mini[i : i + t.micro_batch_size]
-                input_ids, attention, mask = pack(chunk, pad_id, engine.device)
-                width = mask.shape[1]
-                old = per_token(chunk, "old_logprobs", width, engine.device)
-                adv = advantages[m + i : m + i + len(chunk)].to(engine.device)
-                logprobs, entropy = forward_logprobs(engine, input_ids, attention, cfg.rollout.temperature, True)
-                weights = None
-                if a.off_policy != "none":
-                    behaviour = per_token(chunk, "engine_logprobs", width, engine.device)
-                    weights = importance_weights(old, behaviour, a.off_policy, a.is_cap)
-                loss, stats = ppo_clip_loss(
-                    logprobs, old, adv, mask, a.clip_low, a.clip_high, a.loss_agg, num_tokens, len(mini), weights
-                )
-                if weights is not None:
-                    raw = torch.exp(old - behaviour)
-                    stats["is_weight_mean"] = (weights * mask).sum() / mask.sum()
-                    stats["is_weight_max"] = (raw * mask).max()
-                    stats["is_capped_frac"] = ((raw > a.is_cap).float() * mask).sum() / mask.sum()
-                stats["pg_loss"] = loss.detach()
-                if a.kl_coef > 0:
-                    kl = kl_estimate(logprobs, per_token(chunk, "ref_logprobs", width, engine.device), a.kl_estimator)
-                    kl_loss = aggregate(kl, mask, a.loss_agg, num_tokens, len(mini))
-                    loss = loss + a.kl_coef * kl_loss
-                    stats["kl"] = (kl.detach() * mask).sum() / mask.sum()
-                if a.entropy_coef > 0:
-                    loss = loss - a.entropy_coef * aggregate(entropy, mask, a.loss_agg, num_tokens, len(mini))
-                stats["entropy"] = (entropy.detach() * mask).sum() / mask.sum()
-                # The loss is already a mean over the whole mini-batch: no extra 1/accumulation scaling.
+                adv = advantages[m + i : m + i + len(chunk)]
+                loss, stats, mask = micro_batch_loss(engine, chunk, adv, cfg, pad_id, num_tokens, num_seqs)
+                # The loss is already a share of the mini-batch mean: no extra 1/accumulation scaling.
                 engine.backward(loss, scale_wrt_gas=False)
                 engine.step()
                 weight = mask.sum().item()

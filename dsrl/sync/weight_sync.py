@@ -1,0 +1,194 @@
+"""The weight update, with one owner: `WeightSync.update(version)` runs the whole sequence, in order.
+
+    heal       servers that died are restarted (or dropped, if external); the transport's
+               per-fleet state (the broadcast group) is rebuilt only when membership changed
+    offload    colocated on GPUs: the trainer's optimizer states leave the GPU
+    wake       colocated: the servers take their weights' memory back
+    pause      interrupt pause: the servers pause, their requests stay on them through the update
+    send       the transport moves every bucket; the new weight_version goes live with the last
+    continue   paused servers resume
+    check      every server reports the new weight_version
+    verify     the weights compared, or the trainer's half of the probe computed
+    offload    colocated on GPUs: the trainer's parameters leave the GPU too
+    wake       colocated: the servers take their KV cache back
+    probe      the servers' logprobs of fixed tokens against the trainer's: colocated now,
+               disaggregated in the background, checked at the next update
+
+Every trainer rank calls it (the parameters are gathered from every rank's partitions); only
+trainer rank 0 talks to the servers, and a failure there surfaces on every rank (`agreed`). A
+failed send is tried once more after the fleet is healed.
+"""
+
+import logging
+import time
+from concurrent.futures import Future
+
+import torch.distributed as dist
+
+from dsrl.collectives import agreed
+from dsrl.config import Config
+from dsrl.metrics import Timer
+from dsrl.serving.client import RolloutClient, ServerError
+from dsrl.serving.servers import ServerFleet
+from dsrl.sync.base import CheckpointEngine, SyncError
+from dsrl.sync.verify import probe_reference, probe_servers, verify_probe, verify_weights
+from dsrl.zero.engine import offload_states, reload_states
+
+log = logging.getLogger(__name__)
+
+SERVER_ERRORS = (SyncError, ServerError)
+"""What a server can make an update fail with; anything else is a bug and propagates as it is."""
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+class WeightSync:
+    def __init__(
+        self,
+        cfg: Config,
+        actor,
+        fleet: ServerFleet,
+        client: RolloutClient,
+        transport: CheckpointEngine,
+        offload: bool,
+    ):
+        self.cfg, self.actor, self.fleet, self.client, self.transport = cfg, actor, fleet, client, transport
+        self.rank0 = dist.get_rank() == 0
+        """Only trainer rank 0 talks to the servers; the fields below marked (rank 0) are empty elsewhere."""
+        self.colocated = cfg.rollout.placement == "colocate"
+        self.offload = offload
+        """Colocated on GPUs: the trainer's states leave the GPU while the servers generate."""
+        r = cfg.rollout
+        self.pause = r.pause_mode if r.placement == "disaggregate" and r.interrupt == "pause" else None
+        """SGLang's pause mode when requests stay in flight through updates (interrupt pause), else None."""
+        self.released: dict[str, set[str]] = {}
+        """(rank 0) memory each server has released: colocated, they sleep between generations. A retried
+        update wakes only what is still asleep (SGLang refuses to resume memory that is not released)."""
+        self.probe: Future | None = None
+        """(rank 0) disaggregated: the last update's probe of the servers, running while the trainer steps."""
+
+    def update(self, version: int) -> dict[str, float]:
+        """Bring every server to weight `version`; returns the sync metrics (rank 0's are the real ones)."""
+        timer, metrics = Timer(), self.check_probe()
+        for attempt in (1, 2):
+            with timer("heal"):
+                self._heal()
+            try:
+                with agreed(f"the weight sync to version {version}", SERVER_ERRORS):
+                    if self.offload:
+                        with timer("offload"):
+                            offload_states(self.actor, params=False)
+                    with timer("wake"):
+                        self._wake("weights")
+                    start = time.perf_counter()
+                    if self.pause is not None:
+                        with timer("pause"):
+                            self._call("/pause_generation", {"mode": self.pause})
+                    with timer("send"):  # paused requests stay on the servers, which then refuse a cache flush
+                        sent = self.transport.send(self.actor.module, version, flush_cache=self.pause is None)
+                    if self.pause is not None:
+                        with timer("resume"):
+                            self._call("/continue_generation", {})
+                    with timer("version_check"):
+                        self._check_versions(version)
+                    seconds = time.perf_counter() - start
+                break
+            except SERVER_ERRORS as e:
+                if attempt == 2:
+                    raise SyncError(f"weight sync to version {version} failed twice") from e
+                self._find_dead_servers(version, e)
+        reference = None
+        if self.cfg.sync.verify == "weights":
+            with timer("verify"), agreed(f"the weight check of version {version}", SERVER_ERRORS):
+                verify_weights(self.actor.module, self.client, self.cfg.sync.bucket_bytes, self.rank0)
+        if self.cfg.sync.verify == "probe":  # the trainer's side now, while its params are still on the GPU
+            with timer("verify"):
+                reference = probe_reference(self.actor, self.actor.module.config.vocab_size)
+        if self.offload:
+            with timer("offload"):
+                self.transport.release()
+                offload_states(self.actor, params=True)
+        with timer("wake"):  # the KV cache needs the memory the trainer's params held
+            self._wake("kv_cache")
+        if reference is not None:
+            with timer("verify"):
+                metrics |= self._probe(*reference)
+        metrics |= {"sync/bytes": sent, "sync/seconds": seconds, "sync/gb_per_s": sent / max(seconds, 1e-9) / 1e9}
+        transport = {f"timing/sync_{part}": seconds for part, seconds in self.transport.profile.items()}
+        return metrics | timer.metrics("timing/sync_") | transport
+
+    def sleep(self) -> None:
+        """Colocated: once every rank has its samples, the servers give their memory to the trainer."""
+        dist.barrier()
+        if self.rank0:
+            self.client.call_all("/release_memory_occupation", {"tags": list(MEMORY_TAGS)})
+            self.released = {url: set(MEMORY_TAGS) for url in self.client.live_urls()}
+        if self.offload:
+            reload_states(self.actor)
+
+    def check_probe(self) -> dict[str, float]:
+        """The last update's background probe; a mismatch stops the run on every rank."""
+        pending, self.probe, out = self.probe, None, {}
+        with agreed("the weight probe after the last sync", SERVER_ERRORS):
+            if pending is not None:
+                out["sync/probe_logprob_diff"] = pending.result()
+        return out
+
+    def _heal(self) -> None:
+        """Servers that went down are restarted (when dsrl started them) or dropped; every rank adopts the
+        new fleet. A restarted server joins before the send that follows, so it never serves other weights."""
+        down = [None] * dist.get_world_size()
+        dist.all_gather_object(down, self.client.down)
+        new_urls = [None]
+        if self.rank0:
+            exited = self.fleet.exited()
+            if exited is None:  # external servers: ask them
+                exited = {url for url in self.client.urls if not self.client.responds(url)}
+            dead = {url for urls in down for url in urls} | exited
+            if dead:
+                new_urls = [self.fleet.replace(dead)]
+        dist.broadcast_object_list(new_urls, src=0)
+        if new_urls[0] is not None:
+            self.client.set_urls(new_urls[0])
+            self.transport.reset()
+            self.released = {url: tags for url, tags in self.released.items() if url in new_urls[0]}
+
+    def _find_dead_servers(self, version: int, error: Exception) -> None:
+        """After a failed update: a server that does not answer is marked down, for `_heal` to replace."""
+        if self.rank0:
+            log.warning("weight sync to version %d failed (%s); checking the servers and syncing again", version, error)
+            for url in self.client.live_urls():
+                if not self.client.responds(url):
+                    self.client.mark_down(url, "no answer after a failed weight sync")
+
+    def _call(self, path: str, payload: dict) -> None:
+        if self.rank0:
+            self.client.call_all(path, payload)
+
+    def _wake(self, tag: str) -> None:
+        """Colocated: the servers that released `tag` take it back (none otherwise)."""
+        asleep = [url for url in self.client.live_urls() if tag in self.released.get(url, ())] if self.rank0 else []
+        if asleep:
+            self.client.run(self.client.all_servers("/resume_memory_occupation", {"tags": [tag]}, urls=asleep))
+            for url in asleep:
+                self.released[url].discard(tag)
+
+    def _check_versions(self, version: int) -> None:
+        if not self.rank0:
+            return
+        versions = self.client.weight_versions()  # SGLang's strings: the HTTP boundary
+        stale = [f"{url} has {v!r}" for url, v in zip(self.client.live_urls(), versions) if v != str(version)]
+        if stale:
+            raise SyncError(f"after the update to weight version {version}: {', '.join(stale)}")
+
+    def _probe(self, ids: list[list[int]], reference) -> dict[str, float]:
+        """The servers' half of the probe. Colocated: now, before the servers sleep again (SGLang dies
+        generating asleep). Disaggregated: in the background (behind a busy server's queue it took 0.1 s
+        per step on an H200), checked at the next update."""
+        tolerance, flush = self.cfg.sync.probe_tolerance, self.pause is None
+        if not self.colocated:
+            if self.rank0:
+                self.probe = self.client.submit(probe_servers(self.client, ids, reference, tolerance, flush))
+            return {}
+        with agreed("the weight probe", SERVER_ERRORS):
+            diff = verify_probe(self.client, ids, reference, tolerance, flush) if self.rank0 else 0.0
+        return {"sync/probe_logprob_diff": diff}
