@@ -13,6 +13,7 @@ commands:
   train   train a policy: parses and checks the config, then starts the trainer ranks with the
           deepspeed launcher (see `dsrl train --help`; `--print_config` shows the resolved config)
   serve   run the embedded CPU rollout engine (see `dsrl serve --help`)
+  fleet   add servers to a live run, remove them, list them (see `dsrl fleet --help`)
 """
 
 
@@ -63,6 +64,35 @@ def gpu_selection(num_ranks: int, visible: str, hostfile: bool) -> list[str]:
     return ["--include", "localhost:" + ",".join(gpus[:num_ranks])]
 
 
+def fleet(argv: list[str]) -> int:
+    """Change a live run's rollout servers; applied at its next weight update."""
+    import argparse
+    import json
+
+    from dsrl.serving.control import call, wait_applied
+
+    parser = argparse.ArgumentParser(prog="dsrl fleet", description=fleet.__doc__)
+    parser.add_argument("action", choices=["add", "remove", "list"])
+    parser.add_argument("--run", required=True, help="The live run's --logging.run_dir.")
+    parser.add_argument("--count", type=int, help="add: start this many servers (fleet local or ray).")
+    parser.add_argument("--url", help="add: a running server to take in (fleet external); remove: the server.")
+    parser.add_argument("--wait", type=float, default=0, help="Seconds to wait until the run has applied it.")
+    args = parser.parse_args(argv)
+    if args.action == "list":
+        print(json.dumps(call(args.run, "GET", "/fleet"), indent=2))
+        return 0
+    if args.action == "remove" and not args.url:
+        parser.error("remove needs --url")
+    body = {"url": args.url} if args.url else {"count": args.count or 1}
+    reply = call(args.run, "POST", f"/fleet/{args.action}", body)
+    print(json.dumps(reply))
+    if args.wait:
+        outcome = wait_applied(args.run, reply["id"], args.wait)
+        print(outcome)
+        return 0 if outcome == "done" else 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
@@ -76,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
 
         serve(rest)
         return 0
+    if command == "fleet":
+        return fleet(rest)
     print(f"dsrl: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -66,8 +66,29 @@ class RolloutConfig:
     """Rollout engine dsrl starts when `server_urls` is empty: auto = SGLang on GPU, the embedded engine on CPU."""
     server_urls: list[str] = field(default_factory=list)
     """URLs of running SGLang servers to use instead of starting any (e.g. http://10.0.0.5:30000)."""
+    fleet: Literal["auto", "local", "ray", "external"] = "auto"
+    """Who runs the servers: local = subprocesses of trainer rank 0; ray = one Ray actor per server, placed on
+    the Ray cluster's nodes; external = the running servers of `server_urls`; auto = external when
+    `server_urls` is set, else local. Servers can join and leave a live run: `dsrl fleet add/remove`."""
     num_servers: int = 1
-    """Servers dsrl starts when `server_urls` is empty."""
+    """Servers dsrl starts (fleet local or ray)."""
+    ray_address: str = "auto"
+    """fleet ray: the cluster to join, as ray.init(address=...); auto joins the running one, or starts a local
+    cluster when there is none (CPU servers only: start Ray yourself to place GPU servers)."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """fleet ray: how the servers' placement-group bundles (one per server) spread over the nodes."""
+    cpus_per_server: float = 1.0
+    """fleet ray: CPUs reserved per server (GPUs: tp_size each, for SGLang)."""
+    host: str | None = None
+    """Address started servers bind and are reached at. Default: loopback (127.0.0.1) for local servers of a
+    one-node trainer; the node's address for Ray-placed servers and with --trainer.hostfile."""
+    api_key: str | None = None
+    """Sent as `Authorization: Bearer <key>` on every request to the servers and the fleet control endpoint;
+    servers dsrl starts (SGLang's --api-key, the embedded engine's) require it."""
+    route: Literal["group", "least_loaded"] = "group"
+    """How a request picks its server: group = every sample of one prompt on the server the first went to
+    (the prompt's prefix is then cached once), groups spread least loaded first; least_loaded = each request
+    on its own."""
     tp_size: int = 1
     """Tensor-parallel GPUs per started SGLang server."""
     mem_fraction_static: float = 0.5
@@ -159,6 +180,9 @@ class SyncConfig:
     """Seconds a weight-update group set-up or one bucket's transfer may take."""
     disk_dir: str | None = None
     """Directory the disk transport writes to; must be readable by every server. Default: <run_dir>/weights."""
+    master_address: str | None = None
+    """Address the servers reach trainer rank 0 at for the broadcast weight-update group. Default: 127.0.0.1
+    when every server is on loopback, else this machine's address on the interface that routes to them."""
 
 
 @dataclass
@@ -260,6 +284,13 @@ class ConfigError(ValueError):
         super().__init__(f"{len(errors)} config error{plural}:\n" + "\n".join(f"  {e}" for e in errors))
 
 
+def fleet_kind(r: RolloutConfig) -> str:
+    """--rollout.fleet resolved: auto is external with server_urls, else local."""
+    if r.fleet == "auto":
+        return "external" if r.server_urls else "local"
+    return r.fleet
+
+
 def world_size(cfg: Config) -> int | None:
     """Trainer ranks the launcher will start, when known before launch."""
     if cfg.trainer.hostfile:
@@ -319,6 +350,13 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     )
     for url in r.server_urls:
         check(url.startswith(("http://", "https://")), "rollout.server_urls", url, "each URL must start with http://")
+    check(
+        (fleet_kind(r) == "external") == bool(r.server_urls),
+        "rollout.fleet",
+        r.fleet,
+        "external needs --rollout.server_urls, and servers dsrl starts (local, ray) take none",
+    )
+    check(r.cpus_per_server > 0, "rollout.cpus_per_server", r.cpus_per_server, "must be > 0")
     check(t.total_steps >= 1, "trainer.total_steps", t.total_steps, "must be >= 1")
     check(t.num_ranks >= 0, "trainer.num_ranks", t.num_ranks, "must be >= 0 (0: every visible GPU)")
     if t.hostfile and check_paths:

@@ -106,9 +106,10 @@ def request_seed(*parts: int) -> int:
     return seed
 
 
-async def generate_sample(client: RolloutClient, prompt: Prompt, params: dict) -> Sample:
+async def generate_sample(client: RolloutClient, prompt: Prompt, params: dict, route_key: object = None) -> Sample:
     params = {**params, **prompt.sampling}
-    reply = await client.generate({"input_ids": prompt.prompt_ids, "sampling_params": params, "return_logprob": True})
+    body = {"input_ids": prompt.prompt_ids, "sampling_params": params, "return_logprob": True}
+    reply = await client.generate(body, route_key)
     out = parse_generation(reply)
     return Sample(
         prompt=prompt,
@@ -127,7 +128,8 @@ def generate(
     params = sampling_params(cfg)
 
     async def one(p: Prompt, j: int) -> Sample:
-        sample = await generate_sample(client, p, {**params, "sampling_seed": request_seed(seed, p.index, j)})
+        params_j = {**params, "sampling_seed": request_seed(seed, p.index, j)}
+        sample = await generate_sample(client, p, params_j, route_key=(seed, p.index))
         if progress is not None:
             progress.update()
         return sample

@@ -239,7 +239,7 @@ class RolloutManager(Rollouts):
         group.started[rid] = oldest
         self._request_started()
         try:
-            out = await self.client.generate(body)
+            out = await self.client.generate(body, route_key=(self.rid_prefix, group.gid))
         finally:
             group.started.pop(rid)
             await self._request_finished()
@@ -254,10 +254,15 @@ class RolloutManager(Rollouts):
                 sample.extras["spans"].append((None, finished_under))
             sample.response_ids = sample.response_ids + tokens
             sample.engine_logprobs = sample.engine_logprobs + logprobs
-        if reply.finish_reason == "abort":  # resubmitted by _after_update, under the new weights
+        if reply.finish_reason == "abort":
             self.stats.interrupted += 1
-            resume = self.interrupt == "partial" and sample.response_ids
-            self.interrupted.append((group, slot, sample if resume else None))
+            resume = sample if self.interrupt == "partial" and sample.response_ids else None
+            if self.paused:  # resubmitted by _after_update, under the new weights
+                self.interrupted.append((group, slot, resume))
+            else:  # aborted between updates (its server left the fleet): sent again now
+                self.stats.resumed += resume is not None
+                self.stats.restarted += resume is None
+                self._spawn(self._run_sample(group, slot, resume))
             return
         await self._sample_done(group, slot, sample, reply.finish_reason, reply.weight_version)
 

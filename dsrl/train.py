@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from dsrl.algorithms import grpo_advantages
 from dsrl.collectives import all_ranks
-from dsrl.config import Config, RolloutConfig, SyncConfig, dump_config, parse_config, validate
+from dsrl.config import Config, RolloutConfig, SyncConfig, dump_config, fleet_kind, parse_config, validate
 from dsrl.data import DatasetError, PromptDataset, Sample
 from dsrl.evaluate import Evaluator
 from dsrl.metrics import MetricsWriter, Timer, mean_across_ranks, summary_line
@@ -25,7 +25,8 @@ from dsrl.rewards import load_reward_fn
 from dsrl.rollout import Batch, Rollouts, SyncRollouts
 from dsrl.rollout_manager import PromptStream, RolloutManager
 from dsrl.serving.client import RolloutClient
-from dsrl.serving.servers import ServerFleet, start_fleet
+from dsrl.serving.control import FleetControl
+from dsrl.serving.servers import Fleet, ServerFleet, server_host, start_fleet
 from dsrl.sync.base import make_checkpoint_engine
 from dsrl.sync.weight_sync import WeightSync
 from dsrl.zero.actor import compute_logprobs, logprob_mismatch, update_actor
@@ -101,10 +102,14 @@ class Run:
     """With --eval.path; rank 0 runs it."""
     writer: MetricsWriter
     start_step: int
+    control: FleetControl | None = None
+    """Rank 0: the endpoint `dsrl fleet add/remove` talks to."""
     bad_steps: int = 0
 
     def close(self) -> None:
         self.rollouts.stop()
+        if self.control is not None:
+            self.client.run(self.control.stop())
         self.client.close()
         self.writer.close()
         self.fleet.stop()
@@ -128,7 +133,7 @@ def setup(cfg: Config) -> Run:
     dataset = PromptDataset(cfg.data, tokenizer, cfg.seed)
     reward_fn = load_reward_fn(cfg.algorithm.reward_fn)
     evaluator = Evaluator(cfg, tokenizer, reward_fn, run_dir) if cfg.eval.path else None  # every rank: same errors
-    if cfg.rollout.server_urls or rollout_engine(cfg) == "sglang":
+    if fleet_kind(cfg.rollout) == "external" or rollout_engine(cfg) == "sglang":
         model_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
         check_fits_context(cfg.rollout, dataset, model_config)
         if evaluator is not None:
@@ -140,10 +145,18 @@ def setup(cfg: Config) -> Run:
     if offload:  # before any server starts: it sizes its KV cache from the memory it finds free
         offload_states(actor, params=False)
     fleet = start_rollout_fleet(cfg, model_dir, run_dir, rank)
-    client = RolloutClient(fleet.urls, cfg.rollout.max_concurrency, cfg.rollout.request_timeout_s)
+    r = cfg.rollout
+    client = RolloutClient(fleet.urls, r.max_concurrency, r.request_timeout_s, api_key=r.api_key, route=r.route)
     backend = "nccl" if use_cuda(cfg) else "gloo"
-    transport = make_checkpoint_engine(resolve_sync(cfg), client, run_dir, backend, cfg.rollout.tp_size)
+    sync_cfg = resolve_sync(cfg)
+    transport = make_checkpoint_engine(sync_cfg, client, run_dir, backend, r.tp_size)
     weights = WeightSync(cfg, actor, fleet, client, transport, offload)
+    control = None
+    if rank == 0:  # servers join and leave the live run through it (dsrl fleet add/remove)
+        frozen = "CUDA IPC ties each server to a trainer rank's GPU: this run's fleet cannot change"
+        control = FleetControl(fleet, run_dir, server_host(r, bool(cfg.trainer.hostfile)), r.api_key,
+                               frozen if sync_cfg.type == "ipc" else None)  # fmt: skip
+        client.run(control.start())
     if cfg.rollout.placement == "colocate":
         rollouts = SyncRollouts(client, cfg, dataset, reward_fn, tokenizer, rank, world)
     else:  # disaggregated: generation runs ahead of training by up to max_staleness versions
@@ -153,7 +166,7 @@ def setup(cfg: Config) -> Run:
         rollouts.restore(rank_state["rollouts"], start_step)
     writer = MetricsWriter(run_dir, cfg.logging.tensorboard and rank == 0)
     return Run(cfg, rank, world, run_dir, model_dir, tokenizer, pad_id, actor, ref, fleet, client, weights, rollouts,
-               evaluator, writer, start_step)  # fmt: skip
+               evaluator, writer, start_step, control)  # fmt: skip
 
 
 def check_writable(run_dir: Path) -> None:
@@ -302,9 +315,12 @@ def rollout_engine(cfg: Config) -> str:
     return "sglang" if use_cuda(cfg) else "embedded"
 
 
-def start_rollout_fleet(cfg: Config, model_dir: str, run_dir: Path, rank: int) -> ServerFleet:
-    """Rank 0 starts the servers (or takes external URLs); every rank learns their URLs."""
-    fleet = [start_fleet(cfg.rollout, model_dir, run_dir, cfg.seed, rollout_engine(cfg)) if rank == 0 else None]
+def start_rollout_fleet(cfg: Config, model_dir: str, run_dir: Path, rank: int) -> Fleet:
+    """Rank 0 starts the servers (here, or on Ray) or takes external URLs; every rank learns their URLs
+    (on the other ranks the fleet is only that list: rank 0 alone changes it)."""
+    multi_node = bool(cfg.trainer.hostfile)  # servers here must be reachable from the other nodes' ranks
+    engine = rollout_engine(cfg)
+    fleet = [start_fleet(cfg.rollout, model_dir, run_dir, cfg.seed, engine, multi_node) if rank == 0 else None]
     urls = [fleet[0].urls if rank == 0 else None]
     dist.broadcast_object_list(urls, src=0)
     return fleet[0] or ServerFleet(urls=urls[0])

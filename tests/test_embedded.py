@@ -270,3 +270,39 @@ def test_a_server_that_loses_its_port_while_starting_is_started_again(toy_weight
     finally:
         fleet.stop()
         taken.close()
+
+
+def test_with_an_api_key_every_request_but_health_needs_it(toy_weights, tmp_path):
+    """SGLang's --api-key, as the embedded engine answers it: 401 without `Authorization: Bearer <key>`,
+    /health open (the launcher polls it); dsrl's client sends the key on every request."""
+    cfg = RolloutConfig(num_servers=1, api_key="s3cret")
+    with start_fleet(cfg, str(toy_weights), tmp_path, 0, "embedded") as fleet:  # waited on /health: open
+        anonymous = RolloutClient(fleet.urls, timeout_s=30)
+        keyed = RolloutClient(fleet.urls, timeout_s=30, api_key="s3cret")
+        try:
+            with pytest.raises(ServerError, match="HTTP 401"):
+                anonymous.run(anonymous.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}))
+            out = keyed.run(keyed.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}))
+            assert len(out["output_ids"]) == 2 and keyed.weight_versions() == ["default"]
+        finally:
+            anonymous.close()
+            keyed.close()
+
+
+def test_group_routing_keeps_a_prompts_samples_on_one_server(toy_weights, tmp_path):
+    """route group: every request of one GRPO group goes where its first went (one prefix cached once);
+    groups spread over the servers, least loaded first."""
+    with start_fleet(RolloutConfig(num_servers=2), str(toy_weights), tmp_path, 0, "embedded") as fleet:
+        client = RolloutClient(fleet.urls, timeout_s=30, route="group")
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+
+        async def groups():
+            return await asyncio.gather(*(client.generate(body, route_key=g) for g in range(4) for _ in range(4)))
+
+        try:
+            servers = [out["server"] for out in client.run(groups())]
+        finally:
+            client.close()
+    by_group = [set(servers[g * 4 : (g + 1) * 4]) for g in range(4)]
+    assert all(len(s) == 1 for s in by_group), by_group
+    assert set.union(*by_group) == set(fleet.urls), "the groups all went to one server"

@@ -1,10 +1,15 @@
-"""Rollout throughput through dsrl's client vs the same requests from a plain aiohttp client.
+"""Rollout throughput through dsrl's client vs the same requests from a plain aiohttp client, and
+what routing a GRPO group to one server saves (--routes).
 
-Starts one server (SGLang on GPU, the embedded engine on CPU), sends N single-sample /generate
+Starts the servers (SGLang on GPU, the embedded engine on CPU), sends N single-sample /generate
 requests with fixed lengths (ignore_eos) twice -- through RolloutClient (least-loaded routing,
 concurrency limit, timeouts) and through a bare aiohttp gather -- and prints tokens/s of each.
+With --routes: G groups of --n requests sharing a prompt, through dsrl's client with `route group`
+(a group on one server) and `least_loaded` (each request on its own), the servers' caches flushed
+before each; prints tokens/s and the fraction of prompt tokens SGLang found cached.
 
     python tools/bench_rollout.py --model /tmp/models/0.5b --engine sglang --requests 256
+    python tools/bench_rollout.py --model /tmp/models/0.5b --servers 2 --routes --prompt-len 2048 --new-tokens 64
 """
 
 import argparse
@@ -53,14 +58,20 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--server-args", default="{}", help="JSON dict of extra server flags")
+    p.add_argument("--servers", type=int, default=1)
+    p.add_argument("--routes", action="store_true", help="compare route group with least_loaded")
+    p.add_argument("--n", type=int, default=8, help="--routes: requests per group (one prompt)")
     args = p.parse_args()
     import json
 
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
-    cfg = RolloutConfig(engine=args.engine, placement="disaggregate", startup_timeout_s=900)
+    cfg = RolloutConfig(engine=args.engine, placement="disaggregate", startup_timeout_s=900, num_servers=args.servers)
     cfg.server_args = json.loads(args.server_args)
+    if args.routes:
+        compare_routes(cfg, args, vocab)
+        return
     with start_fleet(cfg, args.model, Path(tempfile.mkdtemp(prefix="dsrl_bench_rollout_")), 0, args.engine) as fleet:
         client = RolloutClient(fleet.urls, max_concurrency=1024, timeout_s=3600)
         reqs = payloads(args.requests, args.prompt_len, args.new_tokens, vocab)
@@ -87,6 +98,36 @@ def main() -> None:
         f"plain client {best['plain']:.0f} tok/s, dsrl client {best['dsrl']:.0f} tok/s, "
         f"ratio {best['dsrl'] / best['plain']:.3f} (goal >= 0.95)"
     )
+
+
+def compare_routes(cfg: RolloutConfig, args, vocab: int) -> None:
+    groups = max(1, args.requests // args.n)
+    reqs = payloads(groups, args.prompt_len, args.new_tokens, vocab)
+    with start_fleet(cfg, args.model, Path(tempfile.mkdtemp(prefix="dsrl_bench_rollout_")), 0, args.engine) as fleet:
+        client = RolloutClient(fleet.urls, max_concurrency=1024, timeout_s=3600)
+        client.run(plain(fleet.urls[0], reqs[:4]))  # warm-up (JIT, graphs)
+        for _ in range(args.rounds):
+            for route in ("least_loaded", "group"):
+                client.route, client.routes = route, type(client.routes)()
+                client.call_all("/flush_cache")
+
+                async def grouped():
+                    return await asyncio.gather(
+                        *(client.generate(r, route_key=g) for g, r in enumerate(reqs) for _ in range(args.n))
+                    )
+
+                start = time.perf_counter()
+                outs = client.run(grouped())
+                seconds = time.perf_counter() - start
+                tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+                cached = sum(o["meta_info"].get("cached_tokens", 0) for o in outs) / (len(outs) * args.prompt_len)
+                print(
+                    f"routes | {args.servers} servers | {groups} groups x {args.n} | prompt {args.prompt_len} -> "
+                    f"{args.new_tokens} | route {route} | {tokens / seconds:.0f} tok/s | {seconds:.2f} s | "
+                    f"prompt tokens cached {cached:.3f}",
+                    flush=True,
+                )
+        client.close()
 
 
 if __name__ == "__main__":

@@ -164,11 +164,11 @@ def rank_main(args) -> None:
         rollout.engine = "sglang"
         rollout.first_gpu = 1 if args.mode == "nccl" else args.server_gpu or 0
         rollout.placement = "colocate" if rollout.first_gpu == 0 else "disaggregate"
-    if args.pause:
-        rollout.placement, rollout.interrupt, rollout.pause_mode = "disaggregate", "pause", args.pause
         rollout.mem_fraction_static = 0.35
         rollout.startup_timeout_s = 600
         rollout.server_args = {"attention_backend": "triton", "sampling_backend": "pytorch", "disable_cuda_graph": True}
+    if args.pause:
+        rollout.placement, rollout.interrupt, rollout.pause_mode = "disaggregate", "pause", args.pause
     cfg = Config(
         model=ModelConfig(path=str(model_dir)), data=DataConfig(train_path=str(ROOT / "examples/toy/train.jsonl"))
     )

@@ -5,6 +5,8 @@
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup bench_ipc                      # 1 GPU
 #   source .gpu/setup.sh; bash tools/gpu_run.sh crash                                # 1 GPU
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup disaggregate bench_nccl        # 2 GPUs
+#   source .gpu/setup.sh; bash tools/gpu_run.sh setup ray_colocate                   # 1 GPU, Ray importable
+#   source .gpu/setup.sh; bash tools/gpu_run.sh setup ray_fleet routes               # 2 GPUs, Ray importable
 #   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py;
 #                                                         ASYNC_EXTRA="--rollout.max_concurrency 768" passes flags on)
 # Pinning stages to GPUs with CUDA_VISIBLE_DEVICES holds for `dsrl train` stages (toy, colocate,
@@ -97,6 +99,34 @@ for s in "$@"; do
         --workdir /tmp/bench_async ${ASYNC_EXTRA:-}
       grep -a "^{\|steps x\|^schedule\|^synchronous\|^one-step\|^async" "$OUT/async.log" | tail -12 | tee -a "$SUMMARY"
       grep -a "Error" "$OUT/async.log" | tail -3 | tee -a "$SUMMARY"
+      ;;
+    ray_fleet)  # 2 GPUs: a Ray cluster that owns GPU 1 places the SGLang server; the trainer runs on GPU 0
+      # Ray must be importable (carry it as wheels: see README "On GPUs"); its workers inherit this shell's env.
+      TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
+      CUDA_VISIBLE_DEVICES=1 timeout 120 python3 -m ray.scripts.scripts start --head --num-gpus 1 --num-cpus 8 \
+        --include-dashboard false --disable-usage-stats > "$OUT/ray_start.log" 2>&1 || note "ray start failed (ray_start.log)"
+      CUDA_VISIBLE_DEVICES=0 stage ray_fleet 480 python3 -m dsrl.cli train --config configs/gpu_disaggregate.yaml \
+        --model.path /tmp/models/${RAY_MODEL:-3b} --rollout.fleet ray --trainer.total_steps ${RAY_STEPS:-8} \
+        --logging.tensorboard $TB --logging.run_dir /tmp/runs/ray_fleet
+      timeout 60 python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
+      grep -a "placed by Ray\|on Ray node\|weight-update group\|\[dsrl\] step\|Error" "$OUT/ray_fleet.log" | sed 's/.*\[dsrl\]//' | tail -12 | tee -a "$SUMMARY"
+      grep -a "final metrics" "$OUT/ray_fleet.log" | grep -o '"sync/[a-z_]*": [0-9.e-]*\|"timing/sync[a-z_]*": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
+      ;;
+    ray_colocate)  # 1 GPU: the colocated toy run, its SGLang server placed by Ray on the trainer's GPU (CUDA IPC)
+      TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
+      timeout 120 python3 -m ray.scripts.scripts start --head --num-gpus 1 --num-cpus 8 \
+        --include-dashboard false --disable-usage-stats > "$OUT/ray_start.log" 2>&1 || note "ray start failed (ray_start.log)"
+      stage ray_colocate 480 python3 -m dsrl.cli train --config configs/toy_gpu.yaml --rollout.fleet ray \
+        --trainer.total_steps ${RAY_STEPS:-30} --logging.tensorboard $TB --logging.run_dir /tmp/runs/ray_colocate
+      timeout 60 python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
+      grep -a "on Ray node\|\[dsrl\] step\|Error" "$OUT/ray_colocate.log" | sed 's/.*\[dsrl\]//' | sed -n '1,2p;$p' | tee -a "$SUMMARY"
+      grep -a "final metrics" "$OUT/ray_colocate.log" | grep -o '"sync/[a-z_]*": [0-9.e-]*\|"timing/sync[a-z_]*": [0-9.e-]*\|"reward/mean": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
+      ;;
+    routes)  # 2 GPUs, one SGLang server each: a GRPO group on one server (route group) vs spread (least_loaded)
+      stage routes 420 python3 tools/bench_rollout.py --model /tmp/models/${ROUTES_MODEL:-0.5b} --engine sglang --servers 2 \
+        --routes --requests ${ROUTES_REQUESTS:-512} --n 8 --prompt-len ${ROUTES_PROMPT:-2048} --new-tokens 64 \
+        --server-args '{"attention_backend": "triton", "sampling_backend": "pytorch"}'
+      grep -a "^routes" "$OUT/routes.log" | tee -a "$SUMMARY"
       ;;
     *) note "unknown stage $s" ;;
   esac

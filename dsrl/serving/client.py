@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Coroutine
 from typing import Any
 
@@ -46,12 +47,25 @@ class NoServerLeft(RuntimeError):
 
 
 class RolloutClient:
-    def __init__(self, urls: list[str], max_concurrency: int = 256, timeout_s: float = 600.0, retries: int = 3):
+    def __init__(
+        self,
+        urls: list[str],
+        max_concurrency: int = 256,
+        timeout_s: float = 600.0,
+        retries: int = 3,
+        api_key: str | None = None,
+        route: str = "least_loaded",
+    ):
         if not urls:
             raise ValueError("RolloutClient needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout_s = timeout_s
         self.retries = retries
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.route = route
+        """group: requests with the same `route_key` go to one server (`rollout.route`); else least loaded."""
+        self.routes: OrderedDict[object, str] = OrderedDict()  # route key -> server, the most recent last
+        self.held: set[str] = set()  # joined, not yet given the weights: control calls only, no /generate
         self.in_flight = dict.fromkeys(self.urls, 0)  # /generate requests at each server
         self.waiting: set[str] = set()  # request ids waiting for a concurrency slot
         self.cancelled: set[str] = set()  # ... and aborted meanwhile: never sent
@@ -67,7 +81,7 @@ class RolloutClient:
 
     async def _make_session(self) -> aiohttp.ClientSession:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=30)
-        return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0), headers=self.headers)
 
     # -- running coroutines from synchronous code ---------------------------------------------------
 
@@ -115,8 +129,9 @@ class RolloutClient:
             except TimeoutError as e:
                 raise ServerError(url, path, f"no answer within {timeout.total:.0f}s", down=True) from e
 
-    async def generate(self, payload: dict) -> dict:
-        """POST /generate to the least busy live server, within the concurrency limit.
+    async def generate(self, payload: dict, route_key: object = None) -> dict:
+        """POST /generate to a live server, within the concurrency limit: with `route` group, the server
+        that `route_key` (a GRPO group) went to before, else the least busy one.
 
         A server that cannot be reached or does not answer in time is taken out of the rotation
         and the request goes to another one (requests carry their sampling seed, so this is safe).
@@ -133,10 +148,7 @@ class RolloutClient:
                 self.cancelled.discard(rid)
                 return {"output_ids": [], "meta_info": {"id": rid, "finish_reason": ABORTED_BEFORE_SENT}}
             while True:
-                live = self.live_urls()
-                if not live:
-                    raise NoServerLeft(f"every rollout server is down: {self.down}")
-                url = min(live, key=lambda u: self.in_flight.get(u, 0))
+                url = self._pick(route_key)
                 self.in_flight[url] = self.in_flight.get(url, 0) + 1
                 try:
                     out = await self.request(url, "/generate", payload)
@@ -152,6 +164,22 @@ class RolloutClient:
         finally:
             self.semaphore.release()
 
+    def _pick(self, route_key: object) -> str:
+        live = [url for url in self.live_urls() if url not in self.held]
+        if not live:
+            raise NoServerLeft(f"every rollout server is down: {self.down}")
+        if self.route == "group" and route_key is not None:
+            url = self.routes.get(route_key)
+            if url in live:
+                self.routes.move_to_end(route_key)
+                return url
+        url = min(live, key=lambda u: self.in_flight.get(u, 0))
+        if self.route == "group" and route_key is not None:
+            self.routes[route_key] = url
+            if len(self.routes) > 100_000:  # groups long finished
+                self.routes.popitem(last=False)
+        return url
+
     async def abort_all(self) -> None:
         """Abort every request of this client: one /abort_request {abort_all: true} per server running any.
 
@@ -166,6 +194,10 @@ class RolloutClient:
         calls = [self.request(url, "/abort_request", {"abort_all": True}) for url in self.busy_urls()]
         await _gather_aborts(calls)
 
+    async def abort_server(self, url: str) -> None:
+        """Abort every request on one server (it is leaving the fleet); they come back as aborted."""
+        await _gather_aborts([self.request(url, "/abort_request", {"abort_all": True})])
+
     async def abort(self, rids: list[str]) -> None:
         """Abort these requests only: each is sent to every busy server (SGLang ignores an id it does not
         run); one still waiting for a concurrency slot is never sent. For a few requests: see abort_all."""
@@ -174,9 +206,14 @@ class RolloutClient:
         calls = [self.request(url, "/abort_request", {"rid": rid}) for rid in rids for url in busy]
         await _gather_aborts(calls)
 
-    def set_urls(self, urls: list[str]) -> None:
-        """Adopt a new fleet (after a restart or a drop); forget which servers were down."""
-        self.urls, self.down = list(urls), []
+    def set_urls(self, urls: list[str], held: list[str] = ()) -> None:
+        """Adopt a new fleet (after a restart, a join or a leave); forget which servers were down. `held`
+        servers take control calls (the weight update) but no /generate until `release_held`."""
+        self.urls, self.down, self.held = list(urls), [], set(held)
+
+    def release_held(self) -> None:
+        """The held servers have the current weights: they may take requests now."""
+        self.held = set()
 
     async def all_servers(
         self, path: str, payload: Any = None, method: str = "POST", urls: list[str] | None = None

@@ -451,6 +451,18 @@ async def body_of(request: web.Request) -> dict:
     return body
 
 
+def require_key(api_key: str):
+    """SGLang's --api-key: every request but /health carries `Authorization: Bearer <key>`, or gets a 401."""
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if not request.path.startswith("/health") and request.headers.get("Authorization") != f"Bearer {api_key}":
+            return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
+        return await handler(request)
+
+    return check
+
+
 @web.middleware
 async def errors(request: web.Request, handler):
     """SGLang's way to refuse a request: HTTP 400 with the reason as `message`."""
@@ -476,6 +488,7 @@ class Api:
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.served_a_request = False
         self.unpaused = asyncio.Event()  # like SGLang, requests sent while paused wait outside the scheduler
         self.unpaused.set()
 
@@ -513,6 +526,9 @@ class Api:
         if engine.released:  # SGLang's scheduler dies on this; fail loudly here so CPU tests catch the order
             raise BadRequest(f"memory {sorted(engine.released)} is released; /resume_memory_occupation first")
         await self.unpaused.wait()
+        if not self.served_a_request:  # the tests check that a server joining a run was given the weights first
+            self.served_a_request = True
+            log.info("first /generate, under weight version %s", engine.weight_version)
         loop = asyncio.get_running_loop()
         reqs = [engine.make_request(ids, p, r, loop) for ids, p, r in zip(batch, params, request_ids(body, len(batch)))]
         for req in reqs:
@@ -626,8 +642,9 @@ class Api:
         return ok(message=message, **extra)
 
 
-def build_app(engine: Engine) -> web.Application:
-    app = web.Application(middlewares=[errors], client_max_size=1 << 30)
+def build_app(engine: Engine, api_key: str | None = None) -> web.Application:
+    middlewares = [require_key(api_key), errors] if api_key else [errors]
+    app = web.Application(middlewares=middlewares, client_max_size=1 << 30)
     app.add_routes(Api(engine).routes())
     app.on_shutdown.append(lambda app: asyncio.to_thread(engine.stop))
     return app
@@ -651,6 +668,7 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="Fault injection for tests: exit during a weight update if this file exists (removing it first).",
     )
+    parser.add_argument("--api-key", default=None, help="Refuse requests without `Authorization: Bearer <key>`.")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # shares a small CPU with the trainer ranks
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -665,7 +683,7 @@ def main(argv: list[str] | None = None) -> None:
     log.info("embedded engine for %s on http://%s:%d (pid %d)", args.model_path, args.host, args.port, os.getpid())
     if os.environ.get("DSRL_PARENT_PID"):
         threading.Thread(target=_exit_with_parent, args=(int(os.environ["DSRL_PARENT_PID"]),), daemon=True).start()
-    web.run_app(build_app(engine), host=args.host, port=args.port, print=None, access_log=None)
+    web.run_app(build_app(engine, args.api_key), host=args.host, port=args.port, print=None, access_log=None)
 
 
 def _exit_with_parent(parent: int) -> None:

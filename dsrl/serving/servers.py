@@ -11,13 +11,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsrl.config import RolloutConfig
+from dsrl.config import RolloutConfig, fleet_kind
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +110,8 @@ def as_flags(args: dict) -> list[str]:
 
 def embedded_command(cfg: RolloutConfig, model_path: str, host: str, port: int, seed: int) -> list[str]:
     cmd = [sys.executable, "-m", "dsrl.serving.embedded", "--model-path", model_path, "--host", host]
-    return cmd + ["--port", str(port), "--seed", str(seed), *as_flags(cfg.server_args)]
+    cmd += ["--port", str(port), "--seed", str(seed), *as_flags(cfg.server_args)]
+    return cmd + (["--api-key", cfg.api_key] if cfg.api_key else [])
 
 
 def sglang_command(cfg: RolloutConfig, model_path: str, host: str, port: int, seed: int, colocated: bool) -> list[str]:
@@ -123,55 +127,160 @@ def sglang_command(cfg: RolloutConfig, model_path: str, host: str, port: int, se
         # A retracted request is prefilled again after the update; from a prefix cached under the old
         # weights unless the cache is off (set disable_radix_cache: false in server_args to keep it).
         "disable_radix_cache": cfg.interrupt == "pause" and cfg.pause_mode == "retract",
+        "api_key": cfg.api_key,
         **cfg.server_args,
     }
     return [sys.executable, "-m", "sglang.launch_server", *as_flags(args)]
 
 
 @dataclass
-class ServerFleet:
-    """The rollout servers of one run: started here (and restarted here), or external URLs."""
+class Membership:
+    """A change of the fleet, as `Fleet.heal` applied it: the new URL list, who joined and who is leaving."""
+
+    urls: list[str]
+    joined: list[str]
+    """New or restarted servers: they get the weights before any request (`RolloutClient.set_urls(held=...)`)."""
+    leaving: list[str]
+    """Servers asked to leave: their requests are aborted (and resubmitted elsewhere), then they are stopped."""
+
+
+class Fleet(ABC):
+    """The rollout servers of one run, held by trainer rank 0.
+
+    Membership changes in one place, `heal`, which the weight update calls before it sends: a server
+    that joins (restarted, added) receives the weights before its first request, and the transport
+    rebuilds its group only when something changed. Joins and leaves asked for while the run is live
+    (`dsrl fleet add/remove`, dsrl/serving/control.py) wait in `requests` until then.
+    """
+
+    urls: list[str]
+
+    def exited(self) -> set[str] | None:
+        """Servers known to be down without asking them over HTTP; None: ask them (external servers)."""
+        return None
+
+    @abstractmethod
+    def replace(self, dead: set[str]) -> list[str]:
+        """Restart (or drop) the dead servers; returns the URLs now."""
+
+    def add(self, count: int = 0, url: str | None = None) -> list[str]:
+        """Start `count` more servers, or take the running server at `url`; returns the new URLs."""
+        raise ValueError(f"{type(self).__name__} cannot add servers")
+
+    def detach(self, url: str) -> None:
+        """Take a server that is leaving out of the fleet; `stop_server` stops it once its requests are out."""
+        self.urls.remove(url)
+
+    def stop_server(self, url: str) -> None:
+        """Stop a server that left (a no-op for servers dsrl did not start)."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Stop every server this fleet started, with no orphans."""
+
+    def __post_init__(self) -> None:
+        self.requests: list[dict] = []
+        """{"id", "add": count | url} or {"id", "remove": url}, queued by the control endpoint (another thread)."""
+        self.outcomes: dict[str, str] = {}
+        """Request id -> "done", or why it failed (a server that would not start fails its request, not the run)."""
+        self.lock = threading.Lock()
+
+    def heal(self, dead: set[str]) -> Membership | None:
+        """Apply every change since the last call: dead servers restarted or dropped, queued joins and
+        leaves. Returns the new membership, or None when nothing changed."""
+        with self.lock:
+            requests, self.requests = self.requests, []
+        before = list(self.urls)
+        if dead:
+            self.replace(dead)
+        leaving = [r["remove"] for r in requests if "remove" in r and r["remove"] in self.urls]
+        for url in leaving:
+            log.info("rollout server %s leaves the fleet (asked to)", url)
+            self.detach(url)
+        for r in requests:
+            outcome = "done"
+            if "add" in r:
+                try:
+                    added = self.add(url=r["add"]) if isinstance(r["add"], str) else self.add(count=int(r["add"]))
+                    log.info("rollout servers joined the fleet: %s", ", ".join(added))
+                except Exception as e:  # noqa: BLE001 -- a join that fails is reported, the run goes on
+                    log.error("rollout servers could not join the fleet (%s): %s", r["add"], e)
+                    outcome = f"failed: {e}"
+            if r.get("id"):
+                self.outcomes[r["id"]] = outcome
+        if self.urls == before and not leaving:
+            return None
+        if not self.urls:
+            raise RuntimeError(f"no rollout server left: {sorted(dead)} are down, {leaving} left")
+        return Membership(list(self.urls), [u for u in self.urls if u not in before], leaving)
+
+    def __enter__(self) -> "Fleet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@dataclass
+class ServerFleet(Fleet):
+    """Servers started here, as subprocesses of trainer rank 0 (and restarted here)."""
 
     urls: list[str]
     processes: list[ServerProcess] = field(default_factory=list)
-    launch: Callable[[int], ServerProcess] | None = None  # starts server i; None for external servers
+    launch: Callable[[int], ServerProcess] | None = None  # starts server i
     startup_timeout_s: float = 300.0
+    detached: list[ServerProcess] = field(default_factory=list)
+    """Servers that left, until `stop_server`."""
 
     def stop(self) -> None:
-        for server in self.processes:
+        for server in self.processes + self.detached:
             server.stop()
 
-    def exited(self) -> set[str] | None:
-        """The started servers whose process has exited, or None for external servers (ask them over HTTP).
-
-        SGLang's HTTP process goes down with its scheduler, so this needs no round trip: behind a busy
-        server's request queue one took ~20 ms per sync."""
-        if self.launch is None:
-            return None
+    def exited(self) -> set[str]:
+        """The servers whose process has exited. SGLang's HTTP process goes down with its scheduler, so
+        this needs no round trip: behind a busy server's request queue one took ~20 ms per sync."""
         return {server.url for server in self.processes if server.proc.poll() is not None}
 
     def replace(self, dead: set[str]) -> list[str]:
-        """Restart the dead servers this fleet started; drop dead external ones. Returns the new URLs."""
         for i, url in enumerate(list(self.urls)):
             if url not in dead:
-                continue
-            if self.launch is None:
-                log.warning("external rollout server %s is down: dropped from the fleet", url)
-                self.urls.remove(url)
                 continue
             old = self.processes[i]
             old.stop(grace_s=5)
             log.warning("rollout server %s is down (exit code %s): restarting it", url, old.proc.poll())
-            self.processes[i] = self.launch(i)
+            self.processes[i] = self.launch(self.index(old))
             self.wait_started(i)
-            log.info("rollout server %d restarted at %s", i, self.urls[i])
-        if not self.urls:
-            raise RuntimeError(f"no rollout server left: {sorted(dead)} are down and cannot be restarted")
+            log.info("rollout server %d restarted at %s", self.index(old), self.urls[i])
         return list(self.urls)
 
+    def add(self, count: int = 0, url: str | None = None) -> list[str]:
+        if url is not None:
+            raise ValueError(f"this run starts its own servers (--rollout.fleet local): add a count, not {url}")
+        first = max((self.index(p) for p in self.processes), default=-1) + 1
+        for i in range(first, first + count):
+            self.processes.append(self.launch(i))
+            self.urls.append(self.processes[-1].url)
+            self.wait_started(len(self.processes) - 1)
+        return self.urls[len(self.urls) - count :]
+
+    def detach(self, url: str) -> None:
+        i = self.urls.index(url)
+        self.urls.pop(i)
+        self.detached.append(self.processes.pop(i))
+
+    def stop_server(self, url: str) -> None:
+        for server in [p for p in self.detached if p.url == url]:
+            server.stop()
+            self.detached.remove(server)
+
+    @staticmethod
+    def index(server: ServerProcess) -> int:
+        """The server's number (its log is server_<i>.log): what a restart keeps."""
+        return int(server.log_path.stem.rsplit("_", 1)[-1])
+
     def wait_started(self, i: int) -> None:
-        """Wait for server i to answer /health. One that lost a port to another process (several runs
-        on one host: a port is free when picked, taken before the server binds it; seen with SGLang's
+        """Wait for the i-th process to answer /health. One that lost a port to another process (several
+        runs on one host: a port is free when picked, taken before the server binds it; seen with SGLang's
         own ports on an 8-GPU host) is started once more, on new ports."""
         try:
             wait_healthy(self.processes[i], self.startup_timeout_s)
@@ -180,27 +289,80 @@ class ServerFleet:
                 raise
             log.warning("rollout server %d lost a port to another process while starting: starting it again", i)
             self.processes[i].stop(grace_s=5)
-            self.processes[i] = self.launch(i)
+            self.processes[i] = self.launch(self.index(self.processes[i]))
             wait_healthy(self.processes[i], self.startup_timeout_s)
-        self.urls[i] = self.processes[i].url
-
-    def __enter__(self) -> "ServerFleet":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        if i < len(self.urls):
+            self.urls[i] = self.processes[i].url
 
 
-def start_fleet(cfg: RolloutConfig, model_path: str, run_dir: Path, seed: int, engine: str) -> ServerFleet:
-    """Start `cfg.num_servers` servers: the embedded engine, or SGLang on consecutive GPUs from `first_gpu`."""
-    if cfg.server_urls:
-        for url in cfg.server_urls:
-            wait_healthy(url.rstrip("/"), cfg.startup_timeout_s)
-        return ServerFleet(urls=[url.rstrip("/") for url in cfg.server_urls])
-    if engine not in ("embedded", "sglang"):
-        raise ValueError(f"--rollout.engine={engine!r}: expected embedded or sglang")
-    log_dir = run_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+@dataclass
+class ExternalFleet(Fleet):
+    """Servers the user runs (--rollout.server_urls). One that goes down is set aside, asked again at
+    every weight update, and rejoins (with the weights of that update) once it answers."""
+
+    urls: list[str]
+    lost: list[str] = field(default_factory=list)
+    startup_timeout_s: float = 300.0
+
+    def replace(self, dead: set[str]) -> list[str]:
+        for url in [u for u in self.urls if u in dead]:
+            log.warning("external rollout server %s is down: set aside until it answers again", url)
+            self.urls.remove(url)
+            self.lost.append(url)
+        return list(self.urls)
+
+    def heal(self, dead: set[str]) -> Membership | None:
+        back = [url for url in self.lost if url not in dead and answers(url)]
+        if back:
+            log.info("external rollout servers answer again and rejoin: %s", ", ".join(back))
+            self.lost = [url for url in self.lost if url not in back]
+            with self.lock:
+                self.requests += [{"add": url} for url in back]
+        return super().heal(dead)
+
+    def add(self, count: int = 0, url: str | None = None) -> list[str]:
+        if url is None:
+            raise ValueError("this run uses external servers (--rollout.server_urls): add one by its URL")
+        url = url.rstrip("/")
+        wait_healthy(url, self.startup_timeout_s)
+        self.urls.append(url)
+        return [url]
+
+    def stop(self) -> None:
+        pass
+
+
+def answers(url: str, timeout_s: float = 5.0) -> bool:
+    """Whether a server answers /model_info at all (not /health: SGLang's generates a token)."""
+    try:
+        with urllib.request.urlopen(url + "/model_info", timeout=timeout_s):
+            return True
+    except urllib.error.HTTPError:  # it answered (e.g. 401 without the API key)
+        return True
+    except OSError:
+        return False
+
+
+def server_host(cfg: RolloutConfig, multi_node: bool) -> str:
+    """The address started servers bind and are reached at: loopback unless the run spans nodes."""
+    if cfg.host:
+        return cfg.host
+    return routable_address() if multi_node else "127.0.0.1"
+
+
+def routable_address(peer: str = "8.8.8.8") -> str:
+    """This machine's address on the interface that routes to `peer` (no packet is sent). Not
+    gethostbyname(gethostname()), which is 127.0.1.1 on Debian-style hosts."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((peer, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def server_env(engine: str) -> dict[str, str]:
+    """The environment of a started server: the trainer's, less what would make it join the trainer's world."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
     # The deepspeed launcher narrows CUDA_VISIBLE_DEVICES to the trainer's GPUs; servers pick
     # theirs with --base-gpu-id among the GPUs `dsrl train` saw.
@@ -209,25 +371,72 @@ def start_fleet(cfg: RolloutConfig, model_path: str, run_dir: Path, seed: int, e
         env["CUDA_VISIBLE_DEVICES"] = os.environ["DSRL_CUDA_VISIBLE_DEVICES"]
     env.setdefault("OMP_NUM_THREADS", "1" if engine == "embedded" else "8")
     env["DSRL_PARENT_PID"] = str(os.getpid())  # the embedded engine exits when this process dies
+    return env
+
+
+def server_command(
+    cfg: RolloutConfig, engine: str, model_path: str, host: str, port: int, seed: int, gpu: int | None
+) -> list[str]:
+    """The command line of one server: the embedded engine, or SGLang from `gpu` on (None: as Ray assigned)."""
+    if engine == "embedded":
+        return embedded_command(cfg, model_path, host, port, seed)
+    cmd = sglang_command(cfg, model_path, host, port, seed, cfg.placement == "colocate")
+    return cmd + (["--base-gpu-id", str(gpu)] if gpu is not None else [])
+
+
+def spawn(
+    cmd: list[str], env: dict[str, str], log_path: Path, url: str, die_with_parent: bool = False
+) -> ServerProcess:
+    """Start a server in its own process group (killed as a whole on stop), its output in `log_path`.
+    `die_with_parent`: the kernel sends it SIGKILL when the starting process dies (a Ray actor killed
+    with its server running); SGLang's own subprocesses follow their parent the same way."""
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_kill_on_parent_death if die_with_parent else None,
+        )
+    return ServerProcess(url=url, proc=proc, log_path=log_path)
+
+
+def _kill_on_parent_death() -> None:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def start_fleet(
+    cfg: RolloutConfig, model_path: str, run_dir: Path, seed: int, engine: str, multi_node: bool = False
+) -> Fleet:
+    """The run's servers: external URLs, Ray actors, or `cfg.num_servers` subprocesses here (the
+    embedded engine, or SGLang on consecutive GPUs from `first_gpu`)."""
+    kind = fleet_kind(cfg)
+    if kind == "external":
+        for url in cfg.server_urls:
+            wait_healthy(url.rstrip("/"), cfg.startup_timeout_s)
+        urls = [url.rstrip("/") for url in cfg.server_urls]
+        return ExternalFleet(urls=urls, startup_timeout_s=cfg.startup_timeout_s)
+    if engine not in ("embedded", "sglang"):
+        raise ValueError(f"--rollout.engine={engine!r}: expected embedded or sglang")
+    if kind == "ray":
+        try:
+            from dsrl.serving.ray_fleet import RayFleet
+        except ImportError as e:
+            raise ImportError(f"--rollout.fleet ray needs Ray ({e}): pip install 'dsrl[ray]'") from e
+
+        return RayFleet.start(cfg, model_path, run_dir, seed, engine)
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env, host = server_env(engine), server_host(cfg, multi_node)
 
     def launch(i: int) -> ServerProcess:
-        host, port = "127.0.0.1", free_port()
-        log_path = log_dir / f"server_{i}.log"
-        if engine == "embedded":
-            cmd = embedded_command(cfg, model_path, host, port, seed + i)
-        else:
-            cmd = sglang_command(cfg, model_path, host, port, seed + i, cfg.placement == "colocate")
-            cmd += ["--base-gpu-id", str(cfg.first_gpu + i * cfg.tp_size)]
+        port = free_port(host)
+        cmd = server_command(cfg, engine, model_path, host, port, seed + i, cfg.first_gpu + i * cfg.tp_size)
         log.info("starting rollout server %d: %s", i, " ".join(cmd))
-        with open(log_path, "ab") as log_file:
-            proc = subprocess.Popen(
-                cmd,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,  # its own process group, killed as a whole on stop
-            )
-        return ServerProcess(url=f"http://{host}:{port}", proc=proc, log_path=log_path)
+        return spawn(cmd, env, log_dir / f"server_{i}.log", f"http://{host}:{port}")
 
     fleet = ServerFleet(urls=[], launch=launch, startup_timeout_s=cfg.startup_timeout_s)
     try:

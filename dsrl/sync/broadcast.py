@@ -9,7 +9,6 @@ and a failed reply aborts the wait at once.
 
 import asyncio
 import logging
-import socket
 import time
 from concurrent.futures import Future
 from urllib.parse import urlparse
@@ -21,7 +20,7 @@ from dsrl.collectives import init_weight_update_group
 from dsrl.config import SyncConfig
 from dsrl.metrics import Timer
 from dsrl.serving.client import RolloutClient
-from dsrl.serving.servers import free_port
+from dsrl.serving.servers import free_port, routable_address
 from dsrl.sync.base import CheckpointEngine, SyncError
 from dsrl.zero.buckets import FlatBucket, FlatGatherer
 
@@ -41,8 +40,11 @@ class BroadcastEngine(CheckpointEngine):
         client = self.client
         tp_sizes = [int(info.get("tp_size", 1)) for info in client.call_all("/server_info", method="GET")]
         world = 1 + sum(tp_sizes)
-        local = {urlparse(url).hostname for url in client.urls} <= {"127.0.0.1", "localhost"}
-        address = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
+        hosts = [urlparse(url).hostname for url in client.urls]
+        local = set(hosts) <= {"127.0.0.1", "localhost"}
+        # Servers on other machines must reach trainer rank 0: its address on the route to them (not
+        # gethostbyname(gethostname()), 127.0.1.1 on Debian-style hosts), or --sync.master_address.
+        address = self.cfg.master_address or ("127.0.0.1" if local else routable_address(hosts[0]))
         port = free_port("127.0.0.1" if local else "")
         # torch refuses a second group of the same name in one process (e.g. after a server restart)
         self.group_name = f"dsrl_weight_update_{port}"
@@ -70,8 +72,8 @@ class BroadcastEngine(CheckpointEngine):
         except Exception as e:
             raise SyncError(
                 f"weight-update group ({self.backend}, {address}:{port}, world {world}) did not form within "
-                f"{self.cfg.timeout_s:.0f}s: {e}; check that every server can reach {address}:{port}, "
-                "and the server logs"
+                f"{self.cfg.timeout_s:.0f}s: {e}; check that every server ({', '.join(client.urls)}) can reach "
+                f"{address}:{port} (--sync.master_address), and the server logs"
             ) from e
         replies.result(self.cfg.timeout_s)
         log.info("weight-update group %s: trainer + %d server ranks over %s", self.group_name, world - 1, self.backend)
@@ -157,9 +159,10 @@ class BroadcastEngine(CheckpointEngine):
             if failed is not None:
                 raise SyncError(f"a server failed during the weight update: {failed.exception()}")
             if time.monotonic() > deadline:
+                waiting = self.client.live_urls()
                 raise SyncError(
-                    f"a bucket broadcast did not finish within {self.cfg.timeout_s:.0f}s "
-                    "(--sync.timeout_s); a server may have died: check its log"
+                    f"a bucket broadcast did not finish within {self.cfg.timeout_s:.0f}s (--sync.timeout_s); "
+                    f"one of the servers {', '.join(waiting)} may have died: check its log"
                 )
             time.sleep(0.0005)
         work.wait()

@@ -1,7 +1,9 @@
 """The weight update, with one owner: `WeightSync.update(version)` runs the whole sequence, in order.
 
-    heal       servers that died are restarted (or dropped, if external); the transport's
-               per-fleet state (the broadcast group) is rebuilt only when membership changed
+    heal       servers that died are restarted (or set aside, if external), servers asked to join
+               or leave do (`dsrl fleet add/remove`); the transport's per-fleet state (the
+               broadcast group) is rebuilt only when membership changed, and a joining server
+               takes no request before this update has given it the weights
     offload    colocated on GPUs: the trainer's optimizer states leave the GPU
     wake       colocated: the servers take their weights' memory back
     pause      interrupt pause: the servers pause, their requests stay on them through the update
@@ -91,6 +93,7 @@ class WeightSync:
                     with timer("version_check"):
                         self._check_versions(version)
                     seconds = time.perf_counter() - start
+                self.client.release_held()  # servers that joined hold this version now
                 break
             except SERVER_ERRORS as e:
                 if attempt == 2:
@@ -134,23 +137,28 @@ class WeightSync:
         return out
 
     def _heal(self) -> None:
-        """Servers that went down are restarted (when dsrl started them) or dropped; every rank adopts the
-        new fleet. A restarted server joins before the send that follows, so it never serves other weights."""
+        """Apply the fleet's changes (dead servers restarted or set aside, queued joins and leaves); every
+        rank adopts the new membership. A server that joins is held (no /generate) until this update has
+        given it the weights; one that leaves has its requests aborted first, which the rollout schedule
+        resubmits elsewhere."""
         down = [None] * dist.get_world_size()
         dist.all_gather_object(down, self.client.down)
-        new_urls = [None]
+        change = [None]
         if self.rank0:
             exited = self.fleet.exited()
             if exited is None:  # external servers: ask them
                 exited = {url for url in self.client.urls if not self.client.responds(url)}
-            dead = {url for urls in down for url in urls} | exited
-            if dead:
-                new_urls = [self.fleet.replace(dead)]
-        dist.broadcast_object_list(new_urls, src=0)
-        if new_urls[0] is not None:
-            self.client.set_urls(new_urls[0])
+            change = [self.fleet.heal({url for urls in down for url in urls} | exited)]
+            for url in change[0].leaving if change[0] else []:
+                self.client.run(self.client.abort_server(url))
+        dist.broadcast_object_list(change, src=0)
+        if change[0] is not None:
+            self.client.set_urls(change[0].urls, held=change[0].joined)
             self.transport.reset()
-            self.released = {url: tags for url, tags in self.released.items() if url in new_urls[0]}
+            self.released = {url: tags for url, tags in self.released.items() if url in change[0].urls}
+        if self.rank0:
+            for url in change[0].leaving if change[0] else []:
+                self.fleet.stop_server(url)
 
     def _find_dead_servers(self, version: int, error: Exception) -> None:
         """After a failed update: a server that does not answer is marked down, for `_heal` to replace."""

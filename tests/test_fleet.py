@@ -1,0 +1,171 @@
+"""The fleet across machines: Ray-placed servers on a real two-node Ray cluster, servers joining and
+leaving a live run, a Ray actor killed mid-step, external servers that go down and come back.
+
+One asynchronous run (k=4, partial rollout, an API key) on a local Ray cluster of two nodes
+(`ray.cluster_utils.Cluster`: two raylets with their own resources on this machine) carries the
+whole story; the tests below read what it left behind.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from dsrl.serving.servers import free_port
+from tests.conftest import ROOT
+from tests.test_reliability import assert_every_prompt_accounted_for, trace, train_cmd
+
+STEPS = 48
+ADD_AT, REMOVE_AT, KILL_AT = 8, 18, 28
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no ~/.ray/auth_token written
+    cluster = ray_cluster_utils.Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "resources": {"node_a": 1}, "include_dashboard": False},
+    )
+    cluster.add_node(num_cpus=2, resources={"node_b": 1})
+    cluster.wait_for_nodes()
+    yield cluster.address
+    cluster.shutdown()
+
+
+def fleet(run_dir: Path, *args: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "dsrl.cli", "fleet", *args, "--run", str(run_dir)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout if args[0] == "list" else out.stdout.splitlines()[0])
+
+
+def parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.fixture(scope="module")
+def ray_run(ray_cluster, tmp_path_factory):
+    """3 Ray-placed embedded servers spread over 2 nodes; at step 8 one more joins (`dsrl fleet add`), at 18
+    server 0 leaves (`dsrl fleet remove`), at 28 the Ray actor of server 1 is SIGKILLed mid-step."""
+    run_dir = tmp_path_factory.mktemp("ray_run")
+    args = ["--trainer.total_steps", str(STEPS), "--logging.save_every", str(STEPS)]
+    args += ["--rollout.fleet", "ray", "--rollout.ray_address", ray_cluster, "--rollout.num_servers", "3"]
+    args += ["--rollout.placement_strategy", "SPREAD", "--rollout.api_key", "s3cret", "--sync.verify", "probe"]
+    args += ["--rollout.server_args", json.dumps({"decode_delay_ms": 2})]  # requests in flight at each change
+    proc = subprocess.Popen(
+        train_cmd("toy_cpu_async.yaml", run_dir, *args), cwd=ROOT, stderr=subprocess.PIPE, text=True
+    )
+    log, events = [], {}
+    try:
+        for line in proc.stderr:
+            log.append(line)
+            if f"step {ADD_AT}/{STEPS} |" in line:
+                events["add"] = fleet(run_dir, "add", "--count", "1")
+            if f"step {REMOVE_AT}/{STEPS} |" in line:
+                events["before_remove"] = fleet(run_dir, "list")["servers"]
+                events["remove"] = fleet(run_dir, "remove", "--url", events["before_remove"][0])
+            if f"step {KILL_AT}/{STEPS} |" in line:
+                server_pid = int(re.search(r"\(pid (\d+)\)", (run_dir / "logs" / "server_1.log").read_text()).group(1))
+                events["killed_actor"] = parent_pid(server_pid)
+                os.kill(events["killed_actor"], signal.SIGKILL)
+                events["server_pid"] = server_pid
+        assert proc.wait(600) == 0, "".join(log[-80:])
+    finally:
+        proc.kill()
+    return run_dir, "".join(log), events
+
+
+def test_ray_places_the_servers_across_the_nodes(ray_run):
+    _, log, _ = ray_run
+    nodes = re.findall(r"rollout server \d ready at \S+ on Ray node (\w+)", log)[:3]  # the first three
+    assert len(nodes) == 3 and len(set(nodes)) == 2, nodes  # SPREAD over the two nodes
+
+
+def test_a_run_on_a_ray_fleet_learns_the_toy_task(ray_run):
+    run_dir, _, _ = ray_run
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    reward = [e.value for e in events.Scalars("reward/mean")]
+    assert len(reward) == STEPS
+    assert sum(reward[-8:]) / 8 > sum(reward[:5]) / 5 + 0.05, reward
+    assert max(e.value for e in events.Scalars("rollout/staleness_max")) <= 4
+
+
+def test_a_server_that_joins_has_the_weights_before_its_first_request(ray_run):
+    """The joining server (number 3) is synced inside the next update and held until then: its first
+    request finds a weight version the trainer pushed (not the 'default' of a fresh server), and every
+    probe after it passed (the run would have stopped)."""
+    run_dir, log, events = ray_run
+    assert events["add"]["status"].startswith("queued")
+    assert "rollout servers joined the fleet" in log
+    first = re.search(r"first /generate, under weight version (\S+)", (run_dir / "logs" / "server_3.log").read_text())
+    assert first is not None, "the server that joined never took a request"
+    assert first.group(1) != "default" and int(first.group(1)) >= ADD_AT
+
+
+def test_servers_that_leave_or_die_lose_no_prompt_and_train_none_twice(ray_run):
+    run_dir, log, events = ray_run
+    assert "leaves the fleet (asked to)" in log
+    assert "starting a new actor in its placement bundle" in log  # the killed actor's server
+    time.sleep(1.5)  # the embedded engine polls for its parent once a second
+    assert not Path(f"/proc/{events['server_pid']}").exists(), "the killed actor's server outlived it"
+    assert [r["step"] for r in trace(run_dir)] == list(range(STEPS))
+    assert_every_prompt_accounted_for(run_dir, f"step_{STEPS}")
+
+
+def test_the_weight_update_group_is_rebuilt_only_when_membership_changes(ray_run):
+    _, log, _ = ray_run
+    formed = re.findall(r"weight-update group dsrl_weight_update_\d+: trainer \+ (\d+) server ranks", log)
+    # at the start (3 servers), after the join (4), the leave (3), the restart of the killed one (3)
+    assert formed == ["3", "4", "3", "3"], formed
+
+
+def test_training_against_external_servers_that_go_down_and_come_back(tmp_path):
+    """Servers the user runs (`dsrl serve`, here the embedded engine): one is killed at step 3 and is set
+    aside, the run goes on with the other; started again on its address at step 6, it rejoins at the next
+    update with that update's weights, and takes requests again. Every step trains its whole batch."""
+    ports = [free_port(), free_port()]
+    serve = [sys.executable, "-m", "dsrl.cli", "serve", "--model-path", str(ROOT / "examples/toy/model")]
+    logs = [tmp_path / f"external_{i}.log" for i in range(2)]
+
+    def start(i: int) -> subprocess.Popen:
+        with open(logs[i], "a") as out:
+            return subprocess.Popen([*serve, "--port", str(ports[i])], stdout=out, stderr=subprocess.STDOUT)
+
+    servers = [start(0), start(1)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    run_dir, steps = tmp_path / "external", 30  # the restarted engine takes a few seconds, steps ~0.5 s
+    args = ["--rollout.server_urls", json.dumps(urls), "--rollout.placement", "disaggregate"]
+    args += ["--trainer.total_steps", str(steps), "--rollout.prompts_per_step", "16", "--sync.verify", "probe"]
+    proc = subprocess.Popen(train_cmd("toy_cpu.yaml", run_dir, *args), cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    log = []
+    try:
+        for line in proc.stderr:
+            log.append(line)
+            if f"step 3/{steps} |" in line:
+                servers[1].kill()
+            if f"step 6/{steps} |" in line:
+                servers[1].wait()
+                servers[1] = start(1)
+        assert proc.wait(600) == 0, "".join(log[-60:])
+    finally:
+        proc.kill()
+        for server in servers:
+            server.kill()
+    text = "".join(log)
+    assert f"external rollout server {urls[1]} is down: set aside" in text
+    assert f"answer again and rejoin: {urls[1]}" in text
+    restarted = logs[1].read_text().split("embedded engine for")[-1]  # the second life of server 1
+    first = re.search(r"first /generate, under weight version (\d+)", restarted)
+    assert first is not None and int(first.group(1)) >= 6, "the server that came back took no request, or too early"
+    assert [len(r["rows"]) for r in trace(run_dir)] == [16] * steps
