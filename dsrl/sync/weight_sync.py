@@ -141,8 +141,10 @@ class WeightSync:
         rank adopts the new membership. A server that joins is held (no /generate) until this update has
         given it the weights; one that leaves has its requests aborted first, which the rollout schedule
         resubmits elsewhere."""
-        down = [None] * dist.get_world_size()
-        dist.all_gather_object(down, self.client.down)
+        world = dist.get_world_size()
+        down = [self.client.down] if world == 1 else [None] * world  # (object collectives cost 0.7 ms on 1 GPU)
+        if world > 1:
+            dist.all_gather_object(down, self.client.down)
         change = [None]
         if self.rank0:
             exited = self.fleet.exited()
@@ -151,7 +153,8 @@ class WeightSync:
             change = [self.fleet.heal({url for urls in down for url in urls} | exited)]
             for url in change[0].leaving if change[0] else []:
                 self.client.run(self.client.abort_server(url))
-        dist.broadcast_object_list(change, src=0)
+        if world > 1:
+            dist.broadcast_object_list(change, src=0)
         if change[0] is not None:
             self.client.set_urls(change[0].urls, held=change[0].joined)
             self.transport.reset()
