@@ -1,31 +1,105 @@
-"""Advantages, the PPO-clip policy loss, KL estimators and loss aggregation.
+"""Advantage estimators, policy losses (PPO-clip, GSPO, CISPO), the value loss, KL estimators and
+loss aggregation, each held to its published definition.
 
-Shapes: per-token tensors are [batch, tokens] with a float `mask` marking response tokens.
+Shapes: per-sequence tensors are [batch]; per-token tensors are [batch, tokens] with a float `mask`
+marking response tokens. Groups (a prompt's samples) are contiguous: [g0s0, g0s1, ..., g1s0, ...].
 """
 
+import math
 from typing import Literal
 
 import torch
 
-LossAgg = Literal["token_mean", "seq_mean"]
+LossAgg = Literal["token_mean", "seq_mean", "seq_mean_token_sum_norm"]
+Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"]
 
 LOG_RATIO_LIMIT = 20.0
 """Log-ratios are clamped to +-20 before exp (as verl and OpenRLHF do): a token sampled under weights
 many versions old could give exp(25) = 7e10 and a loss of 1e10; beyond e^20 a ratio is noise anyway."""
 
 
-def grpo_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6):
-    """Group-normalised advantages: (r - mean of its group) [/ (std of its group + eps)], as float32.
+# -- advantages -----------------------------------------------------------------------------------
 
-    `rewards` is flat, groups contiguous: [g0s0, g0s1, ..., g1s0, ...]. std is the unbiased one (as verl).
-    Computed in float64: in float32 a group of eight 0.7 rewards has a mean 1 ulp off 0.7 and a std of
-    6e-8, and got advantages of +-0.056 out of nothing.
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6):
+    """GRPO (Shao et al. 2024, arXiv:2402.03300): (r - mean of its group) / (std of its group + eps), as
+    float32; without `norm_by_std`, Dr. GRPO's (Liu et al. 2025, arXiv:2503.20783) r - mean.
+
+    std is the unbiased one (as verl). A group of one sample has baseline 0 and std 1 (as verl): its
+    advantage is its reward. Computed in float64: in float32 a group of eight 0.7 rewards has a mean
+    1 ulp off 0.7 and a std of 6e-8, and got advantages of +-0.056 out of nothing.
     """
     grouped = rewards.to(torch.float64).view(-1, group_size)
+    if group_size == 1:
+        return grouped.reshape(-1).float()
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if norm_by_std:
         centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
     return centred.reshape(-1).float()
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024, arXiv:2402.14740): each sample's reward less the mean of the *other*
+    samples of its group, r_i - (sum_j r_j - r_i) / (n - 1). A group of one has baseline 0."""
+    grouped = rewards.to(torch.float64).view(-1, group_size)
+    if group_size == 1:
+        return grouped.reshape(-1).float()
+    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - others).reshape(-1).float()
+
+
+def reward_to_go(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """Discounted return of every response token: sum_{k >= t} gamma^(k - t) r_k (REINFORCE's return)."""
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t] + gamma * running * mask[:, t]
+        returns[:, t] = running
+    return returns * mask
+
+
+def gae(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2016, arXiv:1506.02438): (advantages, returns).
+
+    delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}, the value after the last
+    response token being 0; returns = A + V (the critic's targets). `mask` must cover each row's
+    response tokens contiguously (right padding).
+    """
+    advantages = torch.zeros_like(token_rewards)
+    next_value = torch.zeros_like(token_rewards[:, 0])
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[1])):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        running = (delta + gamma * lam * running) * mask[:, t]
+        advantages[:, t] = running
+        next_value = values[:, t] * mask[:, t]
+    return advantages, (advantages + values) * mask
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, stats: tuple[float, float, float] | None = None) -> torch.Tensor:
+    """(x - mean) / std over the masked tokens. `stats` = (sum, sum of squares, count) over the whole
+    batch when it is spread over ranks (REINFORCE++ normalises over the global batch)."""
+    total, squares, count = stats or (
+        (values * mask).sum().item(),
+        (values.square() * mask).sum().item(),
+        mask.sum().item(),
+    )
+    mean = total / max(count, 1)
+    std = math.sqrt(max(squares / max(count, 1) - mean * mean, 0.0))
+    return (values - mean) / (std + 1e-8) * mask
+
+
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int, factor: float) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476): 0 up to max_new_tokens - buffer
+    tokens, then falling linearly to -factor at max_new_tokens."""
+    if buffer <= 0 or length <= max_new_tokens - buffer:
+        return 0.0
+    return -factor * min(1.0, (length - (max_new_tokens - buffer)) / buffer)
+
+
+# -- losses ---------------------------------------------------------------------------------------
 
 
 def aggregate(
@@ -34,17 +108,23 @@ def aggregate(
     agg: LossAgg,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    horizon: int | None = None,
 ) -> torch.Tensor:
     """Reduce per-token values to a scalar.
 
-    token_mean: sum over all response tokens / num_tokens. seq_mean: each sequence's token mean,
-    summed / num_seqs. The denominators default to this batch's; pass the whole mini-batch's when
-    the batch is one micro-batch of several, so gradient accumulation yields the mini-batch mean.
+    token_mean: sum over all response tokens / num_tokens (DAPO's token-level loss). seq_mean: each
+    sequence's token mean, summed / num_seqs. seq_mean_token_sum_norm: each sequence's token sum /
+    `horizon` (max_new_tokens, a constant), summed / num_seqs (Dr. GRPO: no length normalisation). The
+    denominators default to this batch's; pass the whole mini-batch's (over every rank) when the batch
+    is one micro-batch of several, so gradient accumulation yields the mini-batch mean.
     """
     if agg == "token_mean":
         return (values * mask).sum() / (num_tokens if num_tokens is not None else mask.sum().clamp(min=1))
+    seqs = num_seqs if num_seqs is not None else values.shape[0]
+    if agg == "seq_mean_token_sum_norm":
+        return (values * mask).sum() / (horizon or values.shape[1]) / seqs
     per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-    return per_seq.sum() / (num_seqs if num_seqs is not None else values.shape[0])
+    return per_seq.sum() / seqs
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -89,8 +169,10 @@ def ppo_clip_loss(
     num_seqs: float | None = None,
     is_weights: torch.Tensor | None = None,
     clip_ratio_c: float | None = None,
+    horizon: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clip: max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)), aggregated.
+    """PPO-clip (Schulman et al. 2017): max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)),
+    aggregated.
 
     `advantages` is per token ([B, T]) or per sequence ([B]); `is_weights` (per token) multiplies
     each token's term (off-policy correction). `clip_ratio_c`: dual-clip PPO (Ye et al. 2020,
@@ -98,8 +180,7 @@ def ppo_clip_loss(
     its ratio has grown. Returns the loss and detached metrics: clip fraction (tokens whose clipped
     term was the one used) and approx KL(old || new).
     """
-    if advantages.dim() == 1:
-        advantages = advantages[:, None].expand_as(logprobs)
+    advantages = _per_token(advantages, logprobs)
     log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
@@ -109,17 +190,103 @@ def ppo_clip_loss(
         per_token = torch.where(advantages < 0, torch.minimum(per_token, -advantages * clip_ratio_c), per_token)
     if is_weights is not None:
         per_token = per_token * is_weights
-    loss = aggregate(per_token, mask, agg, num_tokens, num_seqs)
+    loss = aggregate(per_token, mask, agg, num_tokens, num_seqs, horizon)
+    return loss, _ratio_metrics(clipped > unclipped, log_ratio, mask)
+
+
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    agg: LossAgg,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    horizon: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025, arXiv:2507.18071): the ratio is the sequence's, the geometric mean of its
+    tokens' ratios s = exp(mean_t log(pi / pi_old)), clipped at the sequence level (the paper's ranges
+    are small: clip_low 3e-4, clip_high 4e-4). Token form GSPO-token: s_t = sg(s) * pi_t / sg(pi_t), so
+    each token's gradient is its sequence's; with sequence-level advantages the two are equal.
+    """
+    advantages = _per_token(advantages, logprobs)
+    log_ratio = (logprobs - old_logprobs) * mask
+    seq_log_ratio = (log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    ratio = torch.exp(seq_log_ratio.detach()[:, None] + logprobs - logprobs.detach())
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    loss = aggregate(per_token, mask, agg, num_tokens, num_seqs, horizon)
+    return loss, _ratio_metrics(clipped > unclipped, log_ratio, mask)
+
+
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    agg: LossAgg,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    horizon: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, 2025, arXiv:2506.13585): REINFORCE with a clipped, stop-gradient importance
+    weight, -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * log pi. Unlike PPO no token's gradient is
+    dropped: a clipped token still contributes, with its weight capped."""
+    advantages = _per_token(advantages, logprobs)
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, 1 - clip_low, 1 + clip_high).detach()
+    per_token = -advantages * weight * logprobs
+    loss = aggregate(per_token, mask, agg, num_tokens, num_seqs, horizon)
+    return loss, _ratio_metrics((ratio < 1 - clip_low) | (ratio > 1 + clip_high), log_ratio, mask)
+
+
+POLICY_LOSSES = {"ppo": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float | None,
+    agg: LossAgg,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The critic's loss, 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -clip, clip) - R)^2) (PPO's value
+    clipping, as OpenRLHF and verl); `clip` None: 0.5 * (V - R)^2."""
+    unclipped = (values - returns).square()
+    per_token = unclipped
+    if clip is not None:
+        clipped = (old_values + (values - old_values).clamp(-clip, clip) - returns).square()
+        per_token = torch.maximum(unclipped, clipped)
+    loss = 0.5 * aggregate(per_token, mask, agg, num_tokens, num_seqs)
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
-        metrics = {
-            "clip_frac": ((clipped > unclipped).float() * mask).sum() / n,
-            "approx_kl": ((torch.expm1(-log_ratio) + log_ratio) * mask).sum() / n,
-        }
-    return loss, metrics
+        frac = ((per_token > unclipped).float() * mask).sum() / n if clip is not None else torch.zeros(())
+    return loss, {"vf_clip_frac": frac}
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Per-position entropy of softmax(logits) over the last dimension."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return advantages[:, None].expand_as(like) if advantages.dim() == 1 else advantages
+
+
+def _ratio_metrics(clipped: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        return {
+            "clip_frac": (clipped.float() * mask).sum() / n,
+            "approx_kl": ((torch.expm1(-log_ratio) + log_ratio) * mask).sum() / n,
+        }

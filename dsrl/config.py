@@ -187,33 +187,85 @@ class SyncConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: Literal["grpo"] = "grpo"
-    """Advantage estimator: grpo = rewards normalised within each prompt's group."""
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"] = "grpo"
+    """Advantage estimator. grpo: rewards normalised within each prompt's group (Shao et al. 2024,
+    arXiv:2402.03300). dr_grpo: group-centred, not divided by the std; use it with loss_agg
+    seq_mean_token_sum_norm (Liu et al. 2025, arXiv:2503.20783). rloo: the mean of the group's other
+    samples as baseline (Ahmadian et al. 2024, arXiv:2402.14740). reinforce_plus_plus: each token's
+    return, whitened over the batch (Hu 2025, arXiv:2501.03262); reinforce_plus_plus_baseline: the group
+    mean subtracted first. gae: PPO with a critic (`critic.*`), generalized advantage estimation
+    (Schulman et al. 2016, arXiv:1506.02438), whitened over the batch."""
     norm_adv_by_std: bool = True
-    """Divide group-centred rewards by the group's standard deviation (GRPO); false gives Dr. GRPO."""
+    """grpo: divide group-centred rewards by the group's standard deviation (false is dr_grpo's advantage)."""
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """ppo: PPO-clip per token (Schulman et al. 2017, arXiv:1707.06347). gspo: the sequence's ratio (the
+    geometric mean of its tokens'), clipped per sequence (Zheng et al. 2025, arXiv:2507.18071; use small
+    clips, e.g. 3e-4 / 4e-4, and loss_agg seq_mean). cispo: REINFORCE weighted by the clipped,
+    stop-gradient ratio, so no token's gradient is dropped (MiniMax-M1, arXiv:2506.13585)."""
     clip_low: float = 0.2
-    """PPO clip range below 1: ratios under 1 - clip_low are clipped."""
+    """Clip range below 1: ratios under 1 - clip_low are clipped."""
     clip_high: float = 0.2
-    """PPO clip range above 1 (raise it for DAPO's clip-higher)."""
+    """Clip range above 1 (raise it for DAPO's clip-higher, Yu et al. 2025, arXiv:2503.14476)."""
     clip_ratio_c: float | None = 3.0
     """Dual-clip PPO (Ye et al. 2020, arXiv:1912.09729): a token with a negative advantage costs at most
     -A * clip_ratio_c, however large its ratio (a stale token's could be 1e8); null disables. Must be > 1."""
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
-    """Loss aggregation: mean over all response tokens, or mean over sequences of each sequence's token mean."""
+    loss_agg: Literal["token_mean", "seq_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    """Loss aggregation: token_mean = mean over every response token of the mini-batch, on all ranks (DAPO's
+    token-level loss); seq_mean = mean over sequences of each one's token mean; seq_mean_token_sum_norm =
+    each sequence's token sum / max_new_tokens, averaged over sequences (Dr. GRPO: no length bias)."""
+    gamma: float = 1.0
+    """Discount of future rewards per token (gae, reinforce_plus_plus)."""
+    lam: float = 0.95
+    """GAE's lambda: bias (0) against variance (1) of the advantage."""
     kl_coef: float = 0.0
-    """Weight of the KL-to-reference loss; 0 skips the reference model."""
+    """Weight of KL(policy || reference); 0 skips the reference model (unless kl_target is set)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator: k1 = log-ratio, k2 = half squared log-ratio, k3 = low-variance (exp(-r) - 1 + r)."""
+    """KL estimator of the loss term: k1 = log-ratio, k2 = half squared log-ratio, k3 = low-variance (exp(-r) - 1
+    + r). Folded into the reward (kl_in_reward) it is always k1, as PPO's."""
+    kl_in_reward: bool = False
+    """Fold the KL into each token's reward (PPO/RLHF style, Ouyang et al. 2022) instead of a loss term."""
+    kl_target: float | None = None
+    """Adapt kl_coef toward this KL per token (Ziegler et al. 2019, arXiv:1909.08593); null: kl_coef is fixed."""
+    kl_horizon: int = 10000
+    """Adaptive KL: the controller's horizon in steps (larger: slower)."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus; entropy is always logged."""
     off_policy: Literal["none", "decoupled", "tis"] = "none"
     """Correction for samples the engine drew from older or slightly different weights: decoupled PPO
-    (weight by trainer/engine probability ratio, drop tokens above is_cap) or truncated importance sampling
-    (the same ratio clamped at is_cap)."""
+    (weight by trainer/engine probability ratio, drop tokens above is_cap; Hilton et al. 2022,
+    arXiv:2110.00641) or truncated importance sampling (the same ratio clamped at is_cap; Yao et al. 2025)."""
     is_cap: float = 2.0
     """Cap C of the importance weight exp(trainer logprob - engine logprob)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476): responses longer than
+    max_new_tokens - overlong_buffer lose up to overlong_penalty, linearly; 0 disables."""
+    overlong_penalty: float = 1.0
+    """The reward lost by a response of max_new_tokens tokens (overlong_buffer > 0)."""
     reward_fn: str = "dsrl.rewards:math_reward"
     """Reward function as module:function, called as fn(prompt, response, answer) -> float."""
+    reward_workers: int = 2
+    """Processes the reward function runs in, per trainer rank, each call with a timeout: a reward that
+    hangs or kills its process fails its row, not the run. 0: in the trainer's process (no timeout)."""
+    reward_timeout_s: float = 60.0
+    """Seconds one call of the reward function may take (reward_workers > 0)."""
+    on_reward_error: Literal["fail", "skip"] = "fail"
+    """A reward that raises, times out, kills its process or returns no finite number: stop the run naming
+    the row, or skip the row's group (its tokens leave the loss; counted in reward/failed)."""
+
+
+@dataclass
+class CriticConfig:
+    path: str | None = None
+    """Weights of the value model (a Hugging Face directory of the policy's architecture); default: the
+    policy's (model.path), with a fresh scalar head."""
+    lr: float = 1e-5
+    """The critic's peak learning rate."""
+    micro_batch_size: int | None = None
+    """Sequences per forward/backward of the critic on one rank; default trainer.micro_batch_size."""
+    warmup_steps: int = 0
+    """Steps at the start in which only the critic is trained (the actor waits for sensible values)."""
+    value_clip: float | None = 0.2
+    """Clip the new values to the old ones +-value_clip in the loss (PPO's value clipping); null disables."""
 
 
 @dataclass
@@ -267,6 +319,8 @@ class Config:
     """Checkpoint engine: how weights reach the servers."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantages, policy loss, KL."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model, used with --algorithm.advantage gae."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation of the policy on held-out prompts."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -282,6 +336,10 @@ class ConfigError(ValueError):
         self.errors = errors
         plural = "s" if len(errors) > 1 else ""
         super().__init__(f"{len(errors)} config error{plural}:\n" + "\n".join(f"  {e}" for e in errors))
+
+
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
+"""Advantage estimators whose baseline is the prompt's group: they need n_samples >= 2."""
 
 
 def fleet_kind(r: RolloutConfig) -> str:
@@ -320,7 +378,13 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
         check(path.endswith((".jsonl", ".json", ".parquet")), flag, path, "must end in .jsonl, .json or .parquet")
     check(cfg.data.max_prompt_tokens > 0, "data.max_prompt_tokens", cfg.data.max_prompt_tokens, "must be > 0")
     check(r.prompts_per_step > 0, "rollout.prompts_per_step", r.prompts_per_step, "must be > 0")
-    check(r.n_samples >= 2, "rollout.n_samples", r.n_samples, "GRPO needs at least 2 samples per prompt")
+    grouped = a.advantage in GROUP_ESTIMATORS
+    check(
+        r.n_samples >= (2 if grouped else 1),
+        "rollout.n_samples",
+        r.n_samples,
+        f"--algorithm.advantage {a.advantage} compares a prompt's samples: at least 2" if grouped else "must be >= 1",
+    )
     check(r.max_new_tokens > 0, "rollout.max_new_tokens", r.max_new_tokens, "must be > 0")
     check(r.temperature > 0, "rollout.temperature", r.temperature, "must be > 0 (RL needs sampling)")
     check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
@@ -372,6 +436,26 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     check(a.clip_high >= 0, "algorithm.clip_high", a.clip_high, "must be >= 0")
     check(a.clip_ratio_c is None or a.clip_ratio_c > 1, "algorithm.clip_ratio_c", a.clip_ratio_c, "must be > 1 or null")
     check(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
+    check(a.kl_target is None or (a.kl_target > 0 and a.kl_coef > 0), "algorithm.kl_target", a.kl_target,
+          "must be > 0, with --algorithm.kl_coef > 0 as the starting coefficient")  # fmt: skip
+    check(a.kl_horizon >= 1, "algorithm.kl_horizon", a.kl_horizon, "must be >= 1")
+    check(0 < a.gamma <= 1, "algorithm.gamma", a.gamma, "must be in (0, 1]")
+    check(0 <= a.lam <= 1, "algorithm.lam", a.lam, "must be in [0, 1]")
+    check(a.off_policy == "none" or a.policy_loss == "ppo", "algorithm.off_policy", a.off_policy,
+          "the off-policy corrections weight PPO's per-token loss: use --algorithm.policy_loss ppo")  # fmt: skip
+    check(0 <= a.overlong_buffer < r.max_new_tokens, "algorithm.overlong_buffer", a.overlong_buffer,
+          f"must be in [0, rollout.max_new_tokens={r.max_new_tokens})")  # fmt: skip
+    check(a.overlong_penalty >= 0, "algorithm.overlong_penalty", a.overlong_penalty, "must be >= 0")
+    check(a.reward_workers >= 0, "algorithm.reward_workers", a.reward_workers, "must be >= 0 (0: in process)")
+    check(a.reward_timeout_s > 0, "algorithm.reward_timeout_s", a.reward_timeout_s, "must be > 0")
+    c = cfg.critic
+    check(c.lr > 0, "critic.lr", c.lr, "must be > 0")
+    check(c.warmup_steps >= 0, "critic.warmup_steps", c.warmup_steps, "must be >= 0")
+    check(c.value_clip is None or c.value_clip > 0, "critic.value_clip", c.value_clip, "must be > 0 or null")
+    check(c.micro_batch_size is None or c.micro_batch_size >= 1, "critic.micro_batch_size", c.micro_batch_size,
+          "must be >= 1")  # fmt: skip
+    if check_paths and c.path:
+        check((Path(c.path) / "config.json").is_file(), "critic.path", c.path, "must be a directory with config.json")
     check(a.is_cap >= 1, "algorithm.is_cap", a.is_cap, "must be >= 1")
     check(
         a.reward_fn.count(":") == 1 and all(a.reward_fn.split(":")),
@@ -405,6 +489,14 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
             t.micro_batch_size,
             f"each rank holds {per_rank} samples (prompts_per_step / ranks * n_samples), which must split into "
             f"updates_per_step={t.updates_per_step} mini-batches of whole micro-batches",
+        )
+        critic_chunk = t.updates_per_step * (c.micro_batch_size or t.micro_batch_size)
+        check(
+            a.advantage != "gae" or per_rank % critic_chunk == 0,
+            "critic.micro_batch_size",
+            c.micro_batch_size,
+            f"each rank holds {per_rank} samples, which must split into {t.updates_per_step} mini-batches of whole "
+            "critic micro-batches",
         )
     if errors:
         raise ConfigError(errors)

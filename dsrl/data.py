@@ -26,6 +26,8 @@ class Prompt:
     answer: Any
     sampling: dict[str, Any] = field(default_factory=dict)
     """Per-prompt overrides of the sampling parameters (the row's `sampling_params` field)."""
+    row: dict[str, Any] = field(default_factory=dict)
+    """The dataset row, for reward functions that take `row=` (every field, not just the answer)."""
 
 
 @dataclass
@@ -144,7 +146,7 @@ class PromptDataset:
             if cfg.on_long_prompt == "skip":
                 return None
             ids = ids[-cfg.max_prompt_tokens :]  # keep the end: the question and the generation prompt
-        return Prompt(i, ids, text, row.get(cfg.answer_key), overrides)
+        return Prompt(i, ids, text, row.get(cfg.answer_key), overrides, row)
 
     def __len__(self) -> int:
         return len(self.prompts)

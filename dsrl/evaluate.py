@@ -18,8 +18,7 @@ from tqdm import tqdm
 
 from dsrl.config import Config, RolloutConfig
 from dsrl.data import PromptDataset, Sample
-from dsrl.rewards import RewardFn
-from dsrl.rollout import generate, request_seed, score
+from dsrl.rollout import Rewarder, RewardError, generate, request_seed
 from dsrl.serving.client import RolloutClient
 
 log = logging.getLogger(__name__)
@@ -38,8 +37,8 @@ def eval_rollout(cfg: Config) -> RolloutConfig:
 
 
 class Evaluator:
-    def __init__(self, cfg: Config, tokenizer, reward_fn: RewardFn, run_dir: Path):
-        self.cfg, self.tokenizer, self.reward_fn, self.out_dir = cfg, tokenizer, reward_fn, run_dir / "eval"
+    def __init__(self, cfg: Config, tokenizer, rewarder: Rewarder, run_dir: Path):
+        self.cfg, self.tokenizer, self.rewarder, self.out_dir = cfg, tokenizer, rewarder, run_dir / "eval"
         self.dataset = PromptDataset(cfg.data, tokenizer, cfg.seed, path=cfg.eval.path)
         self.rollout = eval_rollout(cfg)
 
@@ -53,11 +52,11 @@ class Evaluator:
         prompts = self.dataset.prompts
         # disable=None: a bar on a terminal, none in a log file (it would sit inside the train bar)
         with tqdm(total=len(prompts) * self.rollout.n_samples, desc=f"eval {step}", leave=False, disable=None) as bar:
-            samples = generate(client, prompts, self.rollout, request_seed(self.cfg.seed, step), bar)
-        try:
-            score(samples, self.reward_fn, self.tokenizer)
-        except (RuntimeError, TypeError) as e:  # score_one's errors name the row; say which file
-            raise type(e)(f"--eval.path={self.dataset.path!r}: {e}") from e
+            try:
+                samples = generate(client, prompts, self.rollout, request_seed(self.cfg.seed, step), bar, self.rewarder)
+            except RewardError as e:  # it names the row; say which file
+                raise RewardError(f"--eval.path={self.dataset.path!r}: {e}") from e
+        samples = [s for s in samples if not s.extras.get("skip")]  # rows whose reward failed (on_reward_error skip)
         others = {s.weight_version for s in samples} - {step}
         if others:  # the sync's version check makes this a bug, not a setting
             raise RuntimeError(f"evaluation of weight version {step} got responses from versions {sorted(others)}")

@@ -87,15 +87,14 @@ class MetricsWriter:
 
 
 def summary_line(step: int, total: int, m: dict[str, float]) -> str:
-    parts = [
-        f"step {step}/{total}",
-        f"reward {m['reward/mean']:.3f}±{m['reward/std']:.3f}",
-        f"len {m['response/length_mean']:.1f}",
-        f"kl {m.get('actor/kl', 0.0):.4f}",
-        f"ent {m.get('actor/entropy', float('nan')):.3f}",
-        f"clip {m.get('actor/clip_frac', float('nan')):.3f}",
-        f"gnorm {m.get('actor/grad_norm', float('nan')):.3f}",
-        f"sync {m.get('sync/gb_per_s', 0.0):.2f} GB/s",
-        f"{m['timing/step']:.2f}s",
-    ]
+    """One line per step; a figure the step did not compute (KL without a reference model, the actor's
+    during the critic's warm-up) is left out rather than printed as 0."""
+    parts = [f"step {step}/{total}", f"reward {m['reward/mean']:.3f}±{m['reward/std']:.3f}"]
+    parts.append(f"len {m['response/length_mean']:.1f}")
+    shown = [("actor/kl", "kl", 4), ("actor/entropy", "ent", 3), ("actor/clip_frac", "clip", 3)]
+    shown += [("actor/grad_norm", "gnorm", 3), ("critic/value_loss", "vloss", 4)]
+    parts += [f"{name} {m[key]:.{digits}f}" for key, name, digits in shown if key in m]
+    if "sync/gb_per_s" in m:
+        parts.append(f"sync {m['sync/gb_per_s']:.2f} GB/s")
+    parts.append(f"{m['timing/step']:.2f}s")
     return " | ".join(parts)

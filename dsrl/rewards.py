@@ -1,4 +1,5 @@
-"""Reward functions: loaded by import path, called as fn(prompt, response, answer) -> float."""
+"""Reward functions: loaded by import path, called as fn(prompt, response, answer) -> float, or with
+`row=` (the whole dataset row) when they take it, or batched (`@batched`), or async."""
 
 import importlib
 import re
@@ -19,6 +20,13 @@ def load_reward_fn(spec: str) -> RewardFn:
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ValueError(f"--algorithm.reward_fn={spec!r}: module {module_name!r} has no function {fn_name!r}")
+    return fn
+
+
+def batched(fn):
+    """Mark a reward function as batched: it gets lists (prompts, responses, answers[, row]) for a whole
+    group and returns a list of floats, in one call."""
+    fn.dsrl_batched = True
     return fn
 
 

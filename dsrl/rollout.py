@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from dsrl.config import Config, RolloutConfig
+from dsrl.config import AlgorithmConfig, Config, RolloutConfig
 from dsrl.data import Prompt, Sample
-from dsrl.rewards import RewardFn
+from dsrl.reward_pool import NOT_SCORED, RewardPool, call_reward
+from dsrl.rewards import RewardFn, load_reward_fn
 from dsrl.serving.client import RolloutClient
 
 log = logging.getLogger(__name__)
@@ -122,9 +123,15 @@ async def generate_sample(client: RolloutClient, prompt: Prompt, params: dict, r
 
 
 def generate(
-    client: RolloutClient, prompts: list[Prompt], cfg: RolloutConfig, seed: int = 0, progress: tqdm | None = None
+    client: RolloutClient,
+    prompts: list[Prompt],
+    cfg: RolloutConfig,
+    seed: int = 0,
+    progress: tqdm | None = None,
+    rewarder: "Rewarder | None" = None,
 ) -> list[Sample]:
-    """n_samples responses per prompt, one request each, groups contiguous in prompt order."""
+    """n_samples responses per prompt, one request each, groups contiguous in prompt order; each group
+    is scored by `rewarder` as soon as it is complete, while the others are still generating."""
     params = sampling_params(cfg)
 
     async def one(p: Prompt, j: int) -> Sample:
@@ -134,41 +141,114 @@ def generate(
             progress.update()
         return sample
 
+    async def group(p: Prompt) -> list[Sample]:
+        samples = await asyncio.gather(*(one(p, j) for j in range(cfg.n_samples)))
+        if rewarder is not None:
+            await rewarder.score_group(samples)
+        return samples
+
     async def all_samples() -> list[Sample]:
-        return await asyncio.gather(*(one(p, j) for p in prompts for j in range(cfg.n_samples)))
+        return [s for g in await asyncio.gather(*(group(p) for p in prompts)) for s in g]
 
     return client.run(all_samples())
 
 
-def score_one(sample: Sample, reward_fn: RewardFn, tokenizer) -> float:
-    """The reward of one sample; a reward function that raises or returns a non-number names the row."""
+class RewardError(RuntimeError):
+    """A reward function that failed on a row: raised, timed out, or killed its process."""
+
+
+class RewardValueError(RewardError, TypeError):
+    """A reward function that returned something other than a finite number."""
+
+
+def reward_item(sample: Sample, tokenizer) -> tuple:
+    """What the reward function is called with: (prompt, response, answer, row)."""
     response = tokenizer.decode(sample.response_ids, skip_special_tokens=True)
-    try:
-        value = reward_fn(sample.prompt.text, response, sample.prompt.answer)
-    except Exception as e:
-        raise RuntimeError(f"reward function failed on dataset row {sample.prompt.index}: {e!r}") from e
-    if not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise TypeError(
-            f"reward function returned {value!r} for dataset row {sample.prompt.index}; expected a finite float"
-        )
+    return sample.prompt.text, response, sample.prompt.answer, sample.prompt.row
+
+
+def check_reward(row: int, value, error: str | None) -> float:
+    """The reward as a float, or the error naming the row."""
+    if error is not None:
+        raise RewardError(f"reward function failed on dataset row {row}: {error}")
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        raise RewardValueError(f"reward function returned {value!r} for dataset row {row}; expected a finite float")
     return float(value)
 
 
-def score(samples: list[Sample], reward_fn: RewardFn, tokenizer) -> None:
-    for s in samples:
-        s.reward = score_one(s, reward_fn, tokenizer)
+class Rewarder:
+    """The run's reward function: in worker processes with a timeout per call (`reward_workers` > 0), or
+    in a thread of this process; off the client's event loop either way. A row whose reward fails stops
+    the run naming it, or (on_reward_error skip) its group leaves the loss and is counted."""
+
+    def __init__(self, cfg: AlgorithmConfig, tokenizer, fn=None):
+        self.fn = fn or load_reward_fn(cfg.reward_fn)
+        spec = importable_spec(self.fn) if fn is not None else cfg.reward_fn
+        self.pool = RewardPool(spec, cfg.reward_workers, cfg.reward_timeout_s) if spec and cfg.reward_workers else None
+        self.tokenizer, self.skip = tokenizer, cfg.on_reward_error == "skip"
+        self.failed = 0
+        """Rows failed (and skipped) so far."""
+
+    async def score_group(self, samples: list[Sample]) -> None:
+        items = [reward_item(s, self.tokenizer) for s in samples]
+        if self.pool is not None:
+            results = await self.pool.score_async(items, fail_fast=True)  # one failed row skips the group
+        else:
+            results = await asyncio.to_thread(lambda: [_call_in_process(self.fn, item) for item in items])
+        try:  # the row that failed first, not the ones left unscored after it
+            for i in sorted(range(len(samples)), key=lambda i: results[i][1] == NOT_SCORED):
+                check_reward(samples[i].prompt.index, *results[i])
+            rewards = [float(value) for value, _ in results]
+        except RewardError as e:
+            if not self.skip:
+                raise type(e)(f"{e} (--algorithm.on_reward_error skip would skip the row instead)") from None
+            self.failed += 1
+            log.warning("%s; the row's group is skipped (--algorithm.on_reward_error skip)", e)
+            rewards = [0.0] * len(samples)
+            for s in samples:
+                s.extras["skip"] = True
+        for s, reward in zip(samples, rewards):
+            s.reward = reward
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
+def importable_spec(fn) -> str | None:
+    """module:function of a callable that worker processes can import by name, else None (a lambda, a closure)."""
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or module == "__main__" or "<" in name or "." in name:
+        return None
+    return f"{module}:{name}"
+
+
+def _call_in_process(fn, item) -> tuple[object, str | None]:
+    try:
+        return call_reward(fn, *item), None
+    except Exception as e:  # noqa: BLE001 -- reported naming the row
+        return None, repr(e)
+
+
+def score_one(sample: Sample, reward_fn: RewardFn, tokenizer) -> float:
+    """The reward of one sample, in this process; a reward function that raises or returns a non-number
+    names the row."""
+    value, error = _call_in_process(reward_fn, reward_item(sample, tokenizer))
+    return check_reward(sample.prompt.index, value, error)
 
 
 class SyncRollouts(Rollouts):
-    """The synchronous schedule: each step's batch is generated with the current weights, then scored.
-    The data position follows from the step, so a checkpoint needs nothing of it."""
+    """The synchronous schedule: each step's batch is generated with the current weights, each group
+    scored as it completes. The data position follows from the step, so a checkpoint needs nothing of it."""
 
-    def __init__(self, client: RolloutClient, cfg: Config, dataset, reward_fn: RewardFn, tokenizer, rank, world):
+    def __init__(self, client: RolloutClient, cfg: Config, dataset, rewarder: Rewarder, rank: int, world: int):
         self.client, self.cfg, self.dataset = client, cfg, dataset
-        self.reward_fn, self.tokenizer, self.rank, self.world = reward_fn, tokenizer, rank, world
+        self.rewarder, self.rank, self.world = rewarder, rank, world
 
     def collect(self, step: int) -> Batch:
         prompts = self.dataset.batch(step, self.cfg.rollout.prompts_per_step, self.rank, self.world)
-        samples = generate(self.client, prompts, self.cfg.rollout, request_seed(self.cfg.seed, step))
-        score(samples, self.reward_fn, self.tokenizer)
-        return Batch(samples)
+        failed = self.rewarder.failed
+        samples = generate(
+            self.client, prompts, self.cfg.rollout, request_seed(self.cfg.seed, step), None, self.rewarder
+        )
+        return Batch(samples, {"reward/failed": float(self.rewarder.failed - failed)})

@@ -34,8 +34,7 @@ from dataclasses import asdict, dataclass, field
 
 from dsrl.config import Config
 from dsrl.data import Prompt, PromptDataset, Sample
-from dsrl.rewards import RewardFn
-from dsrl.rollout import Batch, Rollouts, parse_generation, request_seed, sampling_params, score_one
+from dsrl.rollout import Batch, Rewarder, Rollouts, parse_generation, request_seed, sampling_params
 from dsrl.serving.client import RolloutClient
 
 log = logging.getLogger(__name__)
@@ -91,9 +90,8 @@ class ManagerStats:
 
 
 class RolloutManager(Rollouts):
-    def __init__(self, client: RolloutClient, cfg: Config, stream: PromptStream, reward_fn: RewardFn, tokenizer):
-        self.client, self.cfg, self.stream = client, cfg, stream
-        self.reward_fn, self.tokenizer = reward_fn, tokenizer
+    def __init__(self, client: RolloutClient, cfg: Config, stream: PromptStream, rewarder: Rewarder):
+        self.client, self.cfg, self.stream, self.rewarder = client, cfg, stream, rewarder
         r = cfg.rollout
         self.n_samples, self.max_staleness, self.interrupt = r.n_samples, r.max_staleness, r.interrupt
         # Admitting fewer batches ahead than the bound keeps a group that finishes fast from waiting
@@ -110,6 +108,7 @@ class RolloutManager(Rollouts):
         self.interrupted: list[tuple[Group, int, Sample | None]] = []  # resubmitted once the new weights are live
         self.doomed: set[int] = set()  # groups past the staleness edge: restarted from scratch
         self.next_gid = 0
+        self.failed_seen = 0  # the rewarder's failures counted into a batch's metrics so far
         self.filtered_rows: list[int] = []  # skipped by dynamic sampling since the last batch (for the trace)
         self.paused = False  # no admissions while a weight update is prepared
         self.stopped = False
@@ -136,6 +135,10 @@ class RolloutManager(Rollouts):
         metrics = {f"rollout/{name}": float(v) for name, v in asdict(self.take_stats()).items()}
         metrics.update({"rollout/trainer_idle_s": waited, "rollout/queue_depth": float(len(self.ready))})
         filtered, self.filtered_rows = self.filtered_rows, []
+        metrics["reward/failed"], self.failed_seen = (
+            float(self.rewarder.failed - self.failed_seen),
+            self.rewarder.failed,
+        )
         return Batch([s for g in groups for s in g.samples], metrics, filtered)
 
     def before_update(self) -> None:
@@ -288,8 +291,7 @@ class RolloutManager(Rollouts):
                 self.cond.notify_all()
 
     async def _group_done(self, group: Group) -> None:
-        for s in group.samples:
-            s.reward = score_one(s, self.reward_fn, self.tokenizer)
+        await self.rewarder.score_group(group.samples)  # in worker processes: requests in flight go on meanwhile
         async with self.cond:
             del self.generating[group.gid]
             if self.cfg.rollout.dynamic_sampling and len({s.reward for s in group.samples}) == 1:

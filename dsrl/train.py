@@ -15,14 +15,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
-from dsrl.algorithms import grpo_advantages
+from dsrl.advantages import KlController, compute_advantages
 from dsrl.collectives import all_ranks
 from dsrl.config import Config, RolloutConfig, SyncConfig, dump_config, fleet_kind, parse_config, validate
 from dsrl.data import DatasetError, PromptDataset, Sample
 from dsrl.evaluate import Evaluator
 from dsrl.metrics import MetricsWriter, Timer, mean_across_ranks, summary_line
-from dsrl.rewards import load_reward_fn
-from dsrl.rollout import Batch, Rollouts, SyncRollouts
+from dsrl.rollout import Batch, Rewarder, Rollouts, SyncRollouts
 from dsrl.rollout_manager import PromptStream, RolloutManager
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.control import FleetControl
@@ -31,7 +30,8 @@ from dsrl.sync.base import make_checkpoint_engine
 from dsrl.sync.weight_sync import WeightSync
 from dsrl.zero.actor import compute_logprobs, logprob_mismatch, update_actor
 from dsrl.zero.checkpoint import export_hf, find_checkpoint, load_checkpoint, save_checkpoint
-from dsrl.zero.engine import init_distributed, load_engine, offload_states, prepare_model_dir, reload_states, use_cuda
+from dsrl.zero.critic import compute_values, update_critic
+from dsrl.zero.engine import init_distributed, load_engine, offload_states, prepare_model_dir, use_cuda
 
 log = logging.getLogger("dsrl")
 
@@ -65,7 +65,7 @@ def train(cfg: Config) -> dict[str, float]:
                 with timer("logprobs"):
                     finite = compute_all_logprobs(run, batch.samples)
                 with timer("update"):
-                    stats = update(run, batch.samples, finite)
+                    stats = update(run, step, batch.samples, finite)
                 with timer("sync"):
                     rank0 = sync(run, step + 1)
             if run.evaluator is not None and run.evaluator.due(step + 1):  # the weights just synced
@@ -93,10 +93,14 @@ class Run:
     pad_id: int
     actor: object
     ref: object | None
+    critic: object | None
+    """With --algorithm.advantage gae."""
+    kl: KlController
     fleet: ServerFleet
     client: RolloutClient
     """Every rank generates through its own client; only rank 0's talks to the servers about weights."""
     weights: WeightSync
+    rewarder: Rewarder
     rollouts: Rollouts
     evaluator: Evaluator | None
     """With --eval.path; rank 0 runs it."""
@@ -108,6 +112,7 @@ class Run:
 
     def close(self) -> None:
         self.rollouts.stop()
+        self.rewarder.close()
         if self.control is not None:
             self.client.run(self.control.stop())
         self.client.close()
@@ -131,8 +136,8 @@ def setup(cfg: Config) -> Run:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     dataset = PromptDataset(cfg.data, tokenizer, cfg.seed)
-    reward_fn = load_reward_fn(cfg.algorithm.reward_fn)
-    evaluator = Evaluator(cfg, tokenizer, reward_fn, run_dir) if cfg.eval.path else None  # every rank: same errors
+    rewarder = Rewarder(cfg.algorithm, tokenizer)
+    evaluator = Evaluator(cfg, tokenizer, rewarder, run_dir) if cfg.eval.path else None  # every rank: same errors
     if fleet_kind(cfg.rollout) == "external" or rollout_engine(cfg) == "sglang":
         model_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
         check_fits_context(cfg.rollout, dataset, model_config)
@@ -140,17 +145,18 @@ def setup(cfg: Config) -> Run:
             check_fits_context(evaluator.rollout, evaluator.dataset, model_config, flags="eval")
     actor = load_engine(cfg, model_dir, world, train=True)
     ref = load_engine(cfg, model_dir, world, train=False) if cfg.algorithm.kl_coef > 0 else None
-    start_step, rank_state = resume(cfg, run_dir, actor, rank)
+    critic = load_engine(cfg, model_dir, world, train=True, critic=True) if cfg.algorithm.advantage == "gae" else None
+    start_step, rank_state, kl = resume(cfg, run_dir, actor, critic, rank)
     offload = cfg.rollout.placement == "colocate" and use_cuda(cfg)  # the trainer lends the GPU to the servers
-    if offload:  # before any server starts: it sizes its KV cache from the memory it finds free
-        offload_states(actor, params=False)
+    for engine in [actor, critic] if offload else []:  # before any server starts: it sizes its KV cache
+        offload_states(engine, params=False)  # from the memory it finds free
     fleet = start_rollout_fleet(cfg, model_dir, run_dir, rank)
     r = cfg.rollout
     client = RolloutClient(fleet.urls, r.max_concurrency, r.request_timeout_s, api_key=r.api_key, route=r.route)
     backend = "nccl" if use_cuda(cfg) else "gloo"
     sync_cfg = resolve_sync(cfg)
     transport = make_checkpoint_engine(sync_cfg, client, run_dir, backend, r.tp_size)
-    weights = WeightSync(cfg, actor, fleet, client, transport, offload)
+    weights = WeightSync(cfg, actor, fleet, client, transport, offload, critic)
     control = None
     if rank == 0:  # servers join and leave the live run through it (dsrl fleet add/remove)
         frozen = "CUDA IPC ties each server to a trainer rank's GPU: this run's fleet cannot change"
@@ -158,15 +164,15 @@ def setup(cfg: Config) -> Run:
                                frozen if sync_cfg.type == "ipc" else None)  # fmt: skip
         client.run(control.start())
     if cfg.rollout.placement == "colocate":
-        rollouts = SyncRollouts(client, cfg, dataset, reward_fn, tokenizer, rank, world)
+        rollouts = SyncRollouts(client, cfg, dataset, rewarder, rank, world)
     else:  # disaggregated: generation runs ahead of training by up to max_staleness versions
         rollouts = RolloutManager(client, cfg, PromptStream(dataset, cfg.rollout.prompts_per_step, rank, world),
-                                  reward_fn, tokenizer)  # fmt: skip
+                                  rewarder)  # fmt: skip
     if rank_state is not None:
         rollouts.restore(rank_state["rollouts"], start_step)
     writer = MetricsWriter(run_dir, cfg.logging.tensorboard and rank == 0)
-    return Run(cfg, rank, world, run_dir, model_dir, tokenizer, pad_id, actor, ref, fleet, client, weights, rollouts,
-               evaluator, writer, start_step, control)  # fmt: skip
+    return Run(cfg, rank, world, run_dir, model_dir, tokenizer, pad_id, actor, ref, critic, kl, fleet, client, weights,
+               rewarder, rollouts, evaluator, writer, start_step, control)  # fmt: skip
 
 
 def check_writable(run_dir: Path) -> None:
@@ -179,26 +185,28 @@ def check_writable(run_dir: Path) -> None:
         raise PermissionError(f"--logging.run_dir={str(run_dir)!r}: cannot write checkpoints there ({e})") from e
 
 
-def resume(cfg: Config, run_dir: Path, actor, rank: int) -> tuple[int, dict | None]:
-    """Restore the latest checkpoint when there is one: (the step to start from, this rank's saved state)."""
+def resume(cfg: Config, run_dir: Path, actor, critic, rank: int) -> tuple[int, dict | None, KlController]:
+    """Restore the latest checkpoint when there is one: (the step to start from, this rank's saved state,
+    the KL coefficient as it was)."""
     path = find_checkpoint(run_dir, cfg.logging.resume)
-    step, rank_state = 0, None
+    step, rank_state, kl = 0, None, KlController(cfg)
     if path is not None:
-        state, rank_state = load_checkpoint(actor, path)
-        step = state["step"]
+        state, rank_state = load_checkpoint(actor, path, critic)
+        step, kl.value = state["step"], state.get("kl_coef", kl.value)
         log.info("resumed from %s at step %d", path, step)
     if rank == 0:
         trim_trace(run_dir / "trained_prompts.jsonl", step)
-    return step, rank_state
+    return step, rank_state, kl
 
 
 def checkpoint(run: Run, step: int) -> None:
     if run.weights.offload:
-        reload_states(run.actor)
-    state = {"step": step, "weight_version": step}
-    save_checkpoint(run.actor, run.run_dir, state, {"rollouts": run.rollouts.state()}, run.cfg.logging.keep_last)
+        run.weights.reload_trainers()
+    state = {"step": step, "weight_version": step, "kl_coef": run.kl.value}
+    rank_state = {"rollouts": run.rollouts.state()}
+    save_checkpoint(run.actor, run.run_dir, state, rank_state, run.cfg.logging.keep_last, run.critic)
     if run.weights.offload:
-        offload_states(run.actor, params=True)
+        run.weights.offload_trainers(params=True)
 
 
 def trim_trace(path: Path, step: int) -> None:
@@ -209,21 +217,30 @@ def trim_trace(path: Path, step: int) -> None:
 
 
 def compute_all_logprobs(run: Run, samples: list[Sample]) -> bool:
-    """Old (and reference) logprobs; False on every rank when any rank saw a non-finite value."""
+    """Old (and reference) logprobs, and the critic's values; False on every rank when any rank saw a
+    non-finite value."""
     compute_logprobs(run.actor, samples, "old_logprobs", run.cfg, run.pad_id)
     if run.ref is not None:
         compute_logprobs(run.ref, samples, "ref_logprobs", run.cfg, run.pad_id)
-    values = [s.extras[k] for s in samples for k in ("old_logprobs", "ref_logprobs") if k in s.extras]
+    if run.critic is not None:
+        compute_values(run.critic, samples, run.cfg, run.pad_id)
+    values = [s.extras[k] for s in samples for k in ("old_logprobs", "ref_logprobs", "values") if k in s.extras]
     return all_ranks(all(torch.isfinite(v).all() for v in values))
 
 
-def update(run: Run, samples: list[Sample], finite: bool) -> dict[str, float]:
-    """GRPO advantages and the PPO update; a step with non-finite inputs is skipped and counted."""
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-    advantages = grpo_advantages(rewards, run.cfg.rollout.n_samples, run.cfg.algorithm.norm_adv_by_std)
-    if finite and all_ranks(bool(torch.isfinite(advantages).all())):
+def update(run: Run, step: int, samples: list[Sample], finite: bool) -> dict[str, float]:
+    """Advantages, then the critic's and the actor's updates (the actor waits out critic.warmup_steps);
+    a step with non-finite inputs is skipped and counted."""
+    stats = compute_advantages(samples, run.cfg, run.kl.value) if finite else {}
+    advantages = [s.extras["advantages"] for s in samples] if finite else []
+    if finite and all_ranks(all(torch.isfinite(a).all() for a in advantages)):
         run.bad_steps = 0
-        return {**update_actor(run.actor, samples, advantages, run.cfg, run.pad_id), "train/skipped_step": 0.0}
+        if run.critic is not None:
+            stats |= update_critic(run.critic, samples, run.cfg, run.pad_id)
+        if step >= run.cfg.critic.warmup_steps or run.critic is None:
+            stats |= update_actor(run.actor, samples, run.cfg, run.pad_id, run.kl.value)
+        stats |= kl_in_batch(run, samples)
+        return {**stats, "train/skipped_step": 0.0}
     run.bad_steps += 1
     log.warning("non-finite logprobs or advantages: step skipped (%d in a row)", run.bad_steps)
     if run.bad_steps >= run.cfg.trainer.max_bad_steps:
@@ -232,6 +249,17 @@ def update(run: Run, samples: list[Sample], finite: bool) -> dict[str, float]:
             f"{run.cfg.trainer.max_bad_steps}); check the rewards' scale and the learning rate"
         )
     return {"train/skipped_step": 1.0}
+
+
+def kl_in_batch(run: Run, samples: list[Sample]) -> dict[str, float]:
+    """The batch's KL(old || ref) per token (k1), and the coefficient, which adapts to it (kl_target)."""
+    if run.ref is None:
+        return {}
+    old = torch.cat([s.extras["old_logprobs"] for s in samples])
+    kl = (old - torch.cat([s.extras["ref_logprobs"] for s in samples])).mean().item()
+    coef = run.kl.value
+    run.kl.update(mean_across_ranks({"kl": kl})["kl"])
+    return {"kl/coef": coef, "kl/old_ref_k1": kl}
 
 
 def sync(run: Run, version: int) -> dict[str, float]:
@@ -279,7 +307,7 @@ def finish(run: Run, metrics: dict[str, float]) -> None:
         log.info("final metrics: %s", json.dumps({k: round(v, 6) for k, v in sorted(metrics.items())}))
     run.rollouts.stop()
     if run.weights.offload:
-        reload_states(run.actor)
+        run.weights.reload_trainers()
     if run.cfg.logging.export_hf:
         export_hf(run.actor.module, run.model_dir, run.run_dir / "hf", run.cfg.sync.bucket_bytes)
 

@@ -182,13 +182,15 @@ def gradient_against_one_rank(cfg: Config, actor) -> dict:
             torch.manual_seed(0)
             for _, p in named:
                 p.data.normal_(std=0.05)
+    for s, a in zip(batch, advantages):
+        s.extras["advantages"] = torch.full((len(s.response_ids),), float(a))
     per_rank = len(batch) // world
-    mine, adv = batch[rank * per_rank : (rank + 1) * per_rank], advantages[rank * per_rank : (rank + 1) * per_rank]
+    mine = batch[rank * per_rank : (rank + 1) * per_rank]
     compute_logprobs(actor, mine, "old_logprobs", cfg, pad_id=0)  # ratio 1: the loss's gradient is -A grad(logp) / N
     num_tokens, num_seqs = global_denominators(mine)
     mb = cfg.trainer.micro_batch_size
     for i in range(0, len(mine), mb):
-        loss, _, _ = micro_batch_loss(actor, mine[i : i + mb], adv[i : i + mb], cfg, 0, num_tokens, num_seqs)
+        loss, _, _ = micro_batch_loss(actor, mine[i : i + mb], cfg, 0, num_tokens, num_seqs, kl_coef=0.0)
         actor.backward(loss, scale_wrt_gas=False)
         if i + mb < len(mine):
             actor.step()  # not at the boundary: counts the micro-step; the optimizer runs at the last one

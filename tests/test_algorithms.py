@@ -5,14 +5,24 @@ import math
 import pytest
 import torch
 
+from dsrl.advantages import KlController
 from dsrl.algorithms import (
     aggregate,
+    cispo_loss,
     entropy_from_logits,
+    gae,
     grpo_advantages,
+    gspo_loss,
     importance_weights,
     kl_estimate,
+    overlong_penalty,
     ppo_clip_loss,
+    reward_to_go,
+    rloo_advantages,
+    value_loss,
+    whiten,
 )
+from dsrl.config import Config, DataConfig, ModelConfig
 
 
 def test_grpo_advantages_by_hand():
@@ -128,3 +138,120 @@ def test_equal_rewards_give_exactly_zero_advantage():
     """In float32 a group of eight 0.7 rewards had a spurious +-0.056 advantage (mean 1 ulp off, std 6e-8)."""
     adv = grpo_advantages(torch.tensor([0.7] * 8, dtype=torch.float64), group_size=8)
     assert adv.dtype == torch.float32 and adv.abs().max().item() < 1e-6
+
+
+# -- the estimators and losses of --algorithm.advantage / --algorithm.policy_loss, by hand ----------
+
+
+def test_groups_of_one_sample_use_no_baseline():
+    """As verl: a group of one has baseline 0 (and std 1), so its advantage is its reward."""
+    assert grpo_advantages(torch.tensor([0.5, -1.0]), group_size=1).tolist() == [0.5, -1.0]
+    assert rloo_advantages(torch.tensor([0.3]), group_size=1).tolist() == pytest.approx([0.3])
+
+
+def test_rloo_leave_one_out_baseline_by_hand():
+    # r = [1, 0, 0, 1]: each baseline is the mean of the three others
+    adv = rloo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]), group_size=4)
+    assert adv.tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0, 0.0, 0.0, 0.0])
+
+
+def test_reward_to_go_by_hand():
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0], [5.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # length-1, masked
+    returns = reward_to_go(rewards, mask, gamma=0.5)
+    assert returns.tolist() == [[0.25, 0.5, 1.0], [1.0, 2.0, 0.0], [5.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+
+
+def test_gae_by_hand():
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7], [0.2, 0.4, 9.0], [1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])  # padded, fully masked
+    adv, returns = gae(rewards, values, mask, gamma=1.0, lam=0.5)
+    # row 0: deltas 0.1, 0.1, 0.3 -> A2 = 0.3, A1 = 0.1 + 0.5 * 0.3, A0 = 0.1 + 0.5 * 0.25
+    assert adv[0].tolist() == pytest.approx([0.225, 0.25, 0.3])
+    assert returns[0].tolist() == pytest.approx([0.725, 0.85, 1.0])
+    # row 1: the value past the last response token counts as 0 (not the padding's 9)
+    assert adv[1].tolist() == pytest.approx([0.5, 0.6, 0.0])
+    assert returns[1].tolist() == pytest.approx([0.7, 1.0, 0.0])
+    assert adv[2].tolist() == [0.0, 0.0, 0.0] and returns[2].tolist() == [0.0, 0.0, 0.0]
+    adv, returns = gae(rewards[:1], values[:1], mask[:1], gamma=1.0, lam=1.0)  # lam 1: Monte Carlo
+    assert adv[0].tolist() == pytest.approx([0.5, 0.4, 0.3]) and returns[0].tolist() == pytest.approx([1.0] * 3)
+
+
+def test_whiten_by_hand():
+    out = whiten(torch.tensor([[1.0, 2.0, 3.0, 100.0]]), torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
+    assert out.tolist()[0] == pytest.approx([-math.sqrt(1.5), 0.0, math.sqrt(1.5), 0.0], rel=1e-6)
+
+
+def test_dapo_overlong_penalty_by_hand():
+    assert [overlong_penalty(n, 10, buffer=4, factor=1.0) for n in (6, 8, 10)] == [0.0, -0.5, -1.0]
+    assert overlong_penalty(10, 10, buffer=0, factor=1.0) == 0.0
+
+
+def test_seq_mean_token_sum_norm_by_hand():
+    """Dr. GRPO's aggregation: token sums over a constant horizon, so a long response is not down-weighted."""
+    values = torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
+    assert aggregate(values, mask, "seq_mean_token_sum_norm", horizon=4).item() == pytest.approx((4 / 4 + 4 / 4) / 2)
+    assert aggregate(values, mask, "seq_mean_token_sum_norm", horizon=8).item() == pytest.approx(0.5)
+
+
+def test_gspo_uses_the_sequence_ratio_by_hand():
+    """Token ratios 2 and 0.5 have a geometric mean of 1: the sequence is unclipped at any range, and
+    each token's gradient is the sequence's (-A * s / tokens), not its own ratio's."""
+    old = torch.zeros(1, 2)
+    logp = torch.log(torch.tensor([[2.0, 0.5]])).requires_grad_()
+    loss, metrics = gspo_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 2), 3e-4, 4e-4, "token_mean")
+    assert loss.item() == pytest.approx(-1.0) and metrics["clip_frac"].item() == 0.0
+    loss.backward()
+    assert logp.grad.tolist()[0] == pytest.approx([-0.5, -0.5])
+    # a sequence ratio of 1.1 is clipped at 1 + 4e-4 for a positive advantage
+    loss, _ = gspo_loss(
+        torch.full((1, 2), math.log(1.1)), old, torch.tensor([1.0]), torch.ones(1, 2), 3e-4, 4e-4, "token_mean"
+    )
+    assert loss.item() == pytest.approx(-(1 + 4e-4))
+
+
+def test_cispo_clips_the_weight_not_the_gradient_by_hand():
+    old = torch.zeros(1, 2)
+    logp = torch.log(torch.tensor([[1.5, 1.0]])).requires_grad_()
+    mask = torch.tensor([[1.0, 1.0]])
+    loss, metrics = cispo_loss(logp, old, torch.tensor([1.0]), mask, 0.2, 0.2, "token_mean")
+    # weights sg(clip(1.5)) = 1.2 and 1.0: loss = -(1.2 * log 1.5 + 1.0 * log 1) / 2
+    assert loss.item() == pytest.approx(-1.2 * math.log(1.5) / 2)
+    loss.backward()
+    assert logp.grad.tolist()[0] == pytest.approx([-0.6, -0.5])  # the clipped token still has a gradient
+    assert metrics["clip_frac"].item() == pytest.approx(0.5)
+
+
+def test_value_loss_clipping_by_hand():
+    values, old, returns, mask = torch.tensor([[0.5]]), torch.tensor([[0.0]]), torch.tensor([[1.0]]), torch.ones(1, 1)
+    loss, stats = value_loss(values, old, returns, mask, 0.2, "token_mean")
+    # unclipped (0.5 - 1)^2 = 0.25; clipped value 0.2: (0.2 - 1)^2 = 0.64; the larger, halved
+    assert loss.item() == pytest.approx(0.32) and stats["vf_clip_frac"].item() == 1.0
+    assert value_loss(values, old, returns, mask, None, "token_mean")[0].item() == pytest.approx(0.125)
+
+
+def test_losses_of_fully_masked_rows_are_zero():
+    logp, old = torch.randn(2, 3), torch.randn(2, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    adv = torch.tensor([1.0, 5.0])
+    for fn in (ppo_clip_loss, gspo_loss, cispo_loss):
+        whole, _ = fn(logp, old, adv, mask, 0.2, 0.2, "token_mean", num_tokens=2.0)
+        first, _ = fn(logp[:1], old[:1], adv[:1], mask[:1], 0.2, 0.2, "token_mean", num_tokens=2.0)
+        assert whole.item() == pytest.approx(first.item()), fn.__name__
+
+
+def test_adaptive_kl_controller_by_hand():
+    """Ziegler et al.: beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * steps / horizon."""
+    cfg = Config(model=ModelConfig(path="m"), data=DataConfig(train_path="d.jsonl"))
+    cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon = 0.1, 0.05, 10
+    kl = KlController(cfg)
+    kl.update(0.5)  # 10x the target: the error is clipped to 0.2
+    assert kl.value == pytest.approx(0.1 * 1.02)
+    kl.update(0.05)  # on target: unchanged
+    assert kl.value == pytest.approx(0.1 * 1.02)
+    cfg.algorithm.kl_target = None
+    fixed = KlController(cfg)
+    fixed.update(0.5)
+    assert fixed.value == 0.1

@@ -16,6 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from dsrl import toy
 from dsrl.config import Config, DataConfig, ModelConfig
 from dsrl.data import PromptDataset, Sample
+from dsrl.rollout import Rewarder
 from dsrl.rollout_manager import Group, PromptStream, RolloutManager
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import start_fleet
@@ -88,7 +89,8 @@ def manager_for(
     cfg.rollout.max_new_tokens, cfg.rollout.max_ahead = 16, ahead
     dataset = PromptDataset(cfg.data, TOKENIZER)
     stream = PromptStream(dataset, groups, rank=0, world=1)
-    return RolloutManager(client, cfg, stream, toy.reward, TOKENIZER), stream
+    cfg.algorithm.reward_workers = 0  # in a thread: these managers come and go by the dozen
+    return RolloutManager(client, cfg, stream, Rewarder(cfg.algorithm, TOKENIZER, toy.reward)), stream
 
 
 def simulated_update(client, version: int, mode: str = "abort") -> None:

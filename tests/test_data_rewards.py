@@ -115,3 +115,47 @@ def test_load_reward_fn_errors_name_the_flag():
         load_reward_fn("no_such_mod:f")
     with pytest.raises(ValueError, match="has no function 'nope'"):
         load_reward_fn("dsrl.rewards:nope")
+
+
+def test_reward_workers_survive_a_hang_a_crash_and_garbage():
+    """Each call has its own outcome: a hung call times out and its process is replaced, a process that
+    exits fails only its row, and the pool goes on serving the rows after them."""
+    from dsrl.reward_pool import RewardPool
+
+    pool = RewardPool("tests._bad_rewards:by_row_kind", workers=2, timeout_s=2.0)
+    kinds = ["ok", "hang", "crash", "string", "raise", "ok"]
+    try:
+        results = pool.score([("p", "r", None, {"kind": k}) for k in kinds])
+        again = pool.score([("p", "r", None, {"kind": "ok"})] * 3)  # the replaced processes serve
+    finally:
+        pool.close()
+    assert results[0] == (1.0, None) and results[5] == (1.0, None)
+    assert results[1][1].startswith("took longer than --algorithm.reward_timeout_s=2s")
+    assert results[2][1].startswith("its process exited (code 3)")
+    assert results[3] == ("good", None)  # the trainer refuses it (check_reward), naming the row
+    assert results[4][1] == "ValueError('no answer here')"
+    assert again == [(1.0, None)] * 3
+
+
+def test_rewards_that_take_the_row_are_batched_or_async():
+    """A reward may take `row=` (the whole dataset row), be marked batched (lists in, a list out), or be a
+    coroutine function; the in-process path and the workers call them the same way."""
+    import asyncio
+
+    from dsrl.reward_pool import call_reward
+    from dsrl.rewards import batched
+
+    def with_row(prompt, response, answer, row):
+        return float(row["weight"])
+
+    async def later(prompt, response, answer):
+        await asyncio.sleep(0)
+        return 0.5
+
+    @batched
+    def many(prompts, responses, answers):
+        return [float(len(r)) for r in responses]
+
+    assert call_reward(with_row, "p", "r", None, {"weight": 3}) == 3.0
+    assert call_reward(later, "p", "r", None, {}) == 0.5
+    assert many.dsrl_batched and many(["p", "q"], ["ab", "c"], [None, None]) == [2.0, 1.0]

@@ -52,13 +52,16 @@ class WeightSync:
         client: RolloutClient,
         transport: CheckpointEngine,
         offload: bool,
+        critic=None,
     ):
         self.cfg, self.actor, self.fleet, self.client, self.transport = cfg, actor, fleet, client, transport
+        self.trainers = [actor] + ([critic] if critic is not None else [])
+        """The engines that lend the GPU to the servers between updates (colocated): actor, critic."""
         self.rank0 = dist.get_rank() == 0
         """Only trainer rank 0 talks to the servers; the fields below marked (rank 0) are empty elsewhere."""
         self.colocated = cfg.rollout.placement == "colocate"
         self.offload = offload
-        """Colocated on GPUs: the trainer's states leave the GPU while the servers generate."""
+        """Colocated on GPUs: the trainers' states leave the GPU while the servers generate."""
         r = cfg.rollout
         self.pause = r.pause_mode if r.placement == "disaggregate" and r.interrupt == "pause" else None
         """SGLang's pause mode when requests stay in flight through updates (interrupt pause), else None."""
@@ -78,7 +81,7 @@ class WeightSync:
                 with agreed(f"the weight sync to version {version}", SERVER_ERRORS):
                     if self.offload:
                         with timer("offload"):
-                            offload_states(self.actor, params=False)
+                            self.offload_trainers(params=False)
                     with timer("wake"):
                         self._wake("weights")
                     start = time.perf_counter()
@@ -109,7 +112,7 @@ class WeightSync:
         if self.offload:
             with timer("offload"):
                 self.transport.release()
-                offload_states(self.actor, params=True)
+                self.offload_trainers(params=True)
         with timer("wake"):  # the KV cache needs the memory the trainer's params held
             self._wake("kv_cache")
         if reference is not None:
@@ -126,7 +129,16 @@ class WeightSync:
             self.client.call_all("/release_memory_occupation", {"tags": list(MEMORY_TAGS)})
             self.released = {url: set(MEMORY_TAGS) for url in self.client.live_urls()}
         if self.offload:
-            reload_states(self.actor)
+            self.reload_trainers()
+
+    def offload_trainers(self, params: bool) -> None:
+        """Optimizer states (and with `params` the parameters) of every trainer to the CPU."""
+        for engine in self.trainers:
+            offload_states(engine, params)
+
+    def reload_trainers(self) -> None:
+        for engine in self.trainers:
+            reload_states(engine)
 
     def check_probe(self) -> dict[str, float]:
         """The last update's background probe; a mismatch stops the run on every rank."""

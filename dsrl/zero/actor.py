@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from dsrl.algorithms import (
     LOG_RATIO_LIMIT,
+    POLICY_LOSSES,
     aggregate,
     entropy_from_logits,
     importance_weights,
@@ -28,7 +29,8 @@ def pack(samples: list[Sample], pad_id: int, device: torch.device) -> tuple[torc
     for i, (s, seq) in enumerate(zip(samples, seqs)):
         input_ids[i, : len(seq)] = torch.tensor(seq)
         attention[i, : len(seq)] = 1
-        targets[i, len(s.prompt.prompt_ids) - 1 : len(seq) - 1] = 1
+        if not s.extras.get("skip"):  # a sample whose reward failed (on_reward_error skip) has no loss
+            targets[i, len(s.prompt.prompt_ids) - 1 : len(seq) - 1] = 1
     return input_ids.to(device), attention.to(device), targets.to(device)
 
 
@@ -78,55 +80,83 @@ def global_denominators(mini: list[Sample]) -> tuple[float, float]:
     DeepSpeed averages the ranks' gradients; a rank that divides its sum by (global count / ranks)
     then contributes exactly its share of the global mean. Dividing by its own count instead made
     `token_mean` the mean of per-rank means: wrong whenever ranks hold different token totals.
+    Skipped samples (a failed reward, `on_reward_error skip`) count for nothing.
     """
-    counts = [float(sum(len(s.response_ids) for s in mini)), float(len(mini))]
+    kept = [s for s in mini if not s.extras.get("skip")]
+    counts = [float(sum(len(s.response_ids) for s in kept)), float(len(kept))]
     counts = torch.tensor(counts, dtype=torch.float64, device=reduce_device())
     dist.all_reduce(counts)
-    counts /= dist.get_world_size()
+    counts = counts.clamp(min=1) / dist.get_world_size()
     return counts[0].item(), counts[1].item()
 
 
 def micro_batch_loss(
-    engine, chunk: list[Sample], advantages: torch.Tensor, cfg: Config, pad_id: int, num_tokens: float, num_seqs: float
+    engine, chunk: list[Sample], cfg: Config, pad_id: int, num_tokens: float, num_seqs: float, kl_coef: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """The policy loss of one micro-batch as its share of the mini-batch loss (`global_denominators`),
-    its metrics, and its response mask."""
+    its metrics, and its response mask. Advantages come per token from extras["advantages"]."""
     a = cfg.algorithm
     input_ids, attention, mask = pack(chunk, pad_id, engine.device)
-    width = mask.shape[1]
-    old = per_token(chunk, "old_logprobs", width, engine.device)
+    width, device = mask.shape[1], engine.device
+    old = per_token(chunk, "old_logprobs", width, device)
+    advantages = per_token(chunk, "advantages", width, device)
     logprobs, entropy = forward_logprobs(engine, input_ids, attention, cfg.rollout.temperature, True)
-    weights = None
-    if a.off_policy != "none":
-        behaviour = per_token(chunk, "engine_logprobs", width, engine.device)
-        weights = importance_weights(old, behaviour, a.off_policy, a.is_cap)
-    loss, stats = ppo_clip_loss(
-        logprobs, old, advantages.to(engine.device), mask, a.clip_low, a.clip_high, a.loss_agg, num_tokens,
-        num_seqs, weights, a.clip_ratio_c,
-    )  # fmt: skip
+    agg = (a.loss_agg, num_tokens, num_seqs)
+    if a.policy_loss == "ppo":
+        weights = None
+        if a.off_policy != "none":
+            behaviour = per_token(chunk, "engine_logprobs", width, device)
+            weights = importance_weights(old, behaviour, a.off_policy, a.is_cap)
+        loss, stats = ppo_clip_loss(
+            logprobs, old, advantages, mask, a.clip_low, a.clip_high, *agg, weights, a.clip_ratio_c,
+            cfg.rollout.max_new_tokens,
+        )  # fmt: skip
+        if weights is not None:
+            stats |= importance_stats(old, behaviour, weights, mask, a.is_cap)
+    else:
+        policy_loss = POLICY_LOSSES[a.policy_loss]
+        loss, stats = policy_loss(
+            logprobs, old, advantages, mask, a.clip_low, a.clip_high, *agg, horizon=cfg.rollout.max_new_tokens
+        )
     n = mask.sum().clamp(min=1)
-    if weights is not None:
-        raw = torch.exp((old - behaviour).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
-        stats["is_weight_mean"] = (weights * mask).sum() / n
-        stats["is_weight_max"] = (raw * mask).max()
-        stats["is_capped_frac"] = ((raw > a.is_cap).float() * mask).sum() / n
     stats["pg_loss"] = loss.detach()
-    if a.kl_coef > 0:
-        kl = kl_estimate(logprobs, per_token(chunk, "ref_logprobs", width, engine.device), a.kl_estimator)
-        loss = loss + a.kl_coef * aggregate(kl, mask, a.loss_agg, num_tokens, num_seqs)
+    if kl_coef > 0 and not a.kl_in_reward:
+        kl = kl_estimate(logprobs, per_token(chunk, "ref_logprobs", width, device), a.kl_estimator)
+        loss = loss + kl_coef * aggregate(kl, mask, *agg, cfg.rollout.max_new_tokens)
         stats["kl"] = (kl.detach() * mask).sum() / n
     if a.entropy_coef > 0:
-        loss = loss - a.entropy_coef * aggregate(entropy, mask, a.loss_agg, num_tokens, num_seqs)
+        loss = loss - a.entropy_coef * aggregate(entropy, mask, *agg, cfg.rollout.max_new_tokens)
     stats["entropy"] = (entropy.detach() * mask).sum() / n
     return loss, stats, mask
 
 
-def update_actor(engine, samples: list[Sample], advantages: torch.Tensor, cfg: Config, pad_id: int) -> dict:
-    """PPO-clip epochs over the batch: `updates_per_step` optimizer steps per epoch, micro-batched."""
-    t = cfg.trainer
-    mini_size = len(samples) // t.updates_per_step
+def importance_stats(old, behaviour, weights, mask, cap: float) -> dict[str, torch.Tensor]:
+    n = mask.sum().clamp(min=1)
+    raw = torch.exp((old - behaviour).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    return {
+        "is_weight_mean": (weights * mask).sum() / n,
+        "is_weight_max": (raw * mask).max(),
+        "is_capped_frac": ((raw > cap).float() * mask).sum() / n,
+    }
+
+
+def update_actor(engine, samples: list[Sample], cfg: Config, pad_id: int, kl_coef: float) -> dict[str, float]:
+    """The policy update: `ppo_epochs` passes of `updates_per_step` optimizer steps, micro-batched."""
     for s in samples:
         s.extras["engine_logprobs"] = torch.tensor(s.engine_logprobs)
+
+    def loss(chunk, num_tokens, num_seqs):
+        return micro_batch_loss(engine, chunk, cfg, pad_id, num_tokens, num_seqs, kl_coef)
+
+    return {f"actor/{k}": v for k, v in run_updates(engine, samples, cfg, cfg.trainer.micro_batch_size, loss).items()}
+
+
+def run_updates(engine, samples: list[Sample], cfg: Config, micro_batch_size: int, loss_fn) -> dict[str, float]:
+    """`ppo_epochs` passes over the batch, each `updates_per_step` optimizer steps of micro-batched
+    gradient accumulation; `loss_fn(chunk, num_tokens, num_seqs)` -> (loss, metrics, mask) gives each
+    micro-batch's share of its mini-batch loss. Returns token-weighted means of the metrics."""
+    t = cfg.trainer
+    mini_size = len(samples) // t.updates_per_step
     sums: dict[str, float] = defaultdict(float)
     maxima: dict[str, float] = {}
     tokens_seen, grad_norms, lrs = 0.0, [], []
@@ -134,10 +164,8 @@ def update_actor(engine, samples: list[Sample], advantages: torch.Tensor, cfg: C
         for m in range(0, len(samples), mini_size):
             mini = samples[m : m + mini_size]
             num_tokens, num_seqs = global_denominators(mini)
-            for i in range(0, len(mini), t.micro_batch_size):
-                chunk = mini[i : i + t.micro_batch_size]
-                adv = advantages[m + i : m + i + len(chunk)]
-                loss, stats, mask = micro_batch_loss(engine, chunk, adv, cfg, pad_id, num_tokens, num_seqs)
+            for i in range(0, len(mini), micro_batch_size):
+                loss, stats, mask = loss_fn(mini[i : i + micro_batch_size], num_tokens, num_seqs)
                 # The loss is already a share of the mini-batch mean: no extra 1/accumulation scaling.
                 engine.backward(loss, scale_wrt_gas=False)
                 engine.step()
@@ -145,13 +173,13 @@ def update_actor(engine, samples: list[Sample], advantages: torch.Tensor, cfg: C
                 for key in [k for k in stats if k.endswith("_max")]:
                     maxima[key] = max(maxima.get(key, 0.0), stats.pop(key).item())
                 for key, value in stats.items():
-                    # pg_loss is a share of the mini-batch loss already; the rest are per-token means
-                    sums[key] += value.item() * (num_tokens if key == "pg_loss" else weight)
+                    # the loss is a share of the mini-batch loss already; the rest are per-token means
+                    sums[key] += value.item() * (num_tokens if key.endswith("_loss") else weight)
                 tokens_seen += weight
             grad_norms.append(float(engine.get_global_grad_norm() or 0.0))
             lrs.append(engine.get_lr()[0])
-    out = {f"actor/{k}": v / tokens_seen for k, v in sums.items()}
-    out.update({f"actor/{k}": v for k, v in maxima.items()})
-    out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
-    out["actor/lr"] = lrs[-1]
+    out = {k: v / max(tokens_seen, 1.0) for k, v in sums.items()}
+    out.update(maxima)
+    out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    out["lr"] = lrs[-1]
     return out

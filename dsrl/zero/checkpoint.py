@@ -27,14 +27,17 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def save_checkpoint(engine, run_dir: Path, state: dict, rank_state: dict, keep_last: int) -> Path:
-    """Write step_<state['step']> on every rank (each its partition and `rank_state`), then publish it."""
+def save_checkpoint(engine, run_dir: Path, state: dict, rank_state: dict, keep_last: int, critic=None) -> Path:
+    """Write step_<state['step']> on every rank (each its partition and `rank_state`; the critic's states
+    under critic/), then publish it."""
     root, rank = checkpoint_dir(run_dir), dist.get_rank()
     final, tmp = root / f"step_{state['step']}", root / f".tmp_step_{state['step']}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash mid-save
     dist.barrier()
     engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
+    if critic is not None:
+        critic.save_checkpoint(str(tmp), tag="critic", save_latest=False)
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     torch.save({**rank_state, "rng": rng}, tmp / f"dsrl_rank{rank}.pt")
     if rank == 0:
@@ -69,13 +72,18 @@ def find_checkpoint(run_dir: Path, resume: str) -> Path | None:
     return path if (path / "dsrl_state.json").is_file() else None
 
 
-def load_checkpoint(engine, path: Path) -> tuple[dict, dict]:
-    """Restore DeepSpeed states and this rank's RNG; return (the run state, this rank's state)."""
-    load_path, _ = engine.load_checkpoint(
-        str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
-    if load_path is None:
-        raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path}")
+def load_checkpoint(engine, path: Path, critic=None) -> tuple[dict, dict]:
+    """Restore DeepSpeed states (the critic's too) and this rank's RNG; return (the run state, this rank's state)."""
+    for name, eng, root, tag in [("actor", engine, path.parent, path.name), ("critic", critic, path, "critic")]:
+        if eng is None:
+            continue
+        if name == "critic" and not (path / "critic").is_dir():
+            raise RuntimeError(f"{path} holds no critic: it was written by a run without one (--algorithm.advantage)")
+        load_path, _ = eng.load_checkpoint(
+            str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed could not load the {name} from the checkpoint in {path}")
     rank_state = torch.load(path / f"dsrl_rank{dist.get_rank()}.pt", weights_only=False)
     torch.set_rng_state(rank_state["rng"]["torch"])
     random.setstate(rank_state["rng"]["python"])

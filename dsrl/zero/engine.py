@@ -8,7 +8,7 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
 from dsrl.config import Config
@@ -26,20 +26,24 @@ def param_dtype(cfg: Config) -> torch.dtype:
     return torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
 
 
-def batch_shape(cfg: Config, world: int) -> tuple[int, int]:
+def batch_shape(cfg: Config, world: int, micro_batch_size: int | None = None) -> tuple[int, int]:
     """(samples per rank per step, gradient-accumulation micro-batches per optimizer step)."""
     per_rank = cfg.rollout.prompts_per_step // world * cfg.rollout.n_samples
-    return per_rank, per_rank // cfg.trainer.updates_per_step // cfg.trainer.micro_batch_size
+    return per_rank, per_rank // cfg.trainer.updates_per_step // (micro_batch_size or cfg.trainer.micro_batch_size)
 
 
-def ds_config(cfg: Config, world: int, train: bool) -> dict:
+def ds_config(
+    cfg: Config, world: int, train: bool, lr: float | None = None, micro_batch_size: int | None = None
+) -> dict:
+    """DeepSpeed's config for an engine: the actor's (trainer.*), or with `lr` and `micro_batch_size` the critic's."""
     t = cfg.trainer
+    micro_batch_size = micro_batch_size or t.micro_batch_size
     zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}
     if train and t.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": use_cuda(cfg)}
     conf = {
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": batch_shape(cfg, world)[1],
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": batch_shape(cfg, world, micro_batch_size)[1],
         "zero_optimization": zero,
         "bf16": {"enabled": param_dtype(cfg) == torch.bfloat16},
         "gradient_clipping": t.grad_clip,
@@ -50,7 +54,7 @@ def ds_config(cfg: Config, world: int, train: bool) -> dict:
         # On CPU torch's AdamW: DeepSpeed's CPU Adam JIT-compiles for minutes on first use (ZeRO-Offload
         # needs it, so it is used there). On GPU FusedAdam: DeepSpeed can only move its states off the
         # GPU between phases (colocated runs) for FusedAdam; it JIT-compiles once (~1 min, cached).
-        params = {"lr": t.lr, "betas": list(t.betas), "eps": 1e-8, "weight_decay": t.weight_decay}
+        params = {"lr": lr or t.lr, "betas": list(t.betas), "eps": 1e-8, "weight_decay": t.weight_decay}
         torch_adam = not (use_cuda(cfg) or t.offload_optimizer)
         conf["optimizer"] = {"type": "AdamW", "params": {**params, "torch_adam": torch_adam}}
     return conf
@@ -89,14 +93,23 @@ def prepare_model_dir(cfg: Config, run_dir: Path) -> str:
     return str(out)
 
 
-def load_engine(cfg: Config, model_dir: str, world: int, train: bool) -> deepspeed.DeepSpeedEngine:
-    conf = ds_config(cfg, world, train)
+def load_engine(
+    cfg: Config, model_dir: str, world: int, train: bool, critic: bool = False
+) -> deepspeed.DeepSpeedEngine:
+    """The actor (train), the reference model, or the critic: the policy's architecture with a scalar head
+    (`AutoModelForTokenClassification`, num_labels 1, as verl), from `critic.path` or the policy's weights."""
+    c = cfg.critic
+    conf = ds_config(cfg, world, train, c.lr, c.micro_batch_size) if critic else ds_config(cfg, world, train)
     # While this object lives, from_pretrained builds the model under zero.Init: each rank only
     # ever holds its partition, and HF's own weight init still runs.
     hf_ds = HfDeepSpeedConfig(conf)  # noqa: F841
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=param_dtype(cfg), trust_remote_code=cfg.model.trust_remote_code
-    )
+    kwargs = {"dtype": param_dtype(cfg), "trust_remote_code": cfg.model.trust_remote_code}
+    if critic:
+        config = AutoConfig.from_pretrained(c.path or model_dir, trust_remote_code=cfg.model.trust_remote_code)
+        config.num_labels, config.classifier_dropout = 1, 0.0  # no dropout before the head (HF's default: 0.1)
+        model = AutoModelForTokenClassification.from_pretrained(c.path or model_dir, config=config, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     model.config.use_cache = False
     if train and cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()

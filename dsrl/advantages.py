@@ -1,0 +1,118 @@
+"""A batch's advantages (and, with a critic, its returns), by `--algorithm.advantage`.
+
+Every rank holds whole groups, so group baselines need no communication; the estimators that
+normalise over the batch (REINFORCE++, GAE's whitening) reduce their statistics over every rank.
+Results go into each sample's `extras` as response-aligned tensors: `advantages`, and `returns`
+(the critic's targets) with GAE.
+"""
+
+import torch
+import torch.distributed as dist
+
+from dsrl.algorithms import gae, grpo_advantages, overlong_penalty, reward_to_go, rloo_advantages, whiten
+from dsrl.collectives import reduce_device
+from dsrl.config import Config
+from dsrl.data import Sample
+
+
+class KlController:
+    """The KL coefficient: fixed, or adaptive toward `kl_target` nats per token (Ziegler et al. 2019,
+    arXiv:1909.08593): beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * steps / horizon."""
+
+    def __init__(self, cfg: Config):
+        self.value = cfg.algorithm.kl_coef
+        self.target, self.horizon = cfg.algorithm.kl_target, cfg.algorithm.kl_horizon
+
+    def update(self, kl: float, steps: int = 1) -> None:
+        if self.target:
+            error = min(max(kl / self.target - 1, -0.2), 0.2)
+            self.value *= 1 + error * steps / self.horizon
+
+
+def padded(samples: list[Sample], values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Response-aligned per-sample tensors as one right-padded [B, T] float64 tensor, and its mask."""
+    width = max(len(s.response_ids) for s in samples)
+    out = torch.zeros(len(samples), width, dtype=torch.float64)
+    mask = torch.zeros(len(samples), width, dtype=torch.float64)
+    for i, (s, v) in enumerate(zip(samples, values)):
+        out[i, : len(s.response_ids)] = v
+        mask[i, : len(s.response_ids)] = 1
+    return out, mask
+
+
+def token_rewards(samples: list[Sample], cfg: Config, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] rewards: each sample's reward (plus DAPO's overlong penalty) on its last token, less
+    kl_coef * (log pi_old - log pi_ref) on every token when the KL is folded into the reward."""
+    a = cfg.algorithm
+    rows = []
+    for s in samples:
+        r = torch.zeros(len(s.response_ids), dtype=torch.float64)
+        if len(s.response_ids):
+            length = len(s.response_ids)
+            r[-1] = s.reward + overlong_penalty(
+                length, cfg.rollout.max_new_tokens, a.overlong_buffer, a.overlong_penalty
+            )
+        if a.kl_in_reward and kl_coef > 0:
+            r -= kl_coef * (s.extras["old_logprobs"] - s.extras["ref_logprobs"]).to(torch.float64)
+        rows.append(r)
+    return padded(samples, rows)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over this rank's tokens: how much of the return the critic
+    predicted (before this step's update); 1 is perfect, 0 no better than a constant."""
+    n = mask.sum().clamp(min=1)
+
+    def var(x: torch.Tensor) -> torch.Tensor:
+        mean = (x * mask).sum() / n
+        return ((x - mean).square() * mask).sum() / n
+
+    return float(1 - var(returns - values) / var(returns).clamp(min=1e-12))
+
+
+def batch_stats(values: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
+    """(sum, sum of squares, count) of the masked values over every rank."""
+    t = torch.tensor([(values * mask).sum(), (values.square() * mask).sum(), mask.sum()], dtype=torch.float64)
+    t = t.to(reduce_device())
+    dist.all_reduce(t)
+    return tuple(t.tolist())
+
+
+def compute_advantages(samples: list[Sample], cfg: Config, kl_coef: float) -> dict[str, float]:
+    """Fill extras["advantages"] (and extras["returns"] with gae) of every sample; returns metrics."""
+    a, n, extra = cfg.algorithm, cfg.rollout.n_samples, {}
+    rewards, mask = token_rewards(samples, cfg, kl_coef)
+    scores = rewards.sum(-1)  # the outcome (and any in-reward KL) as one number per sample
+    if a.advantage in ("grpo", "dr_grpo"):
+        adv = grpo_advantages(scores, n, a.norm_adv_by_std and a.advantage == "grpo")[:, None] * mask
+    elif a.advantage == "rloo":
+        adv = rloo_advantages(scores, n)[:, None] * mask
+    elif a.advantage == "reinforce_plus_plus":
+        returns = reward_to_go(rewards, mask, a.gamma)
+        adv = whiten(returns, mask, batch_stats(returns, mask))
+    elif a.advantage == "reinforce_plus_plus_baseline":
+        grouped = scores.view(-1, n)
+        baseline = grouped.mean(dim=1, keepdim=True) if n > 1 else 0.0  # a group of one: none (as verl)
+        centred = (grouped - baseline).reshape(-1)[:, None] * mask
+        adv = whiten(centred, mask, batch_stats(centred, mask))
+    elif a.advantage == "gae":
+        values, _ = padded(samples, [s.extras["values"].to(torch.float64) for s in samples])
+        adv, returns = gae(rewards, values, mask, a.gamma, a.lam)
+        adv = whiten(adv, mask, batch_stats(adv, mask))
+        for s, row in zip(samples, returns):
+            s.extras["returns"] = row[: len(s.response_ids)].float()
+        extra["critic/explained_variance"] = explained_variance(values, returns, mask)
+    else:
+        raise ValueError(f"--algorithm.advantage={a.advantage!r}: unknown estimator")
+    adv = adv.float()
+    for s, row in zip(samples, adv):
+        s.extras["advantages"] = row[: len(s.response_ids)]
+    total, squares, count = batch_stats(adv.double(), mask)
+    mean = total / max(count, 1)
+    groups = scores.view(-1, n)
+    no_signal = float((groups.max(dim=1).values == groups.min(dim=1).values).float().mean()) if n > 1 else 0.0
+    return extra | {
+        "advantage/mean": mean,
+        "advantage/std": max(squares / max(count, 1) - mean * mean, 0.0) ** 0.5,
+        "advantage/no_signal_group_frac": no_signal,
+    }

@@ -1,0 +1,201 @@
+"""Reward functions in worker processes, each call with a timeout (--algorithm.reward_workers).
+
+A reward function is user code: it may hang, kill its process, or return garbage. Here it runs in
+`reward_workers` spawned processes per trainer rank; a call that outlasts --algorithm.reward_timeout_s
+has its process killed and replaced, a process that dies is replaced, and either way only that row
+fails, with a message naming it. The trainer's event loop is not blocked while rewards are computed
+(`score_async`), so a slow reward does not stall the requests in flight.
+
+Workers are fresh interpreters (`python -m dsrl.reward_pool`, not multiprocessing's spawn, which
+imports the trainer's main module again: seconds of torch and DeepSpeed per worker). They import
+this module, which imports nothing heavy, and the reward function by its `module:function` path.
+"""
+
+import asyncio
+import inspect
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Pipe, wait
+
+from dsrl.rewards import load_reward_fn
+
+NOT_SCORED = "not scored: another row of its group failed first"
+
+Item = tuple[str, str, object, dict]
+"""(prompt, response, answer, the dataset row): what one call of the reward function gets."""
+
+
+def call_reward(fn, prompt: str, response: str, answer, row: dict):
+    """fn(prompt, response, answer), with `row=` when it takes one; an async function is run to its end."""
+    kwargs = {"row": row} if _takes_row(fn) else {}
+    value = fn(prompt, response, answer, **kwargs)
+    return asyncio.run(value) if inspect.isawaitable(value) else value
+
+
+def _takes_row(fn) -> bool:
+    try:
+        return "row" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _worker(spec: str, conn: Connection) -> None:
+    """A worker's loop: (call id, items) in, (call id, values or an error) out, until told to stop."""
+    fn = load_reward_fn(spec)
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:  # the trainer went away
+            return
+        if message is None:
+            return
+        call_id, items = message
+        try:
+            if getattr(fn, "dsrl_batched", False):
+                values = list(call_reward(fn, *map(list, zip(*items))))
+            else:
+                values = [call_reward(fn, *item) for item in items]
+            conn.send((call_id, values, None))
+        except Exception as e:  # noqa: BLE001 -- sent back, the trainer names the row
+            conn.send((call_id, None, repr(e)))
+
+
+@dataclass
+class _Request:
+    """One caller's items; its future resolves once every call of it has an outcome."""
+
+    items: list[Item]
+    future: Future
+    fail_fast: bool
+    """Settle at the first failed row (the caller skips the whole group then): the rest is not scored."""
+    results: list = field(default_factory=list)
+    left: int = 0
+
+    def settle(self, indices: list[int], outcomes: list[tuple[object, str | None]]) -> None:
+        for i, outcome in zip(indices, outcomes):
+            self.results[i] = outcome
+        self.left -= 1
+        failed = self.fail_fast and any(error for _, error in outcomes)
+        if (self.left == 0 or failed) and not self.future.done():
+            self.future.set_result(self.results)
+
+
+class RewardPool:
+    """`workers` processes fed by one dispatcher thread: calls from many groups run side by side, and a
+    call that hangs holds up only its own row."""
+
+    def __init__(self, spec: str, workers: int, timeout_s: float):
+        self.spec, self.timeout_s = spec, timeout_s
+        self.batched = getattr(load_reward_fn(spec), "dsrl_batched", False)
+        self.workers = [self._spawn() for _ in range(workers)]
+        self.queue: deque[tuple[_Request, list[int]]] = deque()  # calls not yet handed to a worker
+        self.lock = threading.Lock()
+        self.wake_recv, self.wake_send = Pipe(duplex=False)  # a new call, or stop
+        self.stopped = False
+        self.thread = threading.Thread(target=self._dispatch, name="dsrl-reward-dispatch", daemon=True)
+        self.thread.start()
+
+    def _spawn(self) -> tuple[subprocess.Popen, Connection]:
+        """A worker: a fresh interpreter (never a fork of a trainer: CUDA, threads), on a socket pair."""
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # as spawn: the same imports
+        cmd = [sys.executable, "-m", "dsrl.reward_pool", self.spec, str(theirs.fileno())]
+        process = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env, start_new_session=True)
+        theirs.close()
+        return process, Connection(ours.detach())
+
+    def submit(self, items: list[Item], fail_fast: bool = False) -> Future:
+        """A future of (value, None) or (None, why it failed) per item; a batched reward function gets them
+        in one call, any other one call per item. `fail_fast`: settle at the first failure."""
+        request = _Request(items, Future(), fail_fast, [(None, NOT_SCORED)] * len(items))
+        calls = [list(range(len(items)))] if self.batched else [[i] for i in range(len(items))]
+        request.left = len(calls)
+        if not calls:
+            request.future.set_result([])
+        with self.lock:
+            self.queue.extend((request, call) for call in calls)
+            self.wake_send.send_bytes(b"\0")  # one small write: atomic between callers anyway
+        return request.future
+
+    def score(self, items: list[Item], fail_fast: bool = False) -> list[tuple[object, str | None]]:
+        return self.submit(items, fail_fast).result()
+
+    async def score_async(self, items: list[Item], fail_fast: bool = False) -> list[tuple[object, str | None]]:
+        return await asyncio.wrap_future(self.submit(items, fail_fast))
+
+    def _dispatch(self) -> None:
+        busy: dict[int, tuple[_Request, list[int], float]] = {}  # worker -> (request, item indices, deadline)
+        while not self.stopped:
+            with self.lock:
+                self.queue = deque(c for c in self.queue if not c[0].future.done())  # their group failed already
+                for w in [w for w in range(len(self.workers)) if w not in busy]:
+                    if not self.queue:
+                        break
+                    request, call = self.queue.popleft()
+                    self.workers[w][1].send((0, [request.items[i] for i in call]))
+                    busy[w] = (request, call, time.monotonic() + self.timeout_s)
+            timeout = max(0.0, min((d for _, _, d in busy.values()), default=time.monotonic() + 1) - time.monotonic())
+            ready = wait([self.workers[w][1] for w in busy] + [self.wake_recv], timeout=timeout)
+            if self.wake_recv in ready:
+                while self.wake_recv.poll():
+                    self.wake_recv.recv_bytes()
+            for w in list(busy):
+                self._check(w, busy, ready)
+
+    def _check(self, w: int, busy: dict, ready: list) -> None:
+        request, call, deadline = busy[w]
+        process, conn = self.workers[w]
+        if conn in ready:
+            try:
+                _, values, error = conn.recv()
+            except (EOFError, OSError):
+                code = process.wait(5)
+                self._replace(w)
+                outcome = (None, f"its process exited (code {code}) while scoring it")
+                outcomes = [outcome] * len(call)
+            else:
+                if error is None and len(values) != len(call):
+                    error = f"returned {len(values)} values for {len(call)} rows (a batched reward returns a list)"
+                outcomes = [(None, error)] * len(call) if error else [(v, None) for v in values]
+        elif time.monotonic() >= deadline:
+            self._replace(w)
+            why = f"took longer than --algorithm.reward_timeout_s={self.timeout_s:g}s (its process was replaced)"
+            outcomes = [(None, why)] * len(call)
+        else:
+            return
+        del busy[w]
+        request.settle(call, outcomes)
+
+    def _replace(self, w: int) -> None:
+        process, conn = self.workers[w]
+        process.kill()
+        process.wait(5)
+        conn.close()
+        self.workers[w] = self._spawn()
+
+    def close(self) -> None:
+        self.stopped = True
+        with self.lock:
+            self.wake_send.send_bytes(b"\0")
+        self.thread.join(5)
+        for process, conn in self.workers:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+            try:
+                process.wait(2)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        self.workers = []
+
+
+if __name__ == "__main__":  # a worker: python -m dsrl.reward_pool module:function FD
+    _worker(sys.argv[1], Connection(int(sys.argv[2])))

@@ -1,0 +1,31 @@
+"""Reward functions that misbehave on purpose, imported by name by the reward workers in tests."""
+
+import os
+import time
+
+from dsrl import toy
+
+
+def by_row_kind(prompt, response, answer, row=None):
+    """The row's `kind` says how to fail: hang, crash (the process exits), string, raise; else 1.0."""
+    kind = (row or {}).get("kind")
+    if kind == "hang":
+        time.sleep(3600)
+    if kind == "crash":
+        os._exit(3)
+    if kind == "string":
+        return "good"
+    if kind == "raise":
+        raise ValueError("no answer here")
+    return 1.0
+
+
+def toy_with_faults(prompt, response, answer):
+    """The toy reward, except that answer 7 hangs, 8 kills the process and 9 returns a string."""
+    if answer == "7":
+        time.sleep(3600)
+    if answer == "8":
+        os._exit(3)
+    if answer == "9":
+        return "good"
+    return toy.reward(prompt, response, answer)

@@ -1,0 +1,52 @@
+"""PPO with a critic end to end (CPU, 2 ZeRO-3 ranks): it learns, its critic learns, and a run killed
+mid-way resumes bit for bit; reward functions that hang, crash or return garbage leave a run alive."""
+
+import re
+
+from tests.test_reliability import TIMING, run_and_kill, run_to_end, scalars, train_cmd
+
+
+def test_ppo_with_a_critic_learns_the_toy_task(tmp_path):
+    run_dir = tmp_path / "ppo"
+    run_to_end(train_cmd("toy_cpu_ppo.yaml", run_dir, "--trainer.total_steps", "40", "--eval.path", "null"))
+    a = scalars(run_dir)
+    reward, value_loss = list(a["reward/mean"].values()), list(a["critic/value_loss"].values())
+    assert sum(reward[-5:]) / 5 > sum(reward[:5]) / 5 + 0.05, reward
+    # the fresh value head's first steps are far off; then the critic tracks the returns
+    assert sum(value_loss[1:6]) / 5 > 2 * sum(value_loss[10:20]) / 10, value_loss
+    assert "critic/explained_variance" in a and "actor/pg_loss" not in {k for k, s in a.items() if 1 in s}  # warm-up
+
+
+def test_ppo_resumes_bit_for_bit(tmp_path):
+    """Critic states, its optimizer and the KL coefficient come back with the actor's: the resumed run's
+    every metric equals the uninterrupted run's."""
+    args = ["--trainer.total_steps", "6", "--logging.save_every", "3", "--eval.path", "null"]
+    args += ["--rollout.prompts_per_step", "8", "--trainer.micro_batch_size", "32", "--critic.warmup_steps", "1"]
+    args += ["--algorithm.kl_coef", "0.01", "--algorithm.kl_target", "0.001"]  # an adaptive coefficient to restore
+    args += ["--rollout.server_args", '{"enable_deterministic_inference": true}']
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    run_to_end(train_cmd("toy_cpu_ppo.yaml", straight, *args))
+    run_and_kill(train_cmd("toy_cpu_ppo.yaml", killed, *args), at_step=4, total=6)
+    log = run_to_end(train_cmd("toy_cpu_ppo.yaml", killed, *args))
+    assert "step_3 at step 3" in log
+    a, b = scalars(straight), scalars(killed)
+    compared = [tag for tag in a if not tag.startswith(TIMING)]
+    assert {"critic/value_loss", "kl/coef", "reward/mean", "actor/pg_loss"} <= set(compared)
+    assert len(set(a["kl/coef"].values())) > 1, "the KL coefficient did not adapt"
+    for tag in compared:
+        assert b[tag] == a[tag], f"{tag} differs after resume"
+
+
+def test_rewards_that_hang_crash_or_return_a_string_leave_the_run_alive(tmp_path):
+    """The toy reward, except that answer 7 hangs, 8 kills its process and 9 returns a string: with
+    on_reward_error skip every such row is named and its group skipped, and the run finishes."""
+    args = ["--trainer.total_steps", "6", "--rollout.prompts_per_step", "16", "--eval.path", "null"]
+    args += ["--algorithm.reward_fn", "tests._bad_rewards:toy_with_faults", "--algorithm.on_reward_error", "skip"]
+    args += ["--algorithm.reward_timeout_s", "2"]
+    run_dir = tmp_path / "faults"
+    log = run_to_end(train_cmd("toy_cpu.yaml", run_dir, *args))
+    named = r"reward function (failed on|returned 'good' for) dataset row \d+"
+    assert re.search(named + r": took longer than --algorithm.reward_timeout_s=2s", log)
+    assert re.search(named + r": its process exited \(code 3\)", log)
+    assert re.search(r"reward function returned 'good' for dataset row \d+; expected a finite float", log)
+    assert sum(scalars(run_dir)["reward/failed"].values()) > 0
