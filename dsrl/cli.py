@@ -1,5 +1,6 @@
 """The `dsrl` console script: `dsrl train ...` runs the deepspeed launcher for you; `dsrl serve` the embedded engine."""
 
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +15,8 @@ commands:
           deepspeed launcher (see `dsrl train --help`; `--print_config` shows the resolved config)
   serve   run the embedded CPU rollout engine (see `dsrl serve --help`)
   fleet   add servers to a live run, remove them, list them (see `dsrl fleet --help`)
+  eval    score a model (a Hugging Face directory, or --checkpoint) on --eval.path with the run's reward
+  export  write a training checkpoint as a Hugging Face model directory (see `dsrl export --help`)
 """
 
 
@@ -27,12 +30,23 @@ def train(argv: list[str]) -> int:
         return 2
     import torch  # only now: config errors and --help stay instant
 
+    from dsrl.config import fleet_kind
+    from dsrl.serving.servers import check_server_args
+
+    cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    engine = cfg.rollout.engine if cfg.rollout.engine != "auto" else ("sglang" if cuda else "embedded")
+    try:
+        if fleet_kind(cfg.rollout) != "external":
+            check_server_args(cfg.rollout, engine)
+    except ConfigError as e:
+        print(f"dsrl train: error: {e}", file=sys.stderr)
+        return 2
+
     from dsrl.serving.servers import free_port
 
     run_dir = Path(cfg.logging.run_dir)
     config_path = run_dir / "config.yaml"
     dump_config(cfg, config_path)
-    cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(free_port())]
     if cfg.trainer.hostfile:
@@ -93,6 +107,69 @@ def fleet(argv: list[str]) -> int:
     return 0
 
 
+def evaluate(argv: list[str]) -> int:
+    """`dsrl eval`: the train flags (a run's config.yaml works) with --eval.path set; --checkpoint DIR
+    scores a training checkpoint (exported to <run_dir>/hf_<step> first), else --model.path's weights."""
+    parser = build_parser("dsrl eval")
+    parser.add_argument("--checkpoint", type=str | None, default=None, help="A checkpoint directory to score.")
+    ns = parser.parse_args(argv)
+    cfg = to_config(parser, ns)
+    problems = [] if cfg.eval.path else ["--eval.path: required, the prompts to score"]
+    if cfg.model.init_from_config and not ns.checkpoint:
+        problems.append("--model.init_from_config is set: give trained weights (--model.path, or --checkpoint)")
+    try:
+        validate(cfg, world=1)
+        if problems:
+            raise ConfigError(problems)
+    except ConfigError as e:
+        print(f"dsrl eval: error: {e}", file=sys.stderr)
+        return 2
+    import torch
+
+    from dsrl.evaluate import evaluate_model
+
+    model_dir = cfg.model.path
+    if ns.checkpoint:
+        model_dir = str(export_to_hf(Path(ns.checkpoint), None))
+    cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    engine = cfg.rollout.engine if cfg.rollout.engine != "auto" else ("sglang" if cuda else "embedded")
+    metrics = evaluate_model(cfg, model_dir, engine)
+    print(json.dumps(metrics, indent=1, sort_keys=True))
+    return 0
+
+
+def export(argv: list[str]) -> int:
+    """`dsrl export`: a training checkpoint as a Hugging Face model directory (sharded safetensors, config,
+    tokenizer), loadable by transformers and SGLang."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="dsrl export", description=export.__doc__)
+    parser.add_argument("--checkpoint", required=True, help="<run_dir>/checkpoints/step_<N>")
+    parser.add_argument("--out", default=None, help="Default: <run_dir>/hf_step_<N>.")
+    parser.add_argument("--shard-gb", type=float, default=2.0, help="Size of each safetensors file.")
+    args = parser.parse_args(argv)
+    out = export_to_hf(Path(args.checkpoint), Path(args.out) if args.out else None, int(args.shard_gb * (1 << 30)))
+    print(f"dsrl export: {out}")
+    return 0
+
+
+def export_to_hf(checkpoint: Path, out: Path | None, shard_bytes: int = 2 << 30) -> Path:
+    """The checkpoint's run tells which model (and tokenizer) its weights belong to."""
+    import yaml
+
+    from dsrl.zero.checkpoint import export_checkpoint
+
+    run_dir = checkpoint.resolve().parent.parent
+    config = run_dir / "config.yaml"
+    if not (checkpoint / "dsrl_state.json").is_file() or not config.is_file():
+        raise SystemExit(f"dsrl: {checkpoint} is not a checkpoint of a dsrl run (<run_dir>/checkpoints/step_<N>)")
+    model = yaml.safe_load(config.read_text())["model"]
+    model_dir = str(run_dir / "init_model") if model.get("init_from_config") else model["path"]
+    out = out or run_dir / f"hf_{checkpoint.name}"
+    export_checkpoint(checkpoint, model_dir, out, shard_bytes)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
@@ -108,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command == "fleet":
         return fleet(rest)
+    if command == "eval":
+        return evaluate(rest)
+    if command == "export":
+        return export(rest)
     print(f"dsrl: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -62,6 +62,11 @@ class RolloutConfig:
     """Nucleus sampling threshold, in (0, 1]."""
     top_k: int = -1
     """Sample from the k most likely tokens; -1 for all."""
+    rollout_fn: str | None = None
+    """A custom rollout in place of one `/generate` per sample: `module:function` (or, from Python, the
+    function), called as `await fn(engine, prompt, sampling)` for each sample and returning a `Sample`;
+    `engine.generate(input_ids, sampling)` sends one request to the servers, `engine.sample(prompt,
+    sampling)` is dsrl's own rollout (docs/tutorial.md has an example). Colocated schedules only."""
     engine: Literal["auto", "embedded", "sglang"] = "auto"
     """Rollout engine dsrl starts when `server_urls` is empty: auto = SGLang on GPU, the embedded engine on CPU."""
     server_urls: list[str] = field(default_factory=list)
@@ -158,6 +163,10 @@ class TrainerConfig:
     """Parameter and compute precision: auto = bf16 on GPU, fp32 on CPU."""
     offload_optimizer: bool = False
     """Keep optimizer states in CPU memory (ZeRO-Offload)."""
+    offload_states: Literal["auto", "always", "never"] = "auto"
+    """Colocated on GPUs: move the trainers' optimizer states and parameters to CPU while the servers generate.
+    auto decides at start-up (and prints why) from the GPU's memory, the states' size and the servers'
+    mem_fraction_static: they stay when both fit, as moving them costs seconds per step; always, never."""
     max_bad_steps: int = 3
     """Steps in a row with non-finite logprobs or advantages (each skipped) before the run stops."""
 
@@ -174,6 +183,9 @@ class SyncConfig:
     verify: Literal["off", "weights", "probe"] = "off"
     """Check every sync: weights = each server parameter equals the trainer's (embedded engine, Llama-family
     SGLang); probe = the servers' logprobs of fixed probe tokens match the trainer's forward (any model)."""
+    verify_every: int = 1
+    """Verify every N syncs (the first and the last always): the probe's forward and requests cost more than a
+    small model's sync (timing/sync_verify)."""
     probe_tolerance: float = 0.05
     """Largest mean |logprob difference| a probe accepts (bf16 kernels differ by ~1e-2)."""
     timeout_s: float = 300.0
@@ -242,7 +254,9 @@ class AlgorithmConfig:
     overlong_penalty: float = 1.0
     """The reward lost by a response of max_new_tokens tokens (overlong_buffer > 0)."""
     reward_fn: str = "dsrl.rewards:math_reward"
-    """Reward function as module:function, called as fn(prompt, response, answer) -> float."""
+    """Reward function as module:function, called as fn(prompt, response, answer) -> float (with `row=`, the
+    dataset row, when it takes it; async, or batched with @dsrl.rewards.batched). From Python
+    (`dsrl.train`), the function itself."""
     reward_workers: int = 2
     """Processes the reward function runs in, per trainer rank, each call with a timeout: a reward that
     hangs or kills its process fails its row, not the run. 0: in the trainer's process (no timeout)."""
@@ -292,6 +306,16 @@ class LoggingConfig:
     """Directory for the resolved config, tensorboard events, checkpoints, server logs and the exported model."""
     tensorboard: bool = True
     """Write tensorboard event files (rank 0) under <run_dir>/tensorboard."""
+    trackers: list[Literal["wandb", "mlflow"]] = field(default_factory=list)
+    """Trackers besides tensorboard, through accelerate's tracker layer, with the same tags: wandb (offline with
+    WANDB_MODE=offline, files under <run_dir>/wandb), mlflow (MLFLOW_TRACKING_URI, default <run_dir>/mlruns)."""
+    project: str = "dsrl"
+    """The trackers' project (wandb) or experiment (mlflow) name."""
+    run_name: str | None = None
+    """The trackers' run name; default: the run directory's name."""
+    log_generations: int = 4
+    """Sampled training generations logged per step (prompt, response, reward, weight version): to
+    <run_dir>/generations.jsonl, tensorboard text and a wandb table; 0 disables."""
     save_every: int = 0
     """Write a DeepSpeed checkpoint every N steps (0: never) under <run_dir>/checkpoints/step_<N>."""
     keep_last: int = 2
@@ -457,20 +481,22 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     if check_paths and c.path:
         check((Path(c.path) / "config.json").is_file(), "critic.path", c.path, "must be a directory with config.json")
     check(a.is_cap >= 1, "algorithm.is_cap", a.is_cap, "must be >= 1")
-    check(
-        a.reward_fn.count(":") == 1 and all(a.reward_fn.split(":")),
-        "algorithm.reward_fn",
-        a.reward_fn,
-        "must be module:function, e.g. dsrl.rewards:math_reward",
-    )
+    check(is_function_spec(a.reward_fn), "algorithm.reward_fn", a.reward_fn,
+          "must be module:function, e.g. dsrl.rewards:math_reward")  # fmt: skip
+    check(r.rollout_fn is None or is_function_spec(r.rollout_fn), "rollout.rollout_fn", r.rollout_fn,
+          "must be module:function, or null for dsrl's own rollout")  # fmt: skip
+    check(r.rollout_fn is None or r.placement == "colocate", "rollout.rollout_fn", r.rollout_fn,
+          "custom rollouts run in colocated schedules (disaggregated ones resume dsrl's own requests)")  # fmt: skip
     check(s.bucket_bytes > 0, "sync.bucket_bytes", s.bucket_bytes, "must be > 0")
     check(s.timeout_s > 0, "sync.timeout_s", s.timeout_s, "must be > 0")
     check(s.probe_tolerance > 0, "sync.probe_tolerance", s.probe_tolerance, "must be > 0")
+    check(s.verify_every >= 1, "sync.verify_every", s.verify_every, "must be >= 1")
     check(e.every >= 0, "eval.every", e.every, "must be >= 0 (0: only at the end)")
     check(e.n_samples >= 1, "eval.n_samples", e.n_samples, "must be >= 1")
     check(e.temperature >= 0, "eval.temperature", e.temperature, "must be >= 0 (0: greedy)")
     check(e.max_new_tokens is None or e.max_new_tokens > 0, "eval.max_new_tokens", e.max_new_tokens, "must be > 0")
     check(cfg.logging.save_every >= 0, "logging.save_every", cfg.logging.save_every, "must be >= 0")
+    check(cfg.logging.log_generations >= 0, "logging.log_generations", cfg.logging.log_generations, "must be >= 0")
     check(cfg.logging.keep_last >= 0, "logging.keep_last", cfg.logging.keep_last, "must be >= 0 (0 keeps all)")
 
     world = world or world_size(cfg)
@@ -527,8 +553,22 @@ def parse_config(argv: list[str] | None = None, world: int | None = None) -> Con
     return cfg
 
 
+def is_function_spec(value: Any) -> bool:
+    """A function, or its `module:function` name."""
+    return callable(value) or (isinstance(value, str) and value.count(":") == 1 and all(value.split(":")))
+
+
+def function_spec(fn: Any) -> Any:
+    """What a config file holds for a function: its `module:function` name (a string stays as it is)."""
+    return f"{fn.__module__}:{getattr(fn, '__qualname__', repr(fn))}" if callable(fn) else fn
+
+
 def dump_config(cfg: Config, path: str | os.PathLike) -> None:
-    """Write the resolved config as YAML that `--config` reads back."""
+    """Write the resolved config as YAML that `--config` reads back (a reward or rollout function given as
+    a callable is written as its module:function, or its name when it has none to import it by)."""
     parser = build_parser()
+    values = asdict(cfg)
+    values["algorithm"]["reward_fn"] = function_spec(cfg.algorithm.reward_fn)
+    values["rollout"]["rollout_fn"] = function_spec(cfg.rollout.rollout_fn)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(parser.dump(parser.parse_object(asdict(cfg)), skip_none=False))
+    Path(path).write_text(parser.dump(parser.parse_object(values), skip_none=False))

@@ -93,3 +93,28 @@ class Evaluator:
                     "weight_version": s.weight_version,
                 }
                 f.write(json.dumps(row, default=str) + "\n")
+
+
+def evaluate_model(cfg: Config, model_dir: str, engine: str) -> dict[str, float]:
+    """`dsrl eval`: score the weights in `model_dir` on --eval.path with the run's reward and sampling,
+    on a server started for it (SGLang on GPU, the embedded engine on CPU); the responses go to
+    <run_dir>/eval/step_0.jsonl."""
+    from transformers import AutoTokenizer
+
+    from dsrl.serving.servers import start_fleet
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    rewarder = Rewarder(cfg.algorithm, tokenizer)
+    run_dir = Path(cfg.logging.run_dir)
+    evaluator = Evaluator(cfg, tokenizer, rewarder, run_dir)
+    try:
+        with start_fleet(cfg.rollout, model_dir, run_dir, cfg.seed, engine) as fleet:
+            r = cfg.rollout
+            client = RolloutClient(fleet.urls, r.max_concurrency, r.request_timeout_s, api_key=r.api_key)
+            try:  # the weights the servers loaded are version 0 of this evaluation
+                client.call_all("/update_weight_version", {"new_version": "0", "abort_all_requests": False})
+                return evaluator(client, 0)
+            finally:
+                client.close()
+    finally:
+        rewarder.close()

@@ -1,6 +1,8 @@
 """Metrics: cross-rank means, tensorboard scalars and a one-line summary per step (rank 0)."""
 
+import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -65,13 +67,43 @@ def mean_across_ranks(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
+SUMMED = ("rollout/interrupted", "rollout/resumed", "rollout/restarted", "rollout/dropped_stale",
+          "rollout/filtered", "reward/failed", "rollout/tokens_per_s")  # fmt: skip
+"""Per-rank counts (and rates) that add up over the ranks; every other metric is a per-rank mean, averaged."""
+
+
+def reduce_across_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Each metric over trainer ranks: the sum for counters (`SUMMED`), else the mean (every rank must
+    pass the same keys)."""
+    out = mean_across_ranks(values)
+    world = dist.get_world_size()
+    return {k: v * world if k in SUMMED else v for k, v in out.items()}
+
+
+def gather_lists(values: list) -> list:
+    """Every rank's list, concatenated (for histograms of the whole batch, not rank 0's share)."""
+    lists = [None] * dist.get_world_size()
+    dist.all_gather_object(lists, values)
+    return [v for rank_values in lists for v in rank_values]
+
+
 class MetricsWriter:
-    def __init__(self, run_dir: Path, enabled: bool):
-        self.writer = None
-        if enabled:
+    """Rank 0's sinks: tensorboard (default), and wandb / mlflow through accelerate's tracker layer, all
+    with the same tags; sampled generations also go to <run_dir>/generations.jsonl."""
+
+    def __init__(self, run_dir: Path, enabled: bool, cfg=None, config: dict | None = None):
+        self.writer, self.trackers, self.run_dir = None, [], run_dir
+        if not enabled:
+            return
+        if cfg is None or cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        for name in cfg.trackers if cfg is not None else []:
+            tracker = _tracker(name, cfg, run_dir)
+            tracker.start()
+            tracker.store_init_configuration(config or {})
+            self.trackers.append(tracker)
 
     def log(self, step: int, metrics: dict[str, float], histograms: dict[str, list[float]] | None = None) -> None:
         if self.writer is not None:
@@ -80,10 +112,46 @@ class MetricsWriter:
             for key, values in (histograms or {}).items():
                 self.writer.add_histogram(key, torch.tensor(values, dtype=torch.float), step)
             self.writer.flush()
+        for tracker in self.trackers:
+            tracker.log(metrics, step=step)
+
+    def log_generations(self, step: int, rows: list[dict]) -> None:
+        if not rows or (self.writer is None and not self.trackers):
+            return
+        with open(self.run_dir / "generations.jsonl", "a") as f:
+            f.writelines(json.dumps({"step": step, **row}, default=str) + "\n" for row in rows)
+        columns = list(rows[0])
+        if self.writer is not None:
+            table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            table += ["| " + " | ".join(str(r[c]).replace("|", "\\|").replace("\n", " ") for c in columns) + " |"
+                      for r in rows]  # fmt: skip
+            self.writer.add_text("generations", "\n".join(table), step)
+        for tracker in self.trackers:
+            if tracker.name == "wandb":
+                tracker.log_table(
+                    "generations", columns=columns, data=[[r[c] for c in columns] for r in rows], step=step
+                )
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        for tracker in self.trackers:
+            tracker.finish()
+
+
+def _tracker(name: str, cfg, run_dir: Path):
+    from accelerate import PartialState
+    from accelerate.tracking import MLflowTracker, WandBTracker
+
+    PartialState()  # accelerate's trackers ask it which process is the main one (it reads torch.distributed)
+
+    run_name = cfg.run_name or run_dir.resolve().name
+    if name == "wandb":
+        return WandBTracker(cfg.project, dir=str(run_dir), name=run_name)
+    if name == "mlflow":
+        os.environ.setdefault("MLFLOW_TRACKING_URI", (run_dir / "mlruns").resolve().as_uri())
+        return MLflowTracker(experiment_name=cfg.project, logging_dir=str(run_dir), run_name=run_name)
+    raise ValueError(f"--logging.trackers: unknown tracker {name!r}; expected wandb or mlflow")
 
 
 def summary_line(step: int, total: int, m: dict[str, float]) -> str:

@@ -11,15 +11,22 @@ _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """Import `module:function`, with an error naming the flag and what went wrong."""
+    return load_function(spec, "algorithm.reward_fn")
+
+
+def load_function(spec, flag: str):
+    """A function given by config: itself (from Python), or imported from `module:function`, with an error
+    naming the flag and what went wrong."""
+    if callable(spec):
+        return spec
     module_name, _, fn_name = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"--algorithm.reward_fn={spec!r}: cannot import module {module_name!r} ({e})") from e
+        raise ValueError(f"--{flag}={spec!r}: cannot import module {module_name!r} ({e})") from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise ValueError(f"--algorithm.reward_fn={spec!r}: module {module_name!r} has no function {fn_name!r}")
+        raise ValueError(f"--{flag}={spec!r}: module {module_name!r} has no function {fn_name!r}")
     return fn
 
 

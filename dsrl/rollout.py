@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from dsrl.config import AlgorithmConfig, Config, RolloutConfig
+from dsrl.config import AlgorithmConfig, Config, RolloutConfig, function_spec
 from dsrl.data import Prompt, Sample
 from dsrl.reward_pool import NOT_SCORED, RewardPool, call_reward
-from dsrl.rewards import RewardFn, load_reward_fn
+from dsrl.rewards import RewardFn, load_function, load_reward_fn
 from dsrl.serving.client import RolloutClient
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,47 @@ async def generate_sample(client: RolloutClient, prompt: Prompt, params: dict, r
     )
 
 
+class Engine:
+    """The rollout servers as a custom rollout function sees them (`--rollout.rollout_fn`): requests of one
+    prompt's group, routed together (its prefix cached once)."""
+
+    def __init__(self, client: RolloutClient, route_key: object):
+        self.client, self.route_key = client, route_key
+
+    async def generate(self, input_ids: list[int], sampling: dict) -> Generation:
+        """One `/generate`: token ids in, the tokens out with their logprobs and weight version."""
+        body = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True}
+        return parse_generation(await self.client.generate(body, self.route_key))
+
+    async def sample(self, prompt: Prompt, sampling: dict) -> Sample:
+        """dsrl's own rollout: one response to `prompt`."""
+        return await generate_sample(self.client, prompt, sampling, self.route_key)
+
+
+class RolloutFnError(RuntimeError):
+    """A custom rollout function failed, or returned something that is not a sample of its prompt."""
+
+
+async def custom_sample(fn, spec: str, engine: Engine, prompt: Prompt, sampling: dict) -> Sample:
+    try:
+        sample = await fn(engine, prompt, sampling)
+    except Exception as e:
+        raise RolloutFnError(f"--rollout.rollout_fn={spec}: raised on dataset row {prompt.index}: {e!r}") from e
+    problem = None
+    if not isinstance(sample, Sample):
+        problem = f"returned {type(sample).__name__}, not a dsrl.data.Sample"
+    elif sample.prompt is not prompt:
+        problem = "returned a sample of another prompt"
+    elif len(sample.engine_logprobs) != len(sample.response_ids) or not sample.response_ids:
+        problem = f"{len(sample.response_ids)} response tokens with {len(sample.engine_logprobs)} engine logprobs"
+    elif not isinstance(sample.weight_version, int):
+        problem = f"weight_version {sample.weight_version!r} is not the int of a server's reply"
+    if problem:
+        raise RolloutFnError(f"--rollout.rollout_fn={spec}: on dataset row {prompt.index}: {problem}")
+    sample.extras.setdefault("spans", [(0, sample.weight_version)])
+    return sample
+
+
 def generate(
     client: RolloutClient,
     prompts: list[Prompt],
@@ -130,13 +171,19 @@ def generate(
     progress: tqdm | None = None,
     rewarder: "Rewarder | None" = None,
 ) -> list[Sample]:
-    """n_samples responses per prompt, one request each, groups contiguous in prompt order; each group
-    is scored by `rewarder` as soon as it is complete, while the others are still generating."""
+    """n_samples responses per prompt, one request each (or `rollout.rollout_fn`'s), groups contiguous in
+    prompt order; each group is scored by `rewarder` as soon as it is complete, while the others still
+    generate."""
     params = sampling_params(cfg)
+    fn = None if cfg.rollout_fn is None else load_function(cfg.rollout_fn, "rollout.rollout_fn")
+    spec = function_spec(cfg.rollout_fn)
 
     async def one(p: Prompt, j: int) -> Sample:
         params_j = {**params, "sampling_seed": request_seed(seed, p.index, j)}
-        sample = await generate_sample(client, p, params_j, route_key=(seed, p.index))
+        if fn is None:
+            sample = await generate_sample(client, p, params_j, route_key=(seed, p.index))
+        else:
+            sample = await custom_sample(fn, spec, Engine(client, (seed, p.index)), p, {**params_j, **p.sampling})
         if progress is not None:
             progress.update()
         return sample
@@ -182,8 +229,9 @@ class Rewarder:
     the run naming it, or (on_reward_error skip) its group leaves the loss and is counted."""
 
     def __init__(self, cfg: AlgorithmConfig, tokenizer, fn=None):
-        self.fn = fn or load_reward_fn(cfg.reward_fn)
-        spec = importable_spec(self.fn) if fn is not None else cfg.reward_fn
+        fn = fn or cfg.reward_fn
+        self.fn = fn if callable(fn) else load_reward_fn(fn)
+        spec = fn if isinstance(fn, str) else importable_spec(fn)  # a lambda or closure: in a thread here
         self.pool = RewardPool(spec, cfg.reward_workers, cfg.reward_timeout_s) if spec and cfg.reward_workers else None
         self.tokenizer, self.skip = tokenizer, cfg.on_reward_error == "skip"
         self.failed = 0

@@ -7,12 +7,14 @@ import gc
 import json
 import logging
 import sys
-from dataclasses import dataclass, replace
+import types
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from dsrl.advantages import KlController, compute_advantages
@@ -20,18 +22,18 @@ from dsrl.collectives import all_ranks
 from dsrl.config import Config, RolloutConfig, SyncConfig, dump_config, fleet_kind, parse_config, validate
 from dsrl.data import DatasetError, PromptDataset, Sample
 from dsrl.evaluate import Evaluator
-from dsrl.metrics import MetricsWriter, Timer, mean_across_ranks, summary_line
+from dsrl.metrics import MetricsWriter, Timer, gather_lists, mean_across_ranks, reduce_across_ranks, summary_line
 from dsrl.rollout import Batch, Rewarder, Rollouts, SyncRollouts
 from dsrl.rollout_manager import PromptStream, RolloutManager
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.control import FleetControl
-from dsrl.serving.servers import Fleet, ServerFleet, server_host, start_fleet
+from dsrl.serving.servers import Fleet, ServerFleet, check_server_args, server_host, start_fleet
 from dsrl.sync.base import make_checkpoint_engine
 from dsrl.sync.weight_sync import WeightSync
 from dsrl.zero.actor import compute_logprobs, logprob_mismatch, update_actor
 from dsrl.zero.checkpoint import export_hf, find_checkpoint, load_checkpoint, save_checkpoint
 from dsrl.zero.critic import compute_values, update_critic
-from dsrl.zero.engine import init_distributed, load_engine, offload_states, prepare_model_dir, use_cuda
+from dsrl.zero.engine import decide_offload, init_distributed, load_engine, offload_states, prepare_model_dir, use_cuda
 
 log = logging.getLogger("dsrl")
 
@@ -54,7 +56,7 @@ def train(cfg: Config) -> dict[str, float]:
             evaluate(run, start)
         run.rollouts.start()
         steps = tqdm(range(start, cfg.trainer.total_steps), desc="train", disable=run.rank != 0, dynamic_ncols=True)
-        for step in steps:
+        for step in logging_redirect(steps, run.rank):
             timer = Timer(memory=True)
             with timer("step"):
                 with timer("generate"):
@@ -124,6 +126,8 @@ def setup(cfg: Config) -> Run:
     init_distributed(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     validate(cfg, world)
+    if fleet_kind(cfg.rollout) != "external":
+        check_server_args(cfg.rollout, rollout_engine(cfg))
     logging.basicConfig(
         level=cfg.logging.log_level if rank == 0 else "WARNING", format="%(asctime)s [dsrl] %(message)s", force=True
     )
@@ -147,9 +151,10 @@ def setup(cfg: Config) -> Run:
     ref = load_engine(cfg, model_dir, world, train=False) if cfg.algorithm.kl_coef > 0 else None
     critic = load_engine(cfg, model_dir, world, train=True, critic=True) if cfg.algorithm.advantage == "gae" else None
     start_step, rank_state, kl = resume(cfg, run_dir, actor, critic, rank)
-    offload = cfg.rollout.placement == "colocate" and use_cuda(cfg)  # the trainer lends the GPU to the servers
-    for engine in [actor, critic] if offload else []:  # before any server starts: it sizes its KV cache
-        offload_states(engine, params=False)  # from the memory it finds free
+    trainers = [e for e in (actor, critic) if e is not None]
+    offload = decide_offload(cfg, trainers)  # do they lend the GPU to the servers?
+    for engine in trainers if offload else []:  # before any server starts: it sizes its KV cache from the
+        offload_states(engine, params=False)  # memory it finds free
     fleet = start_rollout_fleet(cfg, model_dir, run_dir, rank)
     r = cfg.rollout
     client = RolloutClient(fleet.urls, r.max_concurrency, r.request_timeout_s, api_key=r.api_key, route=r.route)
@@ -170,7 +175,7 @@ def setup(cfg: Config) -> Run:
                                   rewarder)  # fmt: skip
     if rank_state is not None:
         rollouts.restore(rank_state["rollouts"], start_step)
-    writer = MetricsWriter(run_dir, cfg.logging.tensorboard and rank == 0)
+    writer = MetricsWriter(run_dir, rank == 0, cfg.logging, tracker_config(cfg))
     return Run(cfg, rank, world, run_dir, model_dir, tokenizer, pad_id, actor, ref, critic, kl, fleet, client, weights,
                rewarder, rollouts, evaluator, writer, start_step, control)  # fmt: skip
 
@@ -285,14 +290,27 @@ def evaluate(run: Run, step: int) -> dict[str, float]:
 
 
 def log_step(run: Run, step: int, batch: Batch, local: dict, rank0: dict) -> dict[str, float]:
-    """`local`: every rank's metrics, averaged; `rank0`: those only rank 0 has (sync, evaluation)."""
+    """`local`: every rank's metrics, reduced over the ranks (counters summed, the rest averaged); `rank0`:
+    those only rank 0 has (sync, evaluation). Histograms cover every rank's samples."""
     samples = batch.samples
-    metrics = mean_across_ranks({**rollout_metrics(samples, step), **logprob_mismatch(samples), **local})
+    tokens_per_s = sum(len(s.response_ids) for s in samples) / max(local.get("timing/generate", 0.0), 1e-9)
+    local = {
+        **rollout_metrics(samples, step),
+        **logprob_mismatch(samples),
+        **local,
+        "rollout/tokens_per_s": tokens_per_s,
+    }
+    metrics = reduce_across_ranks(local)
     rows = [None] * run.world
     dist.all_gather_object(rows, ([s.prompt.index for s in samples[:: run.cfg.rollout.n_samples]], batch.filtered_rows))
+    histograms = {
+        "rollout/staleness": gather_lists([step - s.oldest_version for s in samples]),
+        "response/length": gather_lists([len(s.response_ids) for s in samples]),
+    }
     if run.rank == 0:
         metrics.update(rank0)
-        run.writer.log(step + 1, metrics, {"rollout/staleness": [step - s.oldest_version for s in samples]})
+        run.writer.log(step + 1, metrics, histograms)
+        run.writer.log_generations(step + 1, generation_rows(run, samples))
         trace = {"step": step, "rows": [row for trained, _ in rows for row in trained]}
         filtered = [row for _, rank_filtered in rows for row in rank_filtered]
         with open(run.run_dir / "trained_prompts.jsonl", "a") as f:  # every prompt used, once
@@ -301,14 +319,43 @@ def log_step(run: Run, step: int, batch: Batch, local: dict, rank0: dict) -> dic
     return metrics
 
 
+def generation_rows(run: Run, samples: list[Sample]) -> list[dict]:
+    """A few of rank 0's training generations, spread over its batch, for the trackers' tables."""
+    n = run.cfg.logging.log_generations
+    chosen = samples[:: max(1, len(samples) // n)][:n] if n else []
+    return [
+        {
+            "prompt": s.prompt.text,
+            "response": run.tokenizer.decode(s.response_ids, skip_special_tokens=True),
+            "reward": s.reward,
+            "weight_version": s.weight_version,
+            "row": s.prompt.index,
+        }
+        for s in chosen
+    ]
+
+
+def tracker_config(cfg: Config) -> dict:
+    """The run's config as the trackers store it: flat `section.field` keys."""
+    flat = {}
+    for section, values in asdict(cfg).items():
+        for key, value in values.items() if isinstance(values, dict) else []:
+            flat[f"{section}.{key}"] = value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+    return flat
+
+
 def finish(run: Run, metrics: dict[str, float]) -> None:
     metrics.update(run.weights.check_probe())
     if run.rank == 0 and metrics:
         log.info("final metrics: %s", json.dumps({k: round(v, 6) for k, v in sorted(metrics.items())}))
+        (run.run_dir / "final_metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
     run.rollouts.stop()
     if run.weights.offload:
         run.weights.reload_trainers()
     if run.cfg.logging.export_hf:
+        # The probe's forward may leave ZeRO-3 prefetches in flight, which a gather refuses to partition
+        # again (seen on an H200 with the states kept on the GPU); offloading used to reset them.
+        run.actor.empty_partition_cache()
         export_hf(run.actor.module, run.model_dir, run.run_dir / "hf", run.cfg.sync.bucket_bytes)
 
 
@@ -382,6 +429,27 @@ def main(argv: list[str] | None = None) -> None:
     argv = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("--local_rank")]
     train(parse_config(argv))
 
+
+def logging_redirect(steps, rank: int):
+    """The steps, with log lines written through tqdm on rank 0 so the bar and the logs stay readable."""
+    if rank != 0:
+        yield from steps
+        return
+    with logging_redirect_tqdm():
+        yield from steps
+
+
+class _CallableModule(types.ModuleType):
+    """Importing this module makes it the package's attribute `train`, in place of the API function
+    `dsrl.train`: calling the module does what that function does, so `dsrl.train(cfg)` always works."""
+
+    def __call__(self, cfg: Config) -> dict[str, float]:
+        from dsrl.api import train as api_train
+
+        return api_train(cfg)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     main()

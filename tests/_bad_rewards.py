@@ -4,6 +4,7 @@ import os
 import time
 
 from dsrl import toy
+from dsrl.rewards import batched
 
 
 def by_row_kind(prompt, response, answer, row=None):
@@ -29,3 +30,9 @@ def toy_with_faults(prompt, response, answer):
     if answer == "9":
         return "good"
     return toy.reward(prompt, response, answer)
+
+
+@batched
+def toy_batched(prompts, responses, answers):
+    """The toy reward as a batched function: one call per group, lists in, a list out."""
+    return [toy.reward(p, r, a) for p, r, a in zip(prompts, responses, answers)]

@@ -69,6 +69,17 @@ def test_bad_input_wrong_choice(capsys):
     assert "rollout.placement" in err and "sideways" in err
 
 
+def test_bad_input_server_args_typo_fails_before_launch():
+    """A key the server does not know stops `dsrl train` before anything starts, naming it (SGLang's own
+    ServerArgs fields when SGLang is installed; the embedded engine's flags here)."""
+    cmd = [sys.executable, "-m", "dsrl.cli", "train", "--config", str(ROOT / "configs/toy_cpu.yaml")]
+    cmd += ["--rollout.server_args", '{"decode_delay_msx": 3, "decode_delay_ms": 1}']
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "'decode_delay_msx' is not an argument of the embedded server; did you mean decode_delay_ms?" in proc.stderr
+    assert "deepspeed" not in proc.stderr  # nothing was launched
+
+
 def test_bad_input_conflicting_options():
     errors = cross_field_errors("--rollout.max_staleness", "2")  # placement is colocate by default
     assert any(e.startswith("--rollout.max_staleness=2: asynchronous rollout needs") for e in errors)

@@ -68,6 +68,17 @@ def test_all_cross_field_errors_reported_together():
     assert str(info.value).startswith("6 config errors:")
 
 
+def test_a_custom_rollout_is_checked_for_its_name_and_schedule():
+    parser = build_parser()
+    argv = [*TOY, "--rollout.rollout_fn", "tests._rollouts:two_pieces", "--rollout.placement", "disaggregate"]
+    cfg = to_config(parser, parser.parse_args(argv + ["--sync.type", "broadcast"]))
+    with pytest.raises(ConfigError, match="rollout_fn='tests._rollouts:two_pieces': custom rollouts run in colocated"):
+        validate(cfg)
+    cfg = to_config(parser, parser.parse_args([*TOY, "--rollout.rollout_fn", "two_pieces"]))
+    with pytest.raises(ConfigError, match="rollout_fn='two_pieces': must be module:function"):
+        validate(cfg)
+
+
 def test_config_errors_exit_before_anything_starts(capsys):
     with pytest.raises(SystemExit) as info:
         parse_config([*TOY, "--trainer.lr", "-1", "--data.train_path", "missing.jsonl"])
@@ -119,3 +130,11 @@ def test_pause_retract_starts_sglang_without_the_prefix_cache_unless_told():
     assert "--disable-radix-cache" not in flags("--rollout.interrupt", "partial")
     told = ["--rollout.interrupt", "pause", "--rollout.server_args", '{"disable_radix_cache": false}']
     assert "--disable-radix-cache" not in flags(*told)
+
+
+def test_the_config_reference_is_current():
+    """docs/config.md is generated from the fields' docstrings (tools/config_reference.py)."""
+    import runpy
+
+    render = runpy.run_path(str(ROOT / "tools/config_reference.py"))["render"]
+    assert (ROOT / "docs/config.md").read_text() == render(), "run python tools/config_reference.py"

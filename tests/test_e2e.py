@@ -1,6 +1,7 @@
 """End to end on CPU: `dsrl train` with 2 ZeRO-3 ranks and the embedded engine learns the toy task."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -21,7 +22,9 @@ def toy_run(tmp_path_factory):
     cmd += ["--trainer.total_steps", str(STEPS), "--logging.run_dir", str(run_dir), "--logging.save_every", "30"]
     cmd += ["--sync.verify", "probe", "--sync.probe_tolerance", "1e-4"]  # fp32 on both sides
     cmd += ["--eval.path", str(ROOT / "examples/toy/test.jsonl"), "--eval.every", "30", "--eval.before_train", "true"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    cmd += ["--logging.trackers", "[wandb]"]  # offline: files under <run_dir>/wandb
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
@@ -98,3 +101,55 @@ def test_servers_stay_up_through_sleep_and_wake(toy_run):
     (SGLang's /health does, and its scheduler dies: the embedded engine exits the same way)."""
     log = toy_run[2]
     assert "is down" not in log and "restarted" not in log, [line for line in log.splitlines() if "down" in line][:3]
+
+
+def test_export_of_the_last_checkpoint_equals_the_final_model(toy_run, tmp_path):
+    """`dsrl export` reads the ZeRO-3 checkpoint a parameter at a time and writes a Hugging Face model
+    directory: step 60's is the run's final model, tensor for tensor, and loads with transformers."""
+    run_dir, _, _ = toy_run
+    out = tmp_path / "exported"
+    cmd = [sys.executable, "-m", "dsrl.cli", "export", "--checkpoint", str(run_dir / "checkpoints/step_60")]
+    proc = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exported, final = AutoModelForCausalLM.from_pretrained(out), AutoModelForCausalLM.from_pretrained(run_dir / "hf")
+    for (name, a), (_, b) in zip(exported.state_dict().items(), final.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert (
+        AutoTokenizer.from_pretrained(out)("394=").input_ids
+        == AutoTokenizer.from_pretrained(run_dir / "hf")("394=").input_ids
+    )
+
+
+def test_eval_command_scores_the_final_model_as_the_run_did(toy_run, tmp_path):
+    """`dsrl eval` with the run's own config on its exported model: the greedy reward of the run's last
+    evaluation (same weights, same prompts)."""
+    run_dir, events, _ = toy_run
+    cmd = [sys.executable, "-m", "dsrl.cli", "eval", "--config", str(run_dir / "config.yaml")]
+    cmd += ["--model.path", str(run_dir / "hf"), "--model.init_from_config", "false"]
+    cmd += ["--logging.run_dir", str(tmp_path), "--eval.path", str(ROOT / "examples/toy/test.jsonl")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads(proc.stdout[proc.stdout.index("{") :])
+    in_run = {e.step: e.value for e in events.Scalars("eval/reward_mean")}[STEPS]
+    assert abs(metrics["eval/reward_mean"] - in_run) < 0.02, (metrics["eval/reward_mean"], in_run)
+    assert len((tmp_path / "eval" / "step_0.jsonl").read_text().splitlines()) == 256
+
+
+def test_wandb_gets_the_tags_tensorboard_gets_and_the_generations(toy_run):
+    """Through accelerate's tracker layer, wandb (offline here) logs every scalar tensorboard has, and each
+    step's sampled generations (prompt, response, reward, weight version) as a table, also written to
+    <run_dir>/generations.jsonl; histograms cover both ranks' samples."""
+    run_dir, events, _ = toy_run
+    (run_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    logged = run_file.read_bytes()  # wandb's own record format: the tag names are in it as UTF-8
+    missing = [tag for tag in events.Tags()["scalars"] if tag.encode() not in logged]
+    assert not missing, missing
+    assert len(list((run_dir / "wandb").glob("offline-run-*/files/media/table/generations_*.table.json"))) == STEPS
+    rows = [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 * STEPS and set(rows[0]) == {"step", "prompt", "response", "reward", "weight_version", "row"}
+    assert all(r["weight_version"] == r["step"] - 1 for r in rows)  # synchronous: the weights of the step
+    assert "generations/text_summary" in events.Tags()["tensors"]  # tensorboard's text
+    lengths = events.Histograms("response/length")[-1].histogram_value
+    assert lengths.num == 32 * 8  # the step's 256 samples over both ranks, not rank 0's 128
+    for tag in ("rollout/tokens_per_s", "advantage/mean", "advantage/std", "advantage/no_signal_group_frac"):
+        assert tag in events.Tags()["scalars"], tag

@@ -22,8 +22,8 @@ from dsrl.serving.servers import free_port
 from tests.conftest import ROOT
 from tests.test_reliability import assert_every_prompt_accounted_for, trace, train_cmd
 
-STEPS = 48
-ADD_AT, REMOVE_AT, KILL_AT = 8, 18, 28
+STEPS = 40
+ADD_AT, REMOVE_AT, KILL_AT = 8, 16, 24
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +55,8 @@ def parent_pid(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def ray_run(ray_cluster, tmp_path_factory):
-    """3 Ray-placed embedded servers spread over 2 nodes; at step 8 one more joins (`dsrl fleet add`), at 18
-    server 0 leaves (`dsrl fleet remove`), at 28 the Ray actor of server 1 is SIGKILLed mid-step."""
+    """3 Ray-placed embedded servers spread over 2 nodes; at step 8 one more joins (`dsrl fleet add`), at 16
+    server 0 leaves (`dsrl fleet remove`), at 24 the Ray actor of server 1 is SIGKILLed mid-step."""
     run_dir = tmp_path_factory.mktemp("ray_run")
     args = ["--trainer.total_steps", str(STEPS), "--logging.save_every", str(STEPS)]
     args += ["--rollout.fleet", "ray", "--rollout.ray_address", ray_cluster, "--rollout.num_servers", "3"]

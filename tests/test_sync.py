@@ -82,8 +82,9 @@ def test_no_shared_memory_left_behind(sync_results):
 
 def test_update_calls_the_servers_in_order_per_mode(sync_results):
     """WeightSync.update, one method, one order: colocated servers wake their weights before the send and
-    their KV cache before the probe; disaggregated ones are probed after; paused ones pause and continue
-    around the send and are probed without a flush (SGLang refuses one with requests queued)."""
+    their KV cache before the probe; every probe runs in the background, beside the rollout's requests and
+    without a flush (SGLang refuses one while they run); paused servers pause and continue around the
+    send."""
     seq = sync_results["sequences"]
     group = ["/server_info", "/init_weights_update_group"]  # the first send of a transport forms its group
     assert seq["colocate"] == [
@@ -93,10 +94,9 @@ def test_update_calls_the_servers_in_order_per_mode(sync_results):
         "/update_weights_from_distributed",
         "/model_info",
         "/resume_memory_occupation ['kv_cache']",
-        "/flush_cache",
         "/generate",
     ]
-    assert seq["disaggregate"] == ["/update_weights_from_distributed", "/model_info", "/flush_cache", "/generate"]
+    assert seq["disaggregate"] == ["/update_weights_from_distributed", "/model_info", "/generate"]
     assert seq["pause"] == [
         "/pause_generation",
         "/update_weights_from_distributed",

@@ -1,4 +1,4 @@
-"""Random-init Qwen2-architecture models of the 0.5B, 1.5B and 3B shapes, bf16, for GPU runs.
+"""Random-init Qwen2-architecture models of the 0.5B, 1.5B, 3B and 7B shapes, bf16, for GPU runs.
 
 Nothing can be downloaded on the GPU machine, so the models are built from their configs (on the
 GPU, which is fast) with a tokenizer of the matching vocabulary (the toy tokenizer, padded).
@@ -21,6 +21,7 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads (Qwen2.5 shapes)
     "0.5b": (896, 4864, 24, 14, 2),
     "1.5b": (1536, 8960, 28, 12, 2),
     "3b": (2048, 11008, 36, 16, 2),
+    "7b": (3584, 18944, 28, 28, 4),
 }
 
 

@@ -6,6 +6,9 @@
 #   source .gpu/setup.sh; bash tools/gpu_run.sh crash                                # 1 GPU
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup disaggregate bench_nccl        # 2 GPUs
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup ray_colocate                   # 1 GPU, Ray importable
+#   source .gpu/setup.sh; bash tools/gpu_run.sh readme custom_rollout                # 1 GPU (README "On GPUs")
+#   source .gpu/setup.sh; MODELS=3b bash tools/gpu_run.sh setup step                  # 1 GPU (64x8x512 step)
+#   source .gpu/setup.sh; MODELS=1.5b bash tools/gpu_run.sh setup ppo                 # 1 GPU (PPO, critic)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup ray_fleet routes               # 2 GPUs, Ray importable
 #   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py;
 #                                                         ASYNC_EXTRA="--rollout.max_concurrency 768" passes flags on)
@@ -111,6 +114,65 @@ for s in "$@"; do
       timeout 60 python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
       grep -a "placed by Ray\|on Ray node\|weight-update group\|\[dsrl\] step\|Error" "$OUT/ray_fleet.log" | sed 's/.*\[dsrl\]//' | tail -12 | tee -a "$SUMMARY"
       grep -a "final metrics" "$OUT/ray_fleet.log" | grep -o '"sync/[a-z_]*": [0-9.e-]*\|"timing/sync[a-z_]*": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
+      ;;
+    ppo)  # 1 GPU: PPO with a critic colocated with SGLang (actor + ref + critic + server share the GPU)
+      TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
+      stage ppo ${PPO_LIMIT:-420} python3 -m dsrl.cli train --config configs/gpu_colocate.yaml \
+        --model.path /tmp/models/${PPO_MODEL:-1.5b} --algorithm.advantage gae --algorithm.kl_coef 0.01 \
+        --critic.lr 1e-6 --trainer.total_steps ${PPO_STEPS:-4} --logging.tensorboard $TB --logging.run_dir /tmp/runs/ppo
+      grep -a "\[dsrl\] step\|Error" "$OUT/ppo.log" | sed 's/.*\[dsrl\]//' | tail -5 | tee -a "$SUMMARY"
+      grep -a "final metrics" "$OUT/ppo.log" | grep -o '"memory/[a-z_]*": [0-9.e-]*\|"timing/[a-z]*": [0-9.e-]*\|"critic/[a-z_]*": [0-9.e-]*\|"sync/probe_logprob_diff": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
+      ;;
+    readme)  # 1 GPU: README "On GPUs" as far as a machine with no internet goes: the machine's own environment
+      # (its torch) takes the place of the new venv, and the other wheels are in /tmp/site, pruned (--no-index
+      # --no-deps: SGLang declares packages the site leaves out, e.g. anthropic). Then the
+      # first GPU run, a mid-run checkpoint exported with `dsrl export`, scored with `dsrl eval` (SGLang), and
+      # SGLang's greedy tokens against transformers' on it.
+      stage readme_install 300 bash -c 'export PIP_CONSTRAINT=$PWD/constraints-gpu.txt \
+        && python3 -m pip install --no-index --no-build-isolation --no-deps -e ".[gpu]" && which dsrl'
+      tail -3 "$OUT/readme_install.log" | tee -a "$SUMMARY"
+      DSRL=$(command -v dsrl) || { note "no dsrl script: python3 -m dsrl.cli instead"; DSRL="python3 -m dsrl.cli"; }
+      TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
+      stage readme_train ${README_LIMIT:-300} $DSRL train --config configs/toy_gpu.yaml \
+        --trainer.total_steps ${README_STEPS:-40} --logging.save_every 20 --logging.tensorboard $TB
+      grep -a "\[dsrl\] step" "$OUT/readme_train.log" | sed -n '1p;$p' | sed 's/.*\[dsrl\]//' | tee -a "$SUMMARY"
+      grep -a "Error" "$OUT/readme_train.log" | tail -3 | tee -a "$SUMMARY"
+      python3 tools/step_report.py runs/toy_gpu | tee -a "$SUMMARY"
+      stage readme_export 120 $DSRL export --checkpoint runs/toy_gpu/checkpoints/step_20 --out /tmp/hf_step_20
+      tail -1 "$OUT/readme_export.log" | tee -a "$SUMMARY"; ls /tmp/hf_step_20 | tr '\n' ' ' | tee -a "$SUMMARY"; echo
+      stage readme_eval 300 $DSRL eval --config runs/toy_gpu/config.yaml --checkpoint runs/toy_gpu/checkpoints/step_20 \
+        --eval.path examples/toy/test.jsonl
+      grep -a "eval/\|Error" "$OUT/readme_eval.log" | tail -6 | tee -a "$SUMMARY"
+      stage readme_greedy 300 python3 tools/gpu_greedy_check.py /tmp/hf_step_20 --new-tokens 4
+      tail -3 "$OUT/readme_greedy.log" | tee -a "$SUMMARY"
+      ;;
+    custom_rollout)  # 1 GPU: the colocated toy with each response made in two SGLang requests (--rollout.rollout_fn)
+      TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
+      stage custom_rollout 300 python3 -m dsrl.cli train --config configs/toy_gpu.yaml --rollout.rollout_fn tests._rollouts:two_pieces \
+        --trainer.total_steps ${CUSTOM_STEPS:-30} --logging.tensorboard $TB --logging.run_dir /tmp/runs/custom_rollout
+      grep -a "\[dsrl\] step" "$OUT/custom_rollout.log" | sed -n '1p;$p' | sed 's/.*\[dsrl\]//' | tee -a "$SUMMARY"
+      grep -a "Error" "$OUT/custom_rollout.log" | tail -3 | tee -a "$SUMMARY"
+      grep -a "final metrics" "$OUT/custom_rollout.log" | grep -o '"sync/probe_logprob_diff": [0-9.e-]*\|"mismatch/[a-z_]*": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
+      ;;
+    step)  # 1 GPU: a realistic colocated step (STEP_MODEL, 64 prompts x 8 samples x 512 new tokens), every phase
+      TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
+      rm -rf /tmp/runs/step  # (a warm machine keeps the last run's tensorboard, which step_report would average in)
+      stage step_${STEP_MODEL:-3b} ${STEP_LIMIT:-480} python3 -m dsrl.cli train --config configs/gpu_colocate.yaml \
+        --model.path /tmp/models/${STEP_MODEL:-3b} --rollout.prompts_per_step 64 --rollout.n_samples 8 \
+        --rollout.max_new_tokens 512 --rollout.mem_fraction_static ${STEP_MEM:-0.4} --trainer.micro_batch_size ${STEP_MICRO:-16} \
+        --trainer.total_steps ${STEP_STEPS:-4} --logging.tensorboard $TB --logging.run_dir /tmp/runs/step ${STEP_EXTRA:-}
+      grep -a "colocated memory\|\[dsrl\] step\|Error" "$OUT/step_${STEP_MODEL:-3b}.log" | sed 's/.*\[dsrl\]//' | tail -6 | tee -a "$SUMMARY"
+      python3 tools/step_report.py /tmp/runs/step | tee -a "$SUMMARY"
+      ;;
+    offload)  # 1 GPU: colocated steps with the trainer's states kept on the GPU (auto's choice when they fit) vs moved
+      TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
+      for mode in ${OFFLOAD_MODES:-auto always}; do
+        stage offload_$mode ${OFFLOAD_LIMIT:-300} python3 -m dsrl.cli train --config configs/gpu_colocate.yaml \
+          --model.path /tmp/models/${OFFLOAD_MODEL:-1.5b} --trainer.total_steps ${OFFLOAD_STEPS:-6} \
+          --trainer.offload_states $mode --logging.tensorboard $TB --logging.run_dir /tmp/runs/offload_$mode
+        grep -a "colocated memory" "$OUT/offload_$mode.log" | sed 's/.*\[dsrl\]//' | tee -a "$SUMMARY"
+        grep -a "final metrics" "$OUT/offload_$mode.log" | grep -o '"timing/[a-z_]*": [0-9.e-]*\|"memory/[a-z]*_peak_gb": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
+      done
       ;;
     ray_colocate)  # 1 GPU: the colocated toy run, its SGLang server placed by Ray on the trainer's GPU (CUDA IPC)
       TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)

@@ -650,7 +650,7 @@ def build_app(engine: Engine, api_key: str | None = None) -> web.Application:
     return app
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", required=True, help="Hugging Face model directory.")
     parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default: loopback only).")
@@ -669,7 +669,11 @@ def main(argv: list[str] | None = None) -> None:
         help="Fault injection for tests: exit during a weight update if this file exists (removing it first).",
     )
     parser.add_argument("--api-key", default=None, help="Refuse requests without `Authorization: Bearer <key>`.")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(1)  # shares a small CPU with the trainer ranks
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine = Engine(

@@ -96,6 +96,34 @@ def wait_healthy(server: "ServerProcess | str", timeout_s: float) -> None:
     )
 
 
+def check_server_args(cfg: RolloutConfig, engine: str) -> None:
+    """A key of --rollout.server_args the engine does not know fails here, naming it, before any server
+    starts (SGLang's own `ServerArgs` fields, when SGLang is installed here)."""
+    import difflib
+    from dataclasses import fields
+
+    if engine == "embedded":
+        from dsrl.serving.embedded import build_parser
+
+        known = {a.dest for a in build_parser()._actions}
+    else:
+        try:
+            from sglang.srt.server_args import ServerArgs
+        except ImportError:  # the servers run elsewhere (Ray nodes): SGLang checks them there
+            return
+        known = {f.name for f in fields(ServerArgs)}
+    errors = []
+    for key in cfg.server_args:
+        if key.replace("-", "_") not in known:
+            close = difflib.get_close_matches(key.replace("-", "_"), sorted(known), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            errors.append(f"--rollout.server_args: {key!r} is not an argument of the {engine} server{hint}")
+    if errors:
+        from dsrl.config import ConfigError
+
+        raise ConfigError(errors)
+
+
 def as_flags(args: dict) -> list[str]:
     """{mem_fraction_static: 0.5, enable_foo: true} -> ['--mem-fraction-static', '0.5', '--enable-foo']."""
     flags = []

@@ -11,10 +11,12 @@
     continue   paused servers resume
     check      every server reports the new weight_version
     verify     the weights compared, or the trainer's half of the probe computed
-    offload    colocated on GPUs: the trainer's parameters leave the GPU too
+    offload    colocated on GPUs: the transport's buffers, and the trainer's parameters or (states kept)
+               the allocator's cached blocks, leave the GPU
     wake       colocated: the servers take their KV cache back
-    probe      the servers' logprobs of fixed tokens against the trainer's: colocated now,
-               disaggregated in the background, checked at the next update
+    probe      the servers' logprobs of fixed tokens against the trainer's, in the background beside
+               the rollout's requests; checked before the servers sleep (colocated: before the step
+               trains on what they generated) or at the next update (disaggregated)
 
 Every trainer rank calls it (the parameters are gathered from every rank's partitions); only
 trainer rank 0 talks to the servers, and a failure there surfaces on every rank (`agreed`). A
@@ -23,6 +25,7 @@ failed send is tried once more after the fleet is healed.
 
 import logging
 import time
+from collections.abc import Awaitable
 from concurrent.futures import Future
 
 import torch.distributed as dist
@@ -33,8 +36,8 @@ from dsrl.metrics import Timer
 from dsrl.serving.client import RolloutClient, ServerError
 from dsrl.serving.servers import ServerFleet
 from dsrl.sync.base import CheckpointEngine, SyncError
-from dsrl.sync.verify import probe_reference, probe_servers, verify_probe, verify_weights
-from dsrl.zero.engine import offload_states, reload_states
+from dsrl.sync.verify import probe_reference, probe_servers, verify_weights
+from dsrl.zero.engine import free_cached_memory, offload_states, reload_states
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +71,11 @@ class WeightSync:
         self.released: dict[str, set[str]] = {}
         """(rank 0) memory each server has released: colocated, they sleep between generations. A retried
         update wakes only what is still asleep (SGLang refuses to resume memory that is not released)."""
+        self.verified = False  # the first update is always verified
         self.probe: Future | None = None
-        """(rank 0) disaggregated: the last update's probe of the servers, running while the trainer steps."""
+        """(rank 0) the last update's probe of the servers, running beside the rollout's requests."""
+        self.probed: dict[str, float] = {}
+        """(rank 0) the figures of the probe awaited last, until `check_probe` hands them on."""
 
     def update(self, version: int) -> dict[str, float]:
         """Bring every server to weight `version`; returns the sync metrics (rank 0's are the real ones)."""
@@ -102,29 +108,40 @@ class WeightSync:
                 if attempt == 2:
                     raise SyncError(f"weight sync to version {version} failed twice") from e
                 self._find_dead_servers(version, e)
-        reference = None
-        if self.cfg.sync.verify == "weights":
+        reference, verify = None, self._verifies(version)
+        if verify == "weights":
             with timer("verify"), agreed(f"the weight check of version {version}", SERVER_ERRORS):
                 verify_weights(self.actor.module, self.client, self.cfg.sync.bucket_bytes, self.rank0)
-        if self.cfg.sync.verify == "probe":  # the trainer's side now, while its params are still on the GPU
+        if verify == "probe":  # the trainer's side now, while its params are still on the GPU
             with timer("verify"):
                 reference = probe_reference(self.actor, self.actor.module.config.vocab_size)
-        if self.offload:
-            with timer("offload"):
+        if self.colocated:
+            with timer("offload"):  # the KV cache needs the memory the trainer held
                 self.transport.release()
-                self.offload_trainers(params=True)
+                if self.offload:
+                    self.offload_trainers(params=True)
+                else:
+                    free_cached_memory()
         with timer("wake"):  # the KV cache needs the memory the trainer's params held
             self._wake("kv_cache")
         if reference is not None:
-            with timer("verify"):
-                metrics |= self._probe(*reference)
+            self._probe(*reference)
         metrics |= {"sync/bytes": sent, "sync/seconds": seconds, "sync/gb_per_s": sent / max(seconds, 1e-9) / 1e9}
         transport = {f"timing/sync_{part}": seconds for part, seconds in self.transport.profile.items()}
         return metrics | timer.metrics("timing/sync_") | transport
 
+    def _verifies(self, version: int) -> str:
+        """--sync.verify for this update: every verify_every-th, the first and the last always."""
+        s, first = self.cfg.sync, not self.verified
+        self.verified = True
+        due = first or version % s.verify_every == 0 or version >= self.cfg.trainer.total_steps
+        return s.verify if due else "off"
+
     def sleep(self) -> None:
-        """Colocated: once every rank has its samples, the servers give their memory to the trainer."""
-        dist.barrier()
+        """Colocated: once every rank has its samples, the servers give their memory to the trainer. The last
+        update's probe is checked first (a collective: every rank has its samples then): a mismatch stops
+        the run before it trains on what the servers generated."""
+        self._await_probe()
         if self.rank0:
             self.client.call_all("/release_memory_occupation", {"tags": list(MEMORY_TAGS)})
             self.released = {url: set(MEMORY_TAGS) for url in self.client.live_urls()}
@@ -141,12 +158,17 @@ class WeightSync:
             reload_states(engine)
 
     def check_probe(self) -> dict[str, float]:
-        """The last update's background probe; a mismatch stops the run on every rank."""
-        pending, self.probe, out = self.probe, None, {}
+        """The last update's probe, awaited if it still runs; a mismatch stops the run on every rank. Returns
+        its figures once (rank 0's; empty elsewhere)."""
+        self._await_probe()
+        out, self.probed = self.probed, {}
+        return out
+
+    def _await_probe(self) -> None:
+        pending, self.probe = self.probe, None
         with agreed("the weight probe after the last sync", SERVER_ERRORS):
             if pending is not None:
-                out["sync/probe_logprob_diff"] = pending.result()
-        return out
+                self.probed["sync/probe_logprob_diff"], self.probed["sync/probe_seconds"] = pending.result()
 
     def _heal(self) -> None:
         """Apply the fleet's changes (dead servers restarted or set aside, queued joins and leaves); every
@@ -203,15 +225,18 @@ class WeightSync:
         if stale:
             raise SyncError(f"after the update to weight version {version}: {', '.join(stale)}")
 
-    def _probe(self, ids: list[list[int]], reference) -> dict[str, float]:
-        """The servers' half of the probe. Colocated: now, before the servers sleep again (SGLang dies
-        generating asleep). Disaggregated: in the background (behind a busy server's queue it took 0.1 s
-        per step on an H200), checked at the next update."""
-        tolerance, flush = self.cfg.sync.probe_tolerance, self.pause is None
-        if not self.colocated:
-            if self.rank0:
-                self.probe = self.client.submit(probe_servers(self.client, ids, reference, tolerance, flush))
-            return {}
-        with agreed("the weight probe", SERVER_ERRORS):
-            diff = verify_probe(self.client, ids, reference, tolerance, flush) if self.rank0 else 0.0
-        return {"sync/probe_logprob_diff": diff}
+    def _probe(self, ids: list[list[int]], reference) -> None:
+        """The servers' half of the probe, in the background: behind a busy server's queue it took 0.1 s per
+        step on an H200, and 45 ms of a toy step colocated. No cache flush: the rollout's requests run
+        meanwhile and SGLang refuses to flush then (seen: HTTP 400 under load); a probe matches no cached
+        prefix past logprob_start_len 0 anyway. Colocated, `sleep` checks it before the servers release
+        their memory (SGLang dies generating asleep); disaggregated, the next update does."""
+        if self.rank0:
+            tolerance = self.cfg.sync.probe_tolerance
+            self.probe = self.client.submit(_timed(probe_servers(self.client, ids, reference, tolerance, flush=False)))
+
+
+async def _timed(work: Awaitable[float]) -> tuple[float, float]:
+    """The result of `work` and the seconds it took (the probe's own time, off the critical path)."""
+    start = time.perf_counter()
+    return await work, time.perf_counter() - start

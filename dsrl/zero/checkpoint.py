@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from dsrl.zero.buckets import gathered_buckets
 
@@ -90,25 +90,76 @@ def load_checkpoint(engine, path: Path, critic=None) -> tuple[dict, dict]:
     return json.loads((path / "dsrl_state.json").read_text()), rank_state
 
 
-def export_hf(module, tokenizer_dir: str, out_dir: Path, bucket_bytes: int) -> None:
-    """Gather the full weights and write a transformers-loadable model (safetensors + config + tokenizer).
+class ShardWriter:
+    """A Hugging Face model directory written shard by shard (safetensors, `shard_bytes` each, with an
+    index), so no process holds the whole model: tensors are added as they are gathered or read. It
+    is built under <out>.tmp and renamed when complete."""
 
-    Every rank joins the gathers; rank 0 writes, to a temporary directory renamed at the end.
-    """
-    state = {}
+    def __init__(self, out: Path, shard_bytes: int = 2 << 30):
+        self.out, self.tmp, self.shard_bytes = out, out.with_name(out.name + ".tmp"), shard_bytes
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        self.pending: dict[str, torch.Tensor] = {}
+        self.weight_map: dict[str, str] = {}
+        self.files: list[str] = []
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.pending[name] = tensor.detach().contiguous().cpu().clone()
+        if sum(t.numel() * t.element_size() for t in self.pending.values()) >= self.shard_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.pending:
+            file = f"model-{len(self.files) + 1:05d}.safetensors"
+            save_file(self.pending, self.tmp / file, metadata={"format": "pt"})
+            self.files.append(file)
+            self.weight_map.update(dict.fromkeys(self.pending, file))
+            self.total += sum(t.numel() * t.element_size() for t in self.pending.values())
+            self.pending = {}
+
+    def close(self, model_dir: str, config=None) -> None:
+        """Write the last shard, the index (or one model.safetensors), config and tokenizer; publish."""
+        self._flush()
+        if len(self.files) == 1:
+            (self.tmp / self.files[0]).rename(self.tmp / "model.safetensors")
+        else:
+            index = {"metadata": {"total_size": self.total}, "weight_map": self.weight_map}
+            (self.tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        (config or AutoConfig.from_pretrained(model_dir)).save_pretrained(self.tmp)
+        try:
+            GenerationConfig.from_pretrained(model_dir).save_pretrained(self.tmp)
+        except OSError:
+            pass
+        AutoTokenizer.from_pretrained(model_dir).save_pretrained(self.tmp)
+        shutil.rmtree(self.out, ignore_errors=True)
+        self.tmp.rename(self.out)
+
+
+def export_hf(module, tokenizer_dir: str, out_dir: Path, bucket_bytes: int) -> None:
+    """Gather the weights bucket by bucket and write a transformers- and SGLang-loadable model directory;
+    rank 0 writes each shard once it is full, so it never holds the whole model. Every rank joins."""
+    writer = ShardWriter(out_dir) if dist.get_rank() == 0 else None
     for bucket in gathered_buckets(module, bucket_bytes):
-        if dist.get_rank() == 0:
-            state.update({name: t.detach().cpu().clone() for name, t in bucket})
-    if dist.get_rank() == 0:
-        tmp = out_dir.with_name(out_dir.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        module.config.save_pretrained(tmp)
-        if module.generation_config is not None:
-            module.generation_config.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        tmp.rename(out_dir)
+        for name, tensor in bucket if writer is not None else []:
+            writer.add(name, tensor)
+    if writer is not None:
+        writer.close(tokenizer_dir, module.config)
         log.info("exported the trained model to %s", out_dir)
     dist.barrier()
+
+
+def export_checkpoint(checkpoint: Path, model_dir: str, out: Path, shard_bytes: int = 2 << 30) -> None:
+    """A training checkpoint (any number of ranks) as a Hugging Face model directory, in the model's dtype.
+    DeepSpeed's partitions are read lazily, a parameter at a time (`zero_to_fp32`'s lazy mode), and
+    written in shards."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    config = AutoConfig.from_pretrained(model_dir)
+    dtype = getattr(config, "dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name, lazy_mode=True)
+    writer = ShardWriter(out, shard_bytes)
+    for name, tensor in state.items():
+        writer.add(name, tensor.contiguous().to(dtype))
+    writer.close(model_dir, config)

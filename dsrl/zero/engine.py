@@ -163,6 +163,45 @@ def offload_states(engine, params: bool) -> None:
     torch.cuda.empty_cache()
 
 
+def free_cached_memory() -> None:
+    """Colocated with the states kept on the GPU: hand the caching allocator's free blocks (the update's
+    activations and logits, GBs at 3B) back to the driver, or the server's KV cache cannot come back (seen:
+    SGLang died with CUDA out of memory in /resume_memory_occupation, 3B on an H200)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def reload_states(engine) -> None:
     engine.reload_states()
     torch.cuda.synchronize()
+
+
+def decide_offload(cfg: Config, engines: list) -> bool:
+    """Colocated on GPUs: whether the trainers' states must leave the GPU while the servers generate.
+
+    auto keeps them when this rank's states (parameters, fp32 master copy, Adam's two moments, gradients)
+    plus what the servers take (mem_fraction_static of the GPU) and a margin for their activations
+    fit in the GPU's memory; moving them costs seconds per step at 7B. The decision is logged.
+    """
+    choice = cfg.trainer.offload_states
+    if cfg.rollout.placement != "colocate" or not use_cuda(cfg):
+        return False
+    if choice != "auto":
+        log.info("colocated memory: the trainers' states %s leave the GPU (--trainer.offload_states %s)",
+                 "do" if choice == "always" else "do not", choice)  # fmt: skip
+        return choice == "always"
+    params = sum(p.ds_tensor.numel() for engine in engines for p in engine.module.parameters())
+    width = 2 if param_dtype(cfg) == torch.bfloat16 else 4
+    states = params * (width + 4 + 8 + width)  # params, fp32 master, exp_avg + exp_avg_sq, grads
+    total = torch.cuda.mem_get_info()[1]
+    servers = cfg.rollout.mem_fraction_static * total
+    margin = 0.05 * total + (4 << 30)  # the servers' activations, CUDA graphs, the allocator's slack
+    keep = states + servers + margin < total
+    log.info(
+        "colocated memory: trainers' states %.1f GB + servers %.1f GB (mem_fraction_static %.2f) + margin %.1f GB "
+        "%s the GPU's %.1f GB: the states %s (--trainer.offload_states auto)",
+        states / 1e9, servers / 1e9, cfg.rollout.mem_fraction_static, margin / 1e9, "fit in" if keep else "exceed",
+        total / 1e9, "stay on the GPU" if keep else "leave the GPU while the servers generate",
+    )  # fmt: skip
+    return not keep

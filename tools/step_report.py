@@ -1,0 +1,65 @@
+"""Where a training step's time and memory went, from a finished run's directory.
+
+`python tools/step_report.py RUN_DIR` prints every phase of the step (mean over the steps after the
+first, from the run's tensorboard; the last step's `final_metrics.json` when there is none), the
+overhead (all but generate, logprobs and update) as seconds and as a fraction of the step, and the
+peak memory per phase. The GPU stages of `tools/gpu_run.sh` call it after their runs.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+WORK = ("generate", "logprobs", "update")
+"""The phases that are the algorithm's own work; the rest of a step is the RL plumbing."""
+
+
+def step_means(run_dir: Path) -> tuple[dict[str, float], int]:
+    """Mean of every scalar over the steps after the first (its start-up costs are not a step's)."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        EventAccumulator = None
+    if EventAccumulator is not None and (run_dir / "tensorboard").is_dir():
+        events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+        events.Reload()
+        means, steps = {}, 0
+        for tag in events.Tags()["scalars"]:
+            values = [e.value for e in events.Scalars(tag)]
+            later = values[1:] or values
+            means[tag], steps = sum(later) / len(later), max(steps, len(later))
+        if means:
+            return means, steps
+    return json.loads((run_dir / "final_metrics.json").read_text()), 1
+
+
+def report(metrics: dict[str, float], steps: int) -> str:
+    step = metrics["timing/step"]
+    timings = {k.removeprefix("timing/"): v for k, v in metrics.items() if k.startswith("timing/")}
+    phases = {k: v for k, v in timings.items() if k != "step"}
+    top = {k: v for k, v in phases.items() if "_" not in k or k in WORK}
+    overhead = step - sum(top.get(k, 0.0) for k in WORK)
+    lines = [f"step {step:.3f} s (mean of {steps} steps after the first)"]
+    for name, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
+        indent = "    " if "_" in name and name not in WORK else "  "
+        lines.append(f"{indent}{name:<28} {seconds * 1e3:9.1f} ms  {seconds / step:6.1%}")
+    lines.append(f"overhead (all but {', '.join(WORK)}): {overhead:.3f} s = {overhead / step:.1%} of the step")
+    memory = {k: v for k, v in metrics.items() if k.startswith("memory/")}
+    if memory:
+        figures = [f"{k.removeprefix('memory/')} {v:.1f}" for k, v in sorted(memory.items())]
+        lines.append("memory (GB): " + ", ".join(figures))
+    for key in ("sync/bytes", "sync/seconds", "sync/gb_per_s", "sync/probe_seconds", "sync/probe_logprob_diff"):
+        if key in metrics:
+            lines.append(f"{key} {metrics[key]:.4g}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", type=Path)
+    args = parser.parse_args()
+    print(report(*step_means(args.run_dir)))
+
+
+if __name__ == "__main__":
+    main()
