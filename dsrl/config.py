@@ -308,7 +308,8 @@ class LoggingConfig:
     """Write tensorboard event files (rank 0) under <run_dir>/tensorboard."""
     trackers: list[Literal["wandb", "mlflow"]] = field(default_factory=list)
     """Trackers besides tensorboard, through accelerate's tracker layer, with the same tags: wandb (offline with
-    WANDB_MODE=offline, files under <run_dir>/wandb), mlflow (MLFLOW_TRACKING_URI, default <run_dir>/mlruns)."""
+    WANDB_MODE=offline, files under <run_dir>/wandb), mlflow (MLFLOW_TRACKING_URI, default a SQLite file,
+    <run_dir>/mlflow.db)."""
     project: str = "dsrl"
     """The trackers' project (wandb) or experiment (mlflow) name."""
     run_name: str | None = None

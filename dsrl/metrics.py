@@ -149,7 +149,8 @@ def _tracker(name: str, cfg, run_dir: Path):
     if name == "wandb":
         return WandBTracker(cfg.project, dir=str(run_dir), name=run_name)
     if name == "mlflow":
-        os.environ.setdefault("MLFLOW_TRACKING_URI", (run_dir / "mlruns").resolve().as_uri())
+        # MLflow's file store refuses new runs since 3.x: a SQLite file in the run's directory is its local default
+        os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
         return MLflowTracker(experiment_name=cfg.project, logging_dir=str(run_dir), run_name=run_name)
     raise ValueError(f"--logging.trackers: unknown tracker {name!r}; expected wandb or mlflow")
 

@@ -24,6 +24,7 @@ TOY = ["--model.path", str(ROOT / "examples/toy/model"), "--data.train_path", st
 def test_the_python_api_trains_the_toy_task_in_this_process(tmp_path):
     cfg = dsrl.load_config(
         ROOT / "configs/toy_cpu.yaml", *TOY, "--trainer.num_ranks", "1", "--trainer.total_steps", "30",
+        "--rollout.prompts_per_step", "16",
         "--logging.run_dir", str(tmp_path), "--eval.path", "null", "--logging.export_hf", "false",
     )  # fmt: skip
     cfg.algorithm.reward_fn = _bad_rewards.toy_batched  # a batched callable: scored in the worker processes

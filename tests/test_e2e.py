@@ -22,7 +22,7 @@ def toy_run(tmp_path_factory):
     cmd += ["--trainer.total_steps", str(STEPS), "--logging.run_dir", str(run_dir), "--logging.save_every", "30"]
     cmd += ["--sync.verify", "probe", "--sync.probe_tolerance", "1e-4"]  # fp32 on both sides
     cmd += ["--eval.path", str(ROOT / "examples/toy/test.jsonl"), "--eval.every", "30", "--eval.before_train", "true"]
-    cmd += ["--logging.trackers", "[wandb]"]  # offline: files under <run_dir>/wandb
+    cmd += ["--logging.trackers", "[wandb,mlflow]"]  # offline: <run_dir>/wandb, <run_dir>/mlflow.db
     env = {**os.environ, "WANDB_MODE": "offline"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -153,3 +153,17 @@ def test_wandb_gets_the_tags_tensorboard_gets_and_the_generations(toy_run):
     assert lengths.num == 32 * 8  # the step's 256 samples over both ranks, not rank 0's 128
     for tag in ("rollout/tokens_per_s", "advantage/mean", "advantage/std", "advantage/no_signal_group_frac"):
         assert tag in events.Tags()["scalars"], tag
+
+
+def test_mlflow_gets_the_tags_tensorboard_gets(toy_run):
+    """--logging.trackers mlflow: the run's metrics in MLflow's store (default <run_dir>/mlflow.db), every step."""
+    import mlflow
+
+    run_dir, events, _ = toy_run
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "dsrl"]
+    (run,) = client.search_runs([experiment.experiment_id])
+    missing = [tag for tag in events.Tags()["scalars"] if tag not in run.data.metrics]
+    assert not missing, missing
+    assert len(client.get_metric_history(run.info.run_id, "reward/mean")) == STEPS
+    assert run.data.params["trainer.total_steps"] == str(STEPS)

@@ -71,12 +71,12 @@ def trace(run_dir: Path) -> list[dict]:
 
 
 def test_resume_after_kill_repeats_the_uninterrupted_run_bit_for_bit(tmp_path):
-    steps = ["--trainer.total_steps", "12", "--logging.save_every", "4"]
+    steps = ["--trainer.total_steps", "8", "--logging.save_every", "4", "--logging.keep_last", "1"]
     steps += ["--rollout.prompts_per_step", "16"]  # deterministic decoding is slow: half the batch
     exact = ["--rollout.server_args", json.dumps({"enable_deterministic_inference": True})]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run_to_end(train_cmd("toy_cpu.yaml", straight, *steps, *exact))
-    run_and_kill(train_cmd("toy_cpu.yaml", killed, *steps, *exact), at_step=6, total=12)
+    run_and_kill(train_cmd("toy_cpu.yaml", killed, *steps, *exact), at_step=6, total=8)
     assert (killed / "checkpoints" / "latest").read_text() == "step_4"
     log = run_to_end(train_cmd("toy_cpu.yaml", killed, *steps, *exact))
     assert "resumed from" in log and "step_4 at step 4" in log
@@ -87,7 +87,7 @@ def test_resume_after_kill_repeats_the_uninterrupted_run_bit_for_bit(tmp_path):
     assert "reward/mean" in compared and "actor/grad_norm" in compared
     for tag in compared:
         assert b[tag] == a[tag], f"{tag} differs after resume"
-    assert sorted(p.name for p in (killed / "checkpoints").glob("step_*")) == ["step_12", "step_8"]  # keep_last 2
+    assert sorted(p.name for p in (killed / "checkpoints").glob("step_*")) == ["step_8"]  # keep_last 1
 
 
 def test_resume_after_kill_in_async_mode_loses_no_prompt(tmp_path):
