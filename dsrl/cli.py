@@ -28,12 +28,10 @@ def train(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"dsrl train: error: {e}", file=sys.stderr)
         return 2
-    import torch  # only now: config errors and --help stay instant
-
     from dsrl.config import fleet_kind
     from dsrl.serving.servers import check_server_args
 
-    cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and cuda_available())
     engine = cfg.rollout.engine if cfg.rollout.engine != "auto" else ("sglang" if cuda else "embedded")
     try:
         if fleet_kind(cfg.rollout) != "external":
@@ -61,6 +59,15 @@ def train(argv: list[str]) -> int:
     cmd += ["--no_local_rank", "--module", "dsrl.train", "--config", str(config_path)]
     print(f"dsrl train: {' '.join(cmd)}", file=sys.stderr, flush=True)
     return subprocess.call(cmd, env=env)
+
+
+def cuda_available() -> bool:
+    """torch.cuda.is_available(), without importing torch (2-3 s of start-up) where no NVIDIA driver is."""
+    if not Path("/proc/driver/nvidia").exists() and not any(Path("/dev").glob("nvidia[0-9]*")):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def gpu_selection(num_ranks: int, visible: str, hostfile: bool) -> list[str]:
@@ -124,14 +131,12 @@ def evaluate(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"dsrl eval: error: {e}", file=sys.stderr)
         return 2
-    import torch
-
     from dsrl.evaluate import evaluate_model
 
     model_dir = cfg.model.path
     if ns.checkpoint:
         model_dir = str(export_to_hf(Path(ns.checkpoint), None))
-    cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and cuda_available())
     engine = cfg.rollout.engine if cfg.rollout.engine != "auto" else ("sglang" if cuda else "embedded")
     metrics = evaluate_model(cfg, model_dir, engine)
     print(json.dumps(metrics, indent=1, sort_keys=True))

@@ -9,7 +9,6 @@ weights are released, and `weight_version` follows the updates. Start it with
 ``python -m dsrl.serving.embedded --model-path DIR --port P``.
 """
 
-import argparse
 import asyncio
 import logging
 import os
@@ -22,6 +21,8 @@ from typing import Any
 
 import torch
 from aiohttp import web
+
+from dsrl.serving.embedded_args import build_parser
 
 log = logging.getLogger("dsrl.embedded")
 
@@ -648,28 +649,6 @@ def build_app(engine: Engine, api_key: str | None = None) -> web.Application:
     app.add_routes(Api(engine).routes())
     app.on_shutdown.append(lambda app: asyncio.to_thread(engine.stop))
     return app
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-path", required=True, help="Hugging Face model directory.")
-    parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default: loopback only).")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--seed", type=int, default=0, help="Seed for sampling and for random init.")
-    parser.add_argument("--max-batch-tokens", type=int, default=16384, help="Tokens per decode step, at most.")
-    parser.add_argument("--decode-delay-ms", type=float, default=0.0, help="Sleep per decode step (slower engine).")
-    parser.add_argument(
-        "--enable-deterministic-inference",
-        action="store_true",
-        help="Batch-invariant results (each request's forward alone), as SGLang's flag of that name.",
-    )
-    parser.add_argument(
-        "--crash-marker",
-        default=None,
-        help="Fault injection for tests: exit during a weight update if this file exists (removing it first).",
-    )
-    parser.add_argument("--api-key", default=None, help="Refuse requests without `Authorization: Bearer <key>`.")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -103,7 +103,7 @@ def check_server_args(cfg: RolloutConfig, engine: str) -> None:
     from dataclasses import fields
 
     if engine == "embedded":
-        from dsrl.serving.embedded import build_parser
+        from dsrl.serving.embedded_args import build_parser
 
         known = {a.dest for a in build_parser()._actions}
     else:

@@ -1,0 +1,26 @@
+"""The embedded engine's command line, apart from the engine: dsrl checks --rollout.server_args against it
+before any server starts, without importing torch (2 s of every `dsrl train` start-up)."""
+
+import argparse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="The embedded rollout engine: SGLang's HTTP endpoints on CPU.")
+    parser.add_argument("--model-path", required=True, help="Hugging Face model directory.")
+    parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default: loopback only).")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--seed", type=int, default=0, help="Seed for sampling and for random init.")
+    parser.add_argument("--max-batch-tokens", type=int, default=16384, help="Tokens per decode step, at most.")
+    parser.add_argument("--decode-delay-ms", type=float, default=0.0, help="Sleep per decode step (slower engine).")
+    parser.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="Batch-invariant results (each request's forward alone), as SGLang's flag of that name.",
+    )
+    parser.add_argument(
+        "--crash-marker",
+        default=None,
+        help="Fault injection for tests: exit during a weight update if this file exists (removing it first).",
+    )
+    parser.add_argument("--api-key", default=None, help="Refuse requests without `Authorization: Bearer <key>`.")
+    return parser
