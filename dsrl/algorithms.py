@@ -182,16 +182,13 @@ def ppo_clip_loss(
     """
     advantages = _per_token(advantages, logprobs)
     log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    per_token = torch.maximum(unclipped, clipped)
+    per_token, clip_used = _clipped_objective(advantages, torch.exp(log_ratio), clip_low, clip_high)
     if clip_ratio_c is not None:
         per_token = torch.where(advantages < 0, torch.minimum(per_token, -advantages * clip_ratio_c), per_token)
     if is_weights is not None:
         per_token = per_token * is_weights
     loss = aggregate(per_token, mask, agg, num_tokens, num_seqs, horizon)
-    return loss, _ratio_metrics(clipped > unclipped, log_ratio, mask)
+    return loss, _ratio_metrics(clip_used, log_ratio, mask)
 
 
 def gspo_loss(
@@ -215,11 +212,9 @@ def gspo_loss(
     log_ratio = (logprobs - old_logprobs) * mask
     seq_log_ratio = (log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(seq_log_ratio.detach()[:, None] + logprobs - logprobs.detach())
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    per_token = torch.maximum(unclipped, clipped)
+    per_token, clip_used = _clipped_objective(advantages, ratio, clip_low, clip_high)
     loss = aggregate(per_token, mask, agg, num_tokens, num_seqs, horizon)
-    return loss, _ratio_metrics(clipped > unclipped, log_ratio, mask)
+    return loss, _ratio_metrics(clip_used, log_ratio, mask)
 
 
 def cispo_loss(
@@ -277,6 +272,15 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Per-position entropy of softmax(logits) over the last dimension."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+def _clipped_objective(
+    advantages: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's pessimistic term per token, max(-A * ratio, -A * clip(ratio)), and where the clipped one won."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
 def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

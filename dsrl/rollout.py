@@ -13,7 +13,7 @@ from tqdm import tqdm
 from dsrl.config import AlgorithmConfig, Config, RolloutConfig, function_spec
 from dsrl.data import Prompt, Sample
 from dsrl.reward_pool import NOT_SCORED, RewardPool, call_reward
-from dsrl.rewards import RewardFn, load_function, load_reward_fn
+from dsrl.rewards import RewardFn, load_function
 from dsrl.serving.client import RolloutClient
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ class Rewarder:
 
     def __init__(self, cfg: AlgorithmConfig, tokenizer, fn=None):
         fn = fn or cfg.reward_fn
-        self.fn = fn if callable(fn) else load_reward_fn(fn)
+        self.fn = load_function(fn, "algorithm.reward_fn")
         spec = fn if isinstance(fn, str) else importable_spec(fn)  # a lambda or closure: in a thread here
         self.pool = RewardPool(spec, cfg.reward_workers, cfg.reward_timeout_s) if spec and cfg.reward_workers else None
         self.tokenizer, self.skip = tokenizer, cfg.on_reward_error == "skip"

@@ -7,29 +7,25 @@ from dsrl import toy
 from dsrl.rewards import batched
 
 
-def by_row_kind(prompt, response, answer, row=None):
-    """The row's `kind` says how to fail: hang, crash (the process exits), string, raise; else 1.0."""
-    kind = (row or {}).get("kind")
+def misbehave(kind: str | None):
+    """Fail as `kind` says: hang, crash (the process exits), string (returned), raise; None: no failure."""
     if kind == "hang":
         time.sleep(3600)
     if kind == "crash":
         os._exit(3)
-    if kind == "string":
-        return "good"
     if kind == "raise":
         raise ValueError("no answer here")
-    return 1.0
+    return "good" if kind == "string" else None
+
+
+def by_row_kind(prompt, response, answer, row=None):
+    """The row's `kind` says how to fail: hang, crash (the process exits), string, raise; else 1.0."""
+    return misbehave((row or {}).get("kind")) or 1.0
 
 
 def toy_with_faults(prompt, response, answer):
     """The toy reward, except that answer 7 hangs, 8 kills the process and 9 returns a string."""
-    if answer == "7":
-        time.sleep(3600)
-    if answer == "8":
-        os._exit(3)
-    if answer == "9":
-        return "good"
-    return toy.reward(prompt, response, answer)
+    return misbehave({"7": "hang", "8": "crash", "9": "string"}.get(answer)) or toy.reward(prompt, response, answer)
 
 
 @batched
