@@ -105,12 +105,16 @@ def test_servers_stay_up_through_sleep_and_wake(toy_run):
 
 def test_export_of_the_last_checkpoint_equals_the_final_model(toy_run, tmp_path):
     """`dsrl export` reads the ZeRO-3 checkpoint a parameter at a time and writes a Hugging Face model
-    directory: step 60's is the run's final model, tensor for tensor, and loads with transformers."""
+    directory: step 60's is the run's final model, tensor for tensor, and loads with transformers. Shards of
+    ~50 KB split the 0.3 MB toy over several safetensors files and an index, as a large model would be."""
     run_dir, _, _ = toy_run
     out = tmp_path / "exported"
     cmd = [sys.executable, "-m", "dsrl.cli", "export", "--checkpoint", str(run_dir / "checkpoints/step_60")]
+    cmd += ["--shard-gb", "0.00005"]
     proc = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2 and not (out / "model.safetensors").exists()
     exported, final = AutoModelForCausalLM.from_pretrained(out), AutoModelForCausalLM.from_pretrained(run_dir / "hf")
     for (name, a), (_, b) in zip(exported.state_dict().items(), final.state_dict().items()):
         assert torch.equal(a, b), name

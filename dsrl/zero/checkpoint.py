@@ -100,13 +100,15 @@ class ShardWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
         self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
         self.weight_map: dict[str, str] = {}
         self.files: list[str] = []
         self.total = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         self.pending[name] = tensor.detach().contiguous().cpu().clone()
-        if sum(t.numel() * t.element_size() for t in self.pending.values()) >= self.shard_bytes:
+        self.pending_bytes += tensor.numel() * tensor.element_size()
+        if self.pending_bytes >= self.shard_bytes:
             self._flush()
 
     def _flush(self) -> None:
@@ -115,8 +117,8 @@ class ShardWriter:
             save_file(self.pending, self.tmp / file, metadata={"format": "pt"})
             self.files.append(file)
             self.weight_map.update(dict.fromkeys(self.pending, file))
-            self.total += sum(t.numel() * t.element_size() for t in self.pending.values())
-            self.pending = {}
+            self.total += self.pending_bytes
+            self.pending, self.pending_bytes = {}, 0
 
     def close(self, model_dir: str, config=None) -> None:
         """Write the last shard, the index (or one model.safetensors), config and tokenizer; publish."""
