@@ -30,30 +30,32 @@ class KlController:
 
 
 def padded(samples: list[Sample], values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Response-aligned per-sample tensors as one right-padded [B, T] float64 tensor, and its mask."""
+    """Response-aligned per-sample tensors as one right-padded [B, T] float64 tensor, and the loss mask
+    (model tokens 1; an agent's observation tokens and the padding 0)."""
     width = max(len(s.response_ids) for s in samples)
     out = torch.zeros(len(samples), width, dtype=torch.float64)
     mask = torch.zeros(len(samples), width, dtype=torch.float64)
     for i, (s, v) in enumerate(zip(samples, values)):
         out[i, : len(s.response_ids)] = v
-        mask[i, : len(s.response_ids)] = 1
+        mask[i, : len(s.response_ids)] = torch.tensor(s.mask(), dtype=torch.float64)
     return out, mask
 
 
 def token_rewards(samples: list[Sample], cfg: Config, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, T] rewards: each sample's reward (plus DAPO's overlong penalty) on its last token, less
-    kl_coef * (log pi_old - log pi_ref) on every token when the KL is folded into the reward."""
+    """[B, T] rewards: each sample's reward (plus DAPO's overlong penalty) on its last model token, less
+    kl_coef * (log pi_old - log pi_ref) on every model token when the KL is folded into the reward."""
     a = cfg.algorithm
     rows = []
     for s in samples:
         r = torch.zeros(len(s.response_ids), dtype=torch.float64)
-        if len(s.response_ids):
-            length = len(s.response_ids)
-            r[-1] = s.reward + overlong_penalty(
-                length, cfg.rollout.max_new_tokens, a.overlong_buffer, a.overlong_penalty
+        model = [i for i, m in enumerate(s.mask()) if m]
+        if model:
+            r[model[-1]] = s.reward + overlong_penalty(
+                len(s.response_ids), cfg.rollout.max_new_tokens, a.overlong_buffer, a.overlong_penalty
             )
         if a.kl_in_reward and kl_coef > 0:
-            r -= kl_coef * (s.extras["old_logprobs"] - s.extras["ref_logprobs"]).to(torch.float64)
+            kl = (s.extras["old_logprobs"] - s.extras["ref_logprobs"]).to(torch.float64)
+            r -= kl_coef * kl * torch.tensor(s.mask(), dtype=torch.float64)
         rows.append(r)
     return padded(samples, rows)
 

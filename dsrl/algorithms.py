@@ -49,11 +49,14 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def reward_to_go(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    """Discounted return of every response token: sum_{k >= t} gamma^(k - t) r_k (REINFORCE's return)."""
+    """Discounted return of every model token: sum over the model tokens k >= t of gamma^(steps) r_k
+    (REINFORCE's return). Masked tokens (an agent's observations, padding) are skipped, not a new start:
+    the return carries across them, and the discount counts model tokens only."""
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros_like(token_rewards[:, 0])
     for t in reversed(range(token_rewards.shape[1])):
-        running = token_rewards[:, t] + gamma * running * mask[:, t]
+        m = mask[:, t]
+        running = torch.where(m > 0, token_rewards[:, t] + gamma * running, running)
         returns[:, t] = running
     return returns * mask
 
@@ -63,19 +66,20 @@ def gae(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation (Schulman et al. 2016, arXiv:1506.02438): (advantages, returns).
 
-    delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}, the value after the last
-    response token being 0; returns = A + V (the critic's targets). `mask` must cover each row's
-    response tokens contiguously (right padding).
+    Over each row's model tokens in order: delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam
+    A_next, where "next" is the next model token (masked tokens, an agent's observations, are skipped and
+    carry nothing), and the value after the last model token is 0; returns = A + V (the critic's targets).
     """
     advantages = torch.zeros_like(token_rewards)
     next_value = torch.zeros_like(token_rewards[:, 0])
     running = torch.zeros_like(token_rewards[:, 0])
     for t in reversed(range(token_rewards.shape[1])):
+        m = mask[:, t] > 0
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        running = (delta + gamma * lam * running) * mask[:, t]
+        running = torch.where(m, delta + gamma * lam * running, running)
+        next_value = torch.where(m, values[:, t], next_value)
         advantages[:, t] = running
-        next_value = values[:, t] * mask[:, t]
-    return advantages, (advantages + values) * mask
+    return advantages * mask, (advantages + values) * mask
 
 
 def whiten(values: torch.Tensor, mask: torch.Tensor, stats: tuple[float, float, float] | None = None) -> torch.Tensor:

@@ -13,11 +13,13 @@ the metrics the run wrote; its reward and rollout functions must then be importa
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from dsrl.config import Config, ConfigError, build_parser, dump_config, to_config, validate
+from dsrl.rundir import STOP_SIGNALS, RunStopped
 
 
 def load_config(path: str | os.PathLike | None = None, *overrides: str) -> Config:
@@ -72,6 +74,17 @@ def _end_world() -> None:
         os.environ.pop(key, None)
 
 
+def _run_forwarding_signals(cmd: list[str]) -> int:
+    """`dsrl train` as a child; SIGTERM and SIGINT here go to it, which stops the run cleanly."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    forward = {sig: signal.signal(sig, lambda signum, _: proc.send_signal(signum)) for sig in STOP_SIGNALS}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in forward.items():
+            signal.signal(sig, handler)
+
+
 def _launch(cfg: Config) -> dict[str, float]:
     from dsrl.rollout import importable_spec
 
@@ -85,7 +98,9 @@ def _launch(cfg: Config) -> dict[str, float]:
             setattr(section, name, spec)
     config = Path(cfg.logging.run_dir) / "config.yaml"
     dump_config(cfg, config)
-    code = subprocess.call([sys.executable, "-m", "dsrl.cli", "train", "--config", str(config)])
+    code = _run_forwarding_signals([sys.executable, "-m", "dsrl.cli", "train", "--config", str(config)])
+    if code - 128 in (signal.SIGTERM, signal.SIGINT):
+        raise RunStopped(code - 128, -1, None, f"the launched run was stopped by {signal.Signals(code - 128).name}")
     if code != 0:
         raise RuntimeError(
             f"the launched run failed (exit code {code}); its log is above, its files in {config.parent}"

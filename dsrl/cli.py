@@ -2,11 +2,23 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from dsrl.config import ConfigError, build_parser, dump_config, to_config, validate
+from dsrl.rundir import (
+    OWNER_ENV,
+    STOP_SIGNALS,
+    ExportTargetError,
+    RunDirLocked,
+    RunLock,
+    WriteError,
+    clear_stop,
+    request_stop,
+)
 
 USAGE = """usage: dsrl <command> [options]
 
@@ -40,12 +52,49 @@ def train(argv: list[str]) -> int:
         print(f"dsrl train: error: {e}", file=sys.stderr)
         return 2
 
-    from dsrl.serving.servers import free_port
+    from dsrl.data import DatasetError
 
     run_dir = Path(cfg.logging.run_dir)
+    try:
+        check_data(cfg, engine)
+        lock = RunLock(run_dir).acquire("dsrl train")  # before anything is written there
+    except (DatasetError, RunDirLocked, ValueError, TypeError) as e:  # a bad row, an environment, its template
+        print(f"dsrl train: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        clear_stop(run_dir)
+        return launch(cfg, run_dir, cuda)
+    finally:
+        lock.release()
+
+
+def check_data(cfg, engine: str) -> None:
+    """The datasets (and an environment: its class, tools and the chat template's rendering of its turns),
+    read and checked here, before the launcher starts (what every rank would find)."""
+    from transformers import AutoTokenizer
+
+    from dsrl.data import check_datasets, server_context
+    from dsrl.episode import Renderer, check_rendering, tool_schemas
+    from dsrl.rewards import load_function
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    tools = None
+    if cfg.rollout.env:
+        tools = tool_schemas(load_function(cfg.rollout.env, "rollout.env"))
+        check_rendering(Renderer(tokenizer, tools, cfg.data.apply_chat_template))
+    check_datasets(cfg, tokenizer, server_context(cfg, cfg.model.path, engine), tools)
+
+
+def launch(cfg, run_dir: Path, cuda: bool) -> int:
+    """The deepspeed launcher for the run's ranks, in a process group of its own. SIGTERM or SIGINT here
+    asks the ranks to stop at the end of the step (and checkpoint: --logging.save_on_signal) through the
+    run directory; a second signal, or --logging.stop_timeout_s later, kills every process of the run.
+    Returns the launcher's exit status, or 128 + the signal's number when it was stopped."""
+    from dsrl.serving.servers import free_port
+
     config_path = run_dir / "config.yaml"
     dump_config(cfg, config_path)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{OWNER_ENV: str(os.getpid())})
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(free_port())]
     if cfg.trainer.hostfile:
         cmd += ["--hostfile", cfg.trainer.hostfile]
@@ -58,7 +107,62 @@ def train(argv: list[str]) -> int:
         cmd += ["--num_accelerators", str(cfg.trainer.num_ranks or 1)]
     cmd += ["--no_local_rank", "--module", "dsrl.train", "--config", str(config_path)]
     print(f"dsrl train: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    return subprocess.call(cmd, env=env)
+    # Its own process group: a Ctrl-C on the terminal reaches this process only (the launcher would kill
+    # the ranks at once), and the whole run can be killed as a group.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    signals: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _: signals.append(signum)) for sig in STOP_SIGNALS}
+    try:
+        return supervise(proc, run_dir, signals, cfg.logging.stop_timeout_s)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        kill_group(proc)  # nothing of the run outlives this command
+
+
+def supervise(proc: subprocess.Popen, run_dir: Path, signals: list[int], stop_timeout_s: float) -> int:
+    deadline = None
+    while proc.poll() is None:
+        if signals and deadline is None:
+            request_stop(run_dir, signals[0])
+            deadline = time.monotonic() + stop_timeout_s
+            print(f"dsrl train: {signal.Signals(signals[0]).name}: the run stops at the end of this step "
+                  f"(within {stop_timeout_s:g}s, --logging.stop_timeout_s); send it again to stop at once",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        if len(signals) > 1 or (deadline is not None and time.monotonic() > deadline):
+            why = "a second signal" if len(signals) > 1 else f"--logging.stop_timeout_s={stop_timeout_s:g}s passed"
+            print(f"dsrl train: {why}: killing the run", file=sys.stderr, flush=True)
+            kill_group(proc)
+            break
+        try:
+            proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+    if signals:
+        clear_stop(run_dir)
+        return 128 + signals[0]
+    return proc.returncode
+
+
+def kill_group(proc: subprocess.Popen, grace_s: float = 40.0) -> None:
+    """SIGTERM the launcher's process group (DeepSpeed's launcher then terminates each rank's process tree,
+    servers included, within 30 s), SIGKILL what is left after `grace_s`."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the launcher itself, or the group never empties
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def cuda_available() -> bool:
@@ -135,7 +239,7 @@ def evaluate(argv: list[str]) -> int:
 
     model_dir = cfg.model.path
     if ns.checkpoint:
-        model_dir = str(export_to_hf(Path(ns.checkpoint), None))
+        model_dir = str(export_to_hf(Path(ns.checkpoint), None, overwrite=True))  # <run_dir>/hf_step_<N>: dsrl's own
     cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and cuda_available())
     engine = cfg.rollout.engine if cfg.rollout.engine != "auto" else ("sglang" if cuda else "embedded")
     metrics = evaluate_model(cfg, model_dir, engine)
@@ -152,13 +256,21 @@ def export(argv: list[str]) -> int:
     parser.add_argument("--checkpoint", required=True, help="<run_dir>/checkpoints/step_<N>")
     parser.add_argument("--out", default=None, help="Default: <run_dir>/hf_step_<N>.")
     parser.add_argument("--shard-gb", type=float, default=2.0, help="Size of each safetensors file.")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="Replace a previous dsrl export in --out (nothing else is replaced)."
+    )
     args = parser.parse_args(argv)
-    out = export_to_hf(Path(args.checkpoint), Path(args.out) if args.out else None, int(args.shard_gb * (1 << 30)))
+    out = Path(args.out) if args.out else None
+    try:
+        out = export_to_hf(Path(args.checkpoint), out, int(args.shard_gb * (1 << 30)), args.overwrite)
+    except (ExportTargetError, WriteError) as e:
+        print(f"dsrl export: error: {e}", file=sys.stderr)
+        return 2
     print(f"dsrl export: {out}")
     return 0
 
 
-def export_to_hf(checkpoint: Path, out: Path | None, shard_bytes: int = 2 << 30) -> Path:
+def export_to_hf(checkpoint: Path, out: Path | None, shard_bytes: int = 2 << 30, overwrite: bool = False) -> Path:
     """The checkpoint's run tells which model (and tokenizer) its weights belong to."""
     import yaml
 
@@ -171,7 +283,7 @@ def export_to_hf(checkpoint: Path, out: Path | None, shard_bytes: int = 2 << 30)
     model = yaml.safe_load(config.read_text())["model"]
     model_dir = str(run_dir / "init_model") if model.get("init_from_config") else model["path"]
     out = out or run_dir / f"hf_{checkpoint.name}"
-    export_checkpoint(checkpoint, model_dir, out, shard_bytes)
+    export_checkpoint(checkpoint, model_dir, out, shard_bytes, overwrite)
     return out
 
 

@@ -7,7 +7,7 @@ together, each naming the flag, the value and what is allowed.
 
 import os
 import sys
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -67,6 +67,13 @@ class RolloutConfig:
     function), called as `await fn(engine, prompt, sampling)` for each sample and returning a `Sample`;
     `engine.generate(input_ids, sampling)` sends one request to the servers, `engine.sample(prompt,
     sampling)` is dsrl's own rollout (docs/tutorial.md has an example). Colocated schedules only."""
+    env: str | None = None
+    """Multi-turn agent episodes: an environment class, `module:Class` (a `dsrl.Environment`; built in:
+    `dsrl.toy:KeyLookupEnv`, `dsrl.calculator:CalculatorEnv`). Each sample is then an episode of model turns
+    and the environment's observations (masked out of the loss), rewarded by the environment; limits and
+    tools are `agent.*`. Unset: one response per sample, rewarded by `algorithm.reward_fn`."""
+    env_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment class, e.g. {difficulty: 2}."""
     engine: Literal["auto", "embedded", "sglang"] = "auto"
     """Rollout engine dsrl starts when `server_urls` is empty: auto = SGLang on GPU, the embedded engine on CPU."""
     server_urls: list[str] = field(default_factory=list)
@@ -127,6 +134,37 @@ class RolloutConfig:
     """Seconds a started server has to answer /health."""
     server_args: dict[str, Any] = field(default_factory=dict)
     """Extra launch arguments for started servers, e.g. {attention_backend: triton}; true adds a bare flag."""
+
+
+@dataclass
+class AgentConfig:
+    max_turns: int = 8
+    """Most model turns of an episode (stop reason max_turns)."""
+    max_episode_tokens: int = 2048
+    """Most tokens after the prompt, the model's and the environment's together (stop reason max_tokens);
+    each model turn also stops at rollout.max_new_tokens (stop reason length)."""
+    max_observation_tokens: int = 512
+    """Most tokens of one tool result or observation message; longer ones are cut (`truncate_side`)."""
+    truncate_side: Literal["head", "tail", "middle"] = "middle"
+    """What a cut tool output or observation keeps: its head, its tail, or both ends."""
+    env_workers: int = 4
+    """Processes per trainer rank the environment's `step` runs in (its state is pickled between turns);
+    0: in the trainer's process, in a thread (no timeout; for environments that cannot pickle)."""
+    env_timeout_s: float = 60.0
+    """Seconds one call of the environment's `step` may take; a step that fails or hangs fails the episode
+    (as a reward function that fails: `algorithm.on_reward_error`)."""
+    tool_workers: int = 4
+    """Processes per trainer rank that run tool calls."""
+    max_parallel_calls: int = 4
+    """Tool calls of one turn that run at once; more wait for a free slot."""
+    tool_timeout_s: float = 30.0
+    """Seconds one tool call may take; a call that raises, hangs or kills its process becomes an error
+    result the model reads (counted in agent/tool_errors, agent/tool_timeouts), and the episode goes on."""
+    max_tool_output_chars: int = 8192
+    """Characters of a tool's output kept (printed text, then the return value), cut by `truncate_side`."""
+    episode_timeout_s: float = 600.0
+    """Wall-clock seconds an episode may take (stop reason deadline); its environment and tool calls get
+    at most what is left of it."""
 
 
 @dataclass
@@ -324,6 +362,12 @@ class LoggingConfig:
     resume: str = "auto"
     """auto: continue from <run_dir>/checkpoints/latest when there is one; never: start over; or a
     checkpoint directory to start from."""
+    save_on_signal: bool = True
+    """On SIGTERM or SIGINT to `dsrl train` (a job scheduler's stop, Ctrl-C): finish the step, write a checkpoint
+    and stop; the same command resumes. A second signal stops at once."""
+    stop_timeout_s: float = 600.0
+    """`dsrl train`: seconds a signalled run has to finish its step and checkpoint before every process of it is
+    killed."""
     export_hf: bool = True
     """At the end, export the actor as a Hugging Face model (safetensors + config + tokenizer) to <run_dir>/hf."""
     log_level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"
@@ -338,6 +382,8 @@ class Config:
     """Prompt data."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation: servers, sampling, batch shape."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn episodes (with --rollout.env): limits, tools, deadlines."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """DeepSpeed ZeRO-3 training."""
     sync: SyncConfig = field(default_factory=SyncConfig)
@@ -372,6 +418,18 @@ def fleet_kind(r: RolloutConfig) -> str:
     if r.fleet == "auto":
         return "external" if r.server_urls else "local"
     return r.fleet
+
+
+def eval_rollout(cfg: Config) -> RolloutConfig:
+    """The sampling of an evaluation: `eval.*` over `rollout.*`. Its requests are never interrupted."""
+    e = cfg.eval
+    return replace(
+        cfg.rollout,
+        n_samples=e.n_samples,
+        temperature=e.temperature,
+        max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
+        interrupt="wait",
+    )
 
 
 def world_size(cfg: Config) -> int | None:
@@ -488,6 +546,7 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
           "must be module:function, or null for dsrl's own rollout")  # fmt: skip
     check(r.rollout_fn is None or r.placement == "colocate", "rollout.rollout_fn", r.rollout_fn,
           "custom rollouts run in colocated schedules (disaggregated ones resume dsrl's own requests)")  # fmt: skip
+    validate_agent(cfg, check)
     check(s.bucket_bytes > 0, "sync.bucket_bytes", s.bucket_bytes, "must be > 0")
     check(s.timeout_s > 0, "sync.timeout_s", s.timeout_s, "must be > 0")
     check(s.probe_tolerance > 0, "sync.probe_tolerance", s.probe_tolerance, "must be > 0")
@@ -498,6 +557,7 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     check(e.max_new_tokens is None or e.max_new_tokens > 0, "eval.max_new_tokens", e.max_new_tokens, "must be > 0")
     check(cfg.logging.save_every >= 0, "logging.save_every", cfg.logging.save_every, "must be >= 0")
     check(cfg.logging.log_generations >= 0, "logging.log_generations", cfg.logging.log_generations, "must be >= 0")
+    check(cfg.logging.stop_timeout_s > 0, "logging.stop_timeout_s", cfg.logging.stop_timeout_s, "must be > 0")
     check(cfg.logging.keep_last >= 0, "logging.keep_last", cfg.logging.keep_last, "must be >= 0 (0 keeps all)")
 
     world = world or world_size(cfg)
@@ -527,6 +587,21 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
         )
     if errors:
         raise ConfigError(errors)
+
+
+def validate_agent(cfg: Config, check) -> None:
+    r, g = cfg.rollout, cfg.agent
+    check(r.env is None or is_function_spec(r.env), "rollout.env", r.env,
+          "must be module:Class, e.g. dsrl.toy:KeyLookupEnv")  # fmt: skip
+    check(r.env is None or r.rollout_fn is None, "rollout.env", r.env,
+          "an environment's episodes are dsrl's rollout: unset --rollout.rollout_fn")  # fmt: skip
+    at_least_one = ["max_turns", "max_episode_tokens", "max_observation_tokens", "tool_workers",
+                    "max_parallel_calls", "max_tool_output_chars"]  # fmt: skip
+    for name in at_least_one:
+        check(getattr(g, name) >= 1, f"agent.{name}", getattr(g, name), "must be >= 1")
+    check(g.env_workers >= 0, "agent.env_workers", g.env_workers, "must be >= 0 (0: in the trainer's process)")
+    for name in ("env_timeout_s", "tool_timeout_s", "episode_timeout_s"):
+        check(getattr(g, name) > 0, f"agent.{name}", getattr(g, name), "must be > 0")
 
 
 def build_parser(prog: str = "dsrl train") -> ArgumentParser:
@@ -571,5 +646,6 @@ def dump_config(cfg: Config, path: str | os.PathLike) -> None:
     values = asdict(cfg)
     values["algorithm"]["reward_fn"] = function_spec(cfg.algorithm.reward_fn)
     values["rollout"]["rollout_fn"] = function_spec(cfg.rollout.rollout_fn)
+    values["rollout"]["env"] = function_spec(cfg.rollout.env)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(parser.dump(parser.parse_object(values), skip_none=False))

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsrl.config import DataConfig
+from dsrl.config import Config, DataConfig, RolloutConfig, eval_rollout, fleet_kind
 
 log = logging.getLogger(__name__)
 
@@ -32,27 +32,43 @@ class Prompt:
 
 @dataclass
 class Sample:
-    """One response to a prompt, token-in/token-out, and what the trainer computes for it."""
+    """One response to a prompt, token-in/token-out, and what the trainer computes for it.
+
+    Everything after the prompt is `response_ids`: one model turn, or an agent episode's model turns
+    with the environment's tokens (tool results, user turns) between them, as they went to the server.
+    Per response token: `loss_mask` (1 for the model's tokens, 0 for the environment's), the engine's
+    logprob, and (through `extras["spans"]`) the weight version that produced it."""
 
     prompt: Prompt
     response_ids: list[int]
     engine_logprobs: list[float]
-    """Logprobs the rollout engine reported for `response_ids` (its sampling distribution)."""
+    """Logprobs the rollout engine reported for `response_ids` (its sampling distribution); 0 where masked."""
     finish_reason: str
     weight_version: int
     """The weight version the response finished under."""
     reward: float = 0.0
+    loss_mask: list[int] | None = None
+    """1 for each token the model generated, 0 for each the environment added; None: all the model's."""
     extras: dict[str, Any] = field(default_factory=dict)
-    """spans: [(first token index, weight version)] of the response (index None where not known: a request
-    paused through an update, `rollout.interrupt pause`); per-token arrays the trainer fills in."""
+    """spans: [(first token index, weight version)] of the model's tokens (index None where not known: a
+    request paused through an update, `rollout.interrupt pause`); episode: an agent episode's record
+    (turns, tool calls, why it stopped); per-token arrays the trainer fills in."""
 
     @property
     def oldest_version(self) -> int:
         return min(version for _, version in self.extras["spans"])
 
+    def mask(self) -> list[int]:
+        """The loss mask of every response token."""
+        return self.loss_mask if self.loss_mask is not None else [1] * len(self.response_ids)
 
-def read_rows(path: str, skip_bad_lines: bool = False, bad: list | None = None) -> list:
-    """The rows of a .jsonl, .json or .parquet file; an unreadable JSONL line fails, or becomes None when skipped."""
+    def model_tokens(self) -> int:
+        return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
+
+
+def read_rows(path: str, bad: list | None = None) -> list:
+    """The rows of a .jsonl, .json or .parquet file. A JSONL line that is not UTF-8 or not JSON becomes None
+    and (its index, why) goes to `bad`; without `bad` it fails at once, naming the line."""
     file = Path(path)
     if not file.is_file():
         raise DatasetError(f"{path}: file not found")
@@ -60,51 +76,79 @@ def read_rows(path: str, skip_bad_lines: bool = False, bad: list | None = None) 
         import pyarrow.parquet as pq
 
         return pq.read_table(file).to_pylist()
+    try:
+        raw = file.read_bytes()
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot read it ({e.strerror or e})") from e
+    if file.suffix == ".json":
+        try:
+            data = json.loads(raw)
+        except UnicodeDecodeError as e:
+            raise DatasetError(f"{path}: not valid UTF-8 (byte {e.start})") from e
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from e
+        if not isinstance(data, list):
+            raise DatasetError(f"{path}: a .json dataset must hold a list of rows")
+        return data
     rows = []
-    with open(file) as f:
-        if file.suffix == ".json":
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from e
-            if not isinstance(data, list):
-                raise DatasetError(f"{path}: a .json dataset must hold a list of rows")
-            return data
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
+    for line_no, line in enumerate(raw.split(b"\n"), 1):
+        try:
+            text = line.decode("utf-8")
+            if not text.strip():
                 continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                if not skip_bad_lines:
-                    raise DatasetError(f"{path}, line {line_no}: not valid JSON ({e.msg})") from e
-                bad.append((len(rows), f"{path}, line {line_no}: not valid JSON ({e.msg})"))
-                rows.append(None)
+            rows.append(json.loads(text))
+        except UnicodeDecodeError as e:
+            why = f"{path}, line {line_no}: not valid UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})"
+        except json.JSONDecodeError as e:
+            why = f"{path}, line {line_no}: not valid JSON ({e.msg})"
+        else:
+            continue
+        if bad is None:
+            raise DatasetError(why)
+        bad.append((len(rows), why))
+        rows.append(None)
     return rows
 
 
+MAX_LISTED = 10
+"""Problems of one dataset listed in its error; the rest are counted."""
+
+
 class PromptDataset:
-    def __init__(self, cfg: DataConfig, tokenizer, seed: int = 0, path: str | None = None):
-        """The prompts of `path` (default `cfg.train_path`: evaluation sets are read the same way)."""
-        self.cfg, self.seed, self.path = cfg, seed, path or cfg.train_path
+    def __init__(
+        self, cfg: DataConfig, tokenizer, seed: int = 0, path: str | None = None, tools: list[dict] | None = None
+    ):
+        """The prompts of `path` (default `cfg.train_path`: evaluation sets are read the same way), rendered
+        with the chat template (and the environment's `tools`, which it lists for the model). Every bad row
+        is found before it fails (on_bad_row fail) or is skipped (skip), one line per problem."""
+        self.cfg, self.seed, self.path, self.tools = cfg, seed, path or cfg.train_path, tools
         self.use_template = cfg.apply_chat_template and getattr(tokenizer, "chat_template", None)
         self.prompts: list[Prompt] = []
         self.skipped_bad: list[tuple[int, str]] = []  # (row, why), with --data.on_bad_row skip
         self.too_long = 0  # skipped or truncated, by --data.on_long_prompt
         self._orders: dict[int, list[int]] = {}
-        rows = read_rows(self.path, skip_bad_lines=cfg.on_bad_row == "skip", bad=self.skipped_bad)
+        bad: list[tuple[int, str]] = []
+        rows = read_rows(self.path, bad)
         for i, row in enumerate(rows):
-            if row is None:  # an unreadable line, already counted
+            if row is None:  # an unreadable line, already in `bad`
                 continue
             try:
                 prompt = self._prompt(i, row, tokenizer)
             except DatasetError as e:
-                if cfg.on_bad_row == "fail":
-                    raise
-                self.skipped_bad.append((i, str(e)))
+                bad.append((i, str(e)))
                 continue
             if prompt is not None:
                 self.prompts.append(prompt)
+        if bad and cfg.on_bad_row == "fail":
+            listed = [why for _, why in bad[:MAX_LISTED]]
+            more = f"\n  ... and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else ""
+            plural = "s" if len(bad) > 1 else ""
+            raise DatasetError(
+                f"{len(bad)} bad row{plural} (--data.on_bad_row skip skips them):\n  " + "\n  ".join(listed) + more
+                if len(bad) > 1
+                else listed[0]
+            )
+        self.skipped_bad = sorted(bad)
         if self.skipped_bad:
             log.warning(
                 "%d bad rows skipped (--data.on_bad_row skip), first: %s", len(self.skipped_bad), self.skipped_bad[0][1]
@@ -128,7 +172,7 @@ class PromptDataset:
             raise DatasetError(f"{where}: {cfg.prompt_key!r} must be a string or a list of chat messages, got {raw!r}")
         if self.use_template:
             messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False, add_generation_prompt=True)
         elif isinstance(raw, str):
             text = raw
         else:
@@ -168,3 +212,49 @@ class PromptDataset:
             epoch, offset = divmod(pos, len(self.prompts))
             out.append(self.prompts[self.order(epoch)[offset]])
         return out
+
+
+def check_fits_context(rollout: RolloutConfig, dataset: PromptDataset, context: int, flags: str = "rollout") -> None:
+    """SGLang refuses a request whose prompt + max_new_tokens passes the model's context, and an input
+    within 6 tokens of it (its scheduler keeps context - 1 - 5): a partial rollout resumes with prompt +
+    tokens so far as input. Fail at start-up, naming the first row, rather than mid-run. `rollout` is
+    the sampling of these prompts' requests, set by `--{flags}.max_new_tokens`."""
+    partial = rollout.placement == "disaggregate" and rollout.interrupt == "partial"
+    limit = context - 6 if partial else context
+    for p in dataset.prompts:
+        new_tokens = int(p.sampling.get("max_new_tokens", rollout.max_new_tokens))
+        if len(p.prompt_ids) + new_tokens > limit:
+            why = f"the model's context ({context})" + (
+                ", less the 6 tokens SGLang keeps free, which a resumed partial rollout needs" if partial else ""
+            )
+            raise DatasetError(
+                f"{dataset.path}, row {p.index}: prompt ({len(p.prompt_ids)} tokens) + max_new_tokens "
+                f"({new_tokens}) = {len(p.prompt_ids) + new_tokens} tokens, over {limit}: {why}. Lower "
+                f"--{flags}.max_new_tokens (or the row's sampling_params) or --data.max_prompt_tokens"
+                + (", or use --rollout.interrupt abort" if partial else "")
+            )
+
+
+def check_datasets(
+    cfg: Config, tokenizer, context: int | None, tools: list[dict] | None = None
+) -> tuple[PromptDataset, PromptDataset | None]:
+    """The training and evaluation prompts, read and checked (encoding, rows, prompt key, lengths; against
+    the servers' context when `context` is known): `dsrl train` runs this before the launcher starts, so
+    bad data fails in one message naming every bad row, not as a traceback from each rank."""
+    train = PromptDataset(cfg.data, tokenizer, cfg.seed, tools=tools)
+    held_out = PromptDataset(cfg.data, tokenizer, cfg.seed, cfg.eval.path, tools) if cfg.eval.path else None
+    if context:
+        check_fits_context(cfg.rollout, train, context)
+        if held_out is not None:
+            check_fits_context(eval_rollout(cfg), held_out, context, flags="eval")
+    return train, held_out
+
+
+def server_context(cfg: Config, model_dir: str, engine: str) -> int | None:
+    """The context SGLang enforces on a request, where requests must fit it (SGLang, external servers)."""
+    if fleet_kind(cfg.rollout) != "external" and engine != "sglang":
+        return None
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    return getattr(config, "max_position_embeddings", None)

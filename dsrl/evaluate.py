@@ -10,36 +10,26 @@ other ranks wait for rank 0 in the next step's collectives. The generations go t
 import json
 import logging
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from dsrl.config import Config, RolloutConfig
+from dsrl.config import Config, eval_rollout
 from dsrl.data import PromptDataset, Sample
+from dsrl.episode import EpisodeRunner, episode_row
 from dsrl.rollout import Rewarder, RewardError, generate, request_seed
 from dsrl.serving.client import RolloutClient
 
 log = logging.getLogger(__name__)
 
 
-def eval_rollout(cfg: Config) -> RolloutConfig:
-    """The sampling of an evaluation: `eval.*` over `rollout.*`. Its requests are never interrupted."""
-    e = cfg.eval
-    return replace(
-        cfg.rollout,
-        n_samples=e.n_samples,
-        temperature=e.temperature,
-        max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
-        interrupt="wait",
-    )
-
-
 class Evaluator:
-    def __init__(self, cfg: Config, tokenizer, rewarder: Rewarder, run_dir: Path):
+    def __init__(self, cfg: Config, tokenizer, rewarder: Rewarder, run_dir: Path, dataset: PromptDataset | None = None,
+                 runner: EpisodeRunner | None = None):  # fmt: skip
         self.cfg, self.tokenizer, self.rewarder, self.out_dir = cfg, tokenizer, rewarder, run_dir / "eval"
-        self.dataset = PromptDataset(cfg.data, tokenizer, cfg.seed, path=cfg.eval.path)
+        self.runner = runner or EpisodeRunner(cfg, tokenizer)
+        self.dataset = dataset or PromptDataset(cfg.data, tokenizer, cfg.seed, cfg.eval.path, self.runner.tool_schemas)
         self.rollout = eval_rollout(cfg)
 
     def due(self, step: int) -> bool:
@@ -53,7 +43,8 @@ class Evaluator:
         # disable=None: a bar on a terminal, none in a log file (it would sit inside the train bar)
         with tqdm(total=len(prompts) * self.rollout.n_samples, desc=f"eval {step}", leave=False, disable=None) as bar:
             try:
-                samples = generate(client, prompts, self.rollout, request_seed(self.cfg.seed, step), bar, self.rewarder)
+                seed = request_seed(self.cfg.seed, step)
+                samples = generate(client, prompts, self.rollout, seed, bar, self.rewarder, self.runner)
             except RewardError as e:  # it names the row; say which file
                 raise RewardError(f"--eval.path={self.dataset.path!r}: {e}") from e
         samples = [s for s in samples if not s.extras.get("skip")]  # rows whose reward failed (on_reward_error skip)
@@ -91,6 +82,7 @@ class Evaluator:
                     "reward": s.reward,
                     "finish_reason": s.finish_reason,
                     "weight_version": s.weight_version,
+                    **episode_row(s, self.tokenizer),
                 }
                 f.write(json.dumps(row, default=str) + "\n")
 
@@ -104,7 +96,7 @@ def evaluate_model(cfg: Config, model_dir: str, engine: str) -> dict[str, float]
     from dsrl.serving.servers import start_fleet
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    rewarder = Rewarder(cfg.algorithm, tokenizer)
+    rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env))
     run_dir = Path(cfg.logging.run_dir)
     evaluator = Evaluator(cfg, tokenizer, rewarder, run_dir)
     try:
@@ -118,3 +110,4 @@ def evaluate_model(cfg: Config, model_dir: str, engine: str) -> dict[str, float]
                 client.close()
     finally:
         rewarder.close()
+        evaluator.runner.close()

@@ -128,9 +128,8 @@ class MetricsWriter:
             self.writer.add_text("generations", "\n".join(table), step)
         for tracker in self.trackers:
             if tracker.name == "wandb":
-                tracker.log_table(
-                    "generations", columns=columns, data=[[r[c] for c in columns] for r in rows], step=step
-                )
+                cells = [[json.dumps(r[c]) if isinstance(r[c], (dict, list)) else r[c] for c in columns] for r in rows]
+                tracker.log_table("generations", columns=columns, data=cells, step=step)
 
     def close(self) -> None:
         if self.writer is not None:

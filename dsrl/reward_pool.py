@@ -1,4 +1,5 @@
-"""Reward functions in worker processes, each call with a timeout (--algorithm.reward_workers).
+"""Reward functions (and an agent's environments and tools) in worker processes, each call with a timeout
+(--algorithm.reward_workers, --agent.env_workers, --agent.tool_workers).
 
 A reward function is user code: it may hang, kill its process, or return garbage. Here it runs in
 `reward_workers` spawned processes per trainer rank; a call that outlasts --algorithm.reward_timeout_s
@@ -13,6 +14,7 @@ this module, which imports nothing heavy, and the reward function by its `module
 
 import asyncio
 import inspect
+import logging
 import os
 import socket
 import subprocess
@@ -24,9 +26,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Pipe, wait
 
-from dsrl.rewards import load_reward_fn
+from dsrl.rewards import load_function, load_reward_fn
+
+log = logging.getLogger(__name__)
 
 NOT_SCORED = "not scored: another row of its group failed first"
+READY = "ready"
+"""A worker's first message: it has imported its function and takes calls."""
 
 Item = tuple[str, str, object, dict]
 """(prompt, response, answer, the dataset row): what one call of the reward function gets."""
@@ -46,9 +52,13 @@ def _takes_row(fn) -> bool:
         return False
 
 
-def _worker(spec: str, conn: Connection) -> None:
-    """A worker's loop: (call id, items) in, (call id, values or an error) out, until told to stop."""
-    fn = load_reward_fn(spec)
+def _worker(spec: str, conn: Connection, plain: bool) -> None:
+    """A worker's loop: (call id, items) in, (call id, values or an error) out, until told to stop. A reward
+    function gets (prompt, response, answer[, row]); a `plain` function its item's arguments as they are."""
+    fn = load_function(spec, "worker")
+    if plain:
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # user code's prints: a tool's 10 MB stays out of the log
+    conn.send(READY)  # its imports done: a call's timeout starts when the call does
     while True:
         try:
             message = conn.recv()
@@ -58,7 +68,9 @@ def _worker(spec: str, conn: Connection) -> None:
             return
         call_id, items = message
         try:
-            if getattr(fn, "dsrl_batched", False):
+            if plain:
+                values = [fn(*item) for item in items]
+            elif getattr(fn, "dsrl_batched", False):
                 values = list(call_reward(fn, *map(list, zip(*items))))
             else:
                 values = [call_reward(fn, *item) for item in items]
@@ -89,12 +101,21 @@ class _Request:
 
 class RewardPool:
     """`workers` processes fed by one dispatcher thread: calls from many groups run side by side, and a
-    call that hangs holds up only its own row."""
+    call that hangs holds up only its own row. `plain`: the function is called with each item's arguments
+    (an environment's step, a tool), not as a reward function; `timeout_flag` names the timeout's flag."""
 
-    def __init__(self, spec: str, workers: int, timeout_s: float):
-        self.spec, self.timeout_s = spec, timeout_s
-        self.batched = getattr(load_reward_fn(spec), "dsrl_batched", False)
+    def __init__(
+        self,
+        spec: str,
+        workers: int,
+        timeout_s: float,
+        plain: bool = False,
+        timeout_flag: str = "--algorithm.reward_timeout_s",
+    ):
+        self.spec, self.timeout_s, self.plain, self.timeout_flag = spec, timeout_s, plain, timeout_flag
+        self.batched = not plain and getattr(load_reward_fn(spec), "dsrl_batched", False)
         self.workers = [self._spawn() for _ in range(workers)]
+        self.starting = set(range(workers))  # not ready yet: no call goes to them
         self.queue: deque[tuple[_Request, list[int]]] = deque()  # calls not yet handed to a worker
         self.lock = threading.Lock()
         self.wake_recv, self.wake_send = Pipe(duplex=False)  # a new call, or stop
@@ -106,7 +127,7 @@ class RewardPool:
         """A worker: a fresh interpreter (never a fork of a trainer: CUDA, threads), on a socket pair."""
         ours, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # as spawn: the same imports
-        cmd = [sys.executable, "-m", "dsrl.reward_pool", self.spec, str(theirs.fileno())]
+        cmd = [sys.executable, "-m", "dsrl.reward_pool", self.spec, str(theirs.fileno()), str(int(self.plain))]
         process = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env, start_new_session=True)
         theirs.close()
         return process, Connection(ours.detach())
@@ -132,22 +153,53 @@ class RewardPool:
 
     def _dispatch(self) -> None:
         busy: dict[int, tuple[_Request, list[int], float]] = {}  # worker -> (request, item indices, deadline)
+        try:
+            self._dispatch_until_stopped(busy)
+        except BaseException as e:  # every caller hears of it: a dead dispatcher would leave them waiting forever
+            log.exception("the worker pool's dispatcher failed")
+            with self.lock:
+                pending = [(r, c) for r, c, _ in busy.values()] + list(self.queue)
+                self.queue.clear()
+            for request, call in pending:
+                request.settle(call, [(None, f"the worker pool failed: {e!r}")] * len(call))
+            raise
+
+    def _dispatch_until_stopped(self, busy: dict) -> None:
         while not self.stopped:
             with self.lock:
                 self.queue = deque(c for c in self.queue if not c[0].future.done())  # their group failed already
-                for w in [w for w in range(len(self.workers)) if w not in busy]:
+                for w in [w for w in range(len(self.workers)) if w not in busy and w not in self.starting]:
                     if not self.queue:
                         break
                     request, call = self.queue.popleft()
                     self.workers[w][1].send((0, [request.items[i] for i in call]))
                     busy[w] = (request, call, time.monotonic() + self.timeout_s)
             timeout = max(0.0, min((d for _, _, d in busy.values()), default=time.monotonic() + 1) - time.monotonic())
-            ready = wait([self.workers[w][1] for w in busy] + [self.wake_recv], timeout=timeout)
+            watched = [self.workers[w][1] for w in list(busy) + sorted(self.starting)]
+            ready = wait(watched + [self.wake_recv], timeout=timeout)
             if self.wake_recv in ready:
                 while self.wake_recv.poll():
                     self.wake_recv.recv_bytes()
+            for w in [w for w in sorted(self.starting) if self.workers[w][1] in ready]:
+                self._started(w)
             for w in list(busy):
                 self._check(w, busy, ready)
+
+    def _started(self, w: int) -> None:
+        """A starting worker is ready, or died importing its function: the next queued call fails with that."""
+        process, conn = self.workers[w]
+        try:
+            conn.recv()
+            self.starting.discard(w)
+            return
+        except (EOFError, OSError):
+            code = process.wait(5)
+        with self.lock:
+            failed = self.queue.popleft() if self.queue else None
+        if failed is not None:
+            why = f"its worker process could not start (exit code {code}; its log is above)"
+            failed[0].settle(failed[1], [(None, why)] * len(failed[1]))
+        self._replace(w)
 
     def _check(self, w: int, busy: dict, ready: list) -> None:
         request, call, deadline = busy[w]
@@ -158,7 +210,7 @@ class RewardPool:
             except (EOFError, OSError):
                 code = process.wait(5)
                 self._replace(w)
-                outcome = (None, f"its process exited (code {code}) while scoring it")
+                outcome = (None, f"its process exited (code {code}) while running it")
                 outcomes = [outcome] * len(call)
             else:
                 if error is None and len(values) != len(call):
@@ -166,7 +218,7 @@ class RewardPool:
                 outcomes = [(None, error)] * len(call) if error else [(v, None) for v in values]
         elif time.monotonic() >= deadline:
             self._replace(w)
-            why = f"took longer than --algorithm.reward_timeout_s={self.timeout_s:g}s (its process was replaced)"
+            why = f"took longer than {self.timeout_flag}={self.timeout_s:g}s (its process was replaced)"
             outcomes = [(None, why)] * len(call)
         else:
             return
@@ -179,6 +231,7 @@ class RewardPool:
         process.wait(5)
         conn.close()
         self.workers[w] = self._spawn()
+        self.starting.add(w)
 
     def close(self) -> None:
         self.stopped = True
@@ -197,5 +250,5 @@ class RewardPool:
         self.workers = []
 
 
-if __name__ == "__main__":  # a worker: python -m dsrl.reward_pool module:function FD
-    _worker(sys.argv[1], Connection(int(sys.argv[2])))
+if __name__ == "__main__":  # a worker: python -m dsrl.reward_pool module:function FD PLAIN
+    _worker(sys.argv[1], Connection(int(sys.argv[2])), sys.argv[3] == "1")

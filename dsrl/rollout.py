@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from dsrl.config import AlgorithmConfig, Config, RolloutConfig, function_spec
 from dsrl.data import Prompt, Sample
+from dsrl.episode import Episode, EpisodeRunner
 from dsrl.reward_pool import NOT_SCORED, RewardPool, call_reward
 from dsrl.rewards import RewardFn, load_function
 from dsrl.serving.client import RolloutClient
@@ -107,27 +108,12 @@ def request_seed(*parts: int) -> int:
     return seed
 
 
-async def generate_sample(client: RolloutClient, prompt: Prompt, params: dict, route_key: object = None) -> Sample:
-    params = {**params, **prompt.sampling}
-    body = {"input_ids": prompt.prompt_ids, "sampling_params": params, "return_logprob": True}
-    reply = await client.generate(body, route_key)
-    out = parse_generation(reply)
-    return Sample(
-        prompt=prompt,
-        response_ids=out.output_ids,
-        engine_logprobs=out.logprobs,
-        finish_reason=out.finish_reason,
-        weight_version=out.weight_version,
-        extras={"spans": [(0, out.weight_version)]},
-    )
-
-
 class Engine:
     """The rollout servers as a custom rollout function sees them (`--rollout.rollout_fn`): requests of one
     prompt's group, routed together (its prefix cached once)."""
 
-    def __init__(self, client: RolloutClient, route_key: object):
-        self.client, self.route_key = client, route_key
+    def __init__(self, client: RolloutClient, route_key: object, runner: "EpisodeRunner | None" = None):
+        self.client, self.route_key, self.runner = client, route_key, runner
 
     async def generate(self, input_ids: list[int], sampling: dict) -> Generation:
         """One `/generate`: token ids in, the tokens out with their logprobs and weight version."""
@@ -136,7 +122,11 @@ class Engine:
 
     async def sample(self, prompt: Prompt, sampling: dict) -> Sample:
         """dsrl's own rollout: one response to `prompt`."""
-        return await generate_sample(self.client, prompt, sampling, self.route_key)
+        body = {"input_ids": prompt.prompt_ids, "sampling_params": {**sampling, **prompt.sampling},
+                "return_logprob": True}  # fmt: skip
+        out = parse_generation(await self.client.generate(body, self.route_key))
+        return Sample(prompt, out.output_ids, out.logprobs, out.finish_reason, out.weight_version,
+                      extras={"spans": [(0, out.weight_version)]})  # fmt: skip
 
 
 class RolloutFnError(RuntimeError):
@@ -170,19 +160,21 @@ def generate(
     seed: int = 0,
     progress: tqdm | None = None,
     rewarder: "Rewarder | None" = None,
+    runner: EpisodeRunner | None = None,
 ) -> list[Sample]:
-    """n_samples responses per prompt, one request each (or `rollout.rollout_fn`'s), groups contiguous in
-    prompt order; each group is scored by `rewarder` as soon as it is complete, while the others still
-    generate."""
-    params = sampling_params(cfg)
+    """n_samples responses (or `runner`'s episodes) per prompt, or `rollout.rollout_fn`'s samples, groups
+    contiguous in prompt order; each group is scored by `rewarder` as soon as it is complete, while the
+    others still generate."""
     fn = None if cfg.rollout_fn is None else load_function(cfg.rollout_fn, "rollout.rollout_fn")
     spec = function_spec(cfg.rollout_fn)
+    runner, params = runner or EpisodeRunner(), sampling_params(cfg)
 
     async def one(p: Prompt, j: int) -> Sample:
-        params_j = {**params, "sampling_seed": request_seed(seed, p.index, j)}
         if fn is None:
-            sample = await generate_sample(client, p, params_j, route_key=(seed, p.index))
+            episode = runner.new(p, params)
+            sample = await play(client, runner, episode, (seed, p.index, j), route_key=(seed, p.index))
         else:
+            params_j = {**sampling_params(cfg), "sampling_seed": request_seed(seed, p.index, j)}
             sample = await custom_sample(fn, spec, Engine(client, (seed, p.index)), p, {**params_j, **p.sampling})
         if progress is not None:
             progress.update()
@@ -200,6 +192,24 @@ def generate(
     return client.run(all_samples())
 
 
+async def play(client: RolloutClient, runner: EpisodeRunner, episode: Episode, seed: tuple, route_key) -> Sample:
+    """An episode (a response, without an environment) with nothing interrupting it but a server leaving the
+    fleet, after which its turn goes on from the tokens so far. Its requests' sampling seeds are fixed by
+    `seed` and the tokens so far, so a resumed run repeats them."""
+
+    async def request(episode: Episode, params: dict) -> tuple[Generation, int]:
+        n = len(episode.sample.response_ids)
+        params.setdefault("sampling_seed", request_seed(*seed, *([n] if n else [])))
+        body = {"input_ids": episode.sample.prompt.prompt_ids + episode.sample.response_ids,
+                "sampling_params": params, "return_logprob": True}  # fmt: skip
+        reply = parse_generation(await client.generate(body, route_key))
+        return reply, reply.weight_version
+
+    while not await runner.run(episode, request):
+        pass
+    return episode.sample
+
+
 class RewardError(RuntimeError):
     """A reward function that failed on a row: raised, timed out, or killed its process."""
 
@@ -214,38 +224,51 @@ def reward_item(sample: Sample, tokenizer) -> tuple:
     return sample.prompt.text, response, sample.prompt.answer, sample.prompt.row
 
 
-def check_reward(row: int, value, error: str | None) -> float:
+def check_reward(row: int, value, error: str | None, source: str = "reward function") -> float:
     """The reward as a float, or the error naming the row."""
     if error is not None:
-        raise RewardError(f"reward function failed on dataset row {row}: {error}")
+        raise RewardError(f"{source} failed on dataset row {row}: {error}")
     if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
-        raise RewardValueError(f"reward function returned {value!r} for dataset row {row}; expected a finite float")
+        raise RewardValueError(f"{source} returned {value!r} for dataset row {row}; expected a finite float")
     return float(value)
 
 
 class Rewarder:
     """The run's reward function: in worker processes with a timeout per call (`reward_workers` > 0), or
-    in a thread of this process; off the client's event loop either way. A row whose reward fails stops
-    the run naming it, or (on_reward_error skip) its group leaves the loss and is counted."""
+    in a thread of this process; off the client's event loop either way. With an environment
+    (`rollout.env`) the episodes carry their rewards, and an episode whose environment failed counts as a
+    failed reward. A row whose reward fails stops the run naming it, or (on_reward_error skip) its group
+    leaves the loss and is counted."""
 
-    def __init__(self, cfg: AlgorithmConfig, tokenizer, fn=None):
-        fn = fn or cfg.reward_fn
-        self.fn = load_function(fn, "algorithm.reward_fn")
-        spec = fn if isinstance(fn, str) else importable_spec(fn)  # a lambda or closure: in a thread here
-        self.pool = RewardPool(spec, cfg.reward_workers, cfg.reward_timeout_s) if spec and cfg.reward_workers else None
+    def __init__(self, cfg: AlgorithmConfig, tokenizer, fn=None, env: bool = False):
+        self.env, self.pool = env, None
+        if not env:
+            fn = fn or cfg.reward_fn
+            self.fn = load_function(fn, "algorithm.reward_fn")
+            spec = fn if isinstance(fn, str) else importable_spec(fn)  # a lambda or closure: in a thread here
+            if spec and cfg.reward_workers:
+                self.pool = RewardPool(spec, cfg.reward_workers, cfg.reward_timeout_s)
         self.tokenizer, self.skip = tokenizer, cfg.on_reward_error == "skip"
         self.failed = 0
         """Rows failed (and skipped) so far."""
 
     async def score_group(self, samples: list[Sample]) -> None:
+        if self.env:
+            records = [s.extras["episode"] for s in samples]
+            self.settle(samples, [(r["reward"], r["error"]) for r in records], "the environment")
+            return
         items = [reward_item(s, self.tokenizer) for s in samples]
         if self.pool is not None:
             results = await self.pool.score_async(items, fail_fast=True)  # one failed row skips the group
         else:
             results = await asyncio.to_thread(lambda: [_call_in_process(self.fn, item) for item in items])
+        self.settle(samples, results, "reward function")
+
+    def settle(self, samples: list[Sample], results: list[tuple], source: str) -> None:
+        """Set the group's rewards from (value, error) pairs, or fail or skip it (on_reward_error)."""
         try:  # the row that failed first, not the ones left unscored after it
             for i in sorted(range(len(samples)), key=lambda i: results[i][1] == NOT_SCORED):
-                check_reward(samples[i].prompt.index, *results[i])
+                check_reward(samples[i].prompt.index, *results[i], source)
             rewards = [float(value) for value, _ in results]
         except RewardError as e:
             if not self.skip:
@@ -289,14 +312,14 @@ class SyncRollouts(Rollouts):
     """The synchronous schedule: each step's batch is generated with the current weights, each group
     scored as it completes. The data position follows from the step, so a checkpoint needs nothing of it."""
 
-    def __init__(self, client: RolloutClient, cfg: Config, dataset, rewarder: Rewarder, rank: int, world: int):
+    def __init__(self, client: RolloutClient, cfg: Config, dataset, rewarder: Rewarder, rank: int, world: int,
+                 runner: EpisodeRunner | None = None):  # fmt: skip
         self.client, self.cfg, self.dataset = client, cfg, dataset
-        self.rewarder, self.rank, self.world = rewarder, rank, world
+        self.rewarder, self.rank, self.world, self.runner = rewarder, rank, world, runner
 
     def collect(self, step: int) -> Batch:
         prompts = self.dataset.batch(step, self.cfg.rollout.prompts_per_step, self.rank, self.world)
         failed = self.rewarder.failed
-        samples = generate(
-            self.client, prompts, self.cfg.rollout, request_seed(self.cfg.seed, step), None, self.rewarder
-        )
+        seed = request_seed(self.cfg.seed, step)
+        samples = generate(self.client, prompts, self.cfg.rollout, seed, None, self.rewarder, self.runner)
         return Batch(samples, {"reward/failed": float(self.rewarder.failed - failed)})

@@ -23,6 +23,10 @@ Around a weight update the in-flight requests are handled by `rollout.interrupt`
 Every sample records the weight version of each token span (with `pause`, where a later span
 starts is not seen: a request's reply only says the version it finished under). A group already
 past the edge of the bound at an update (it could only be dropped) is restarted from scratch.
+
+A sample is an episode (`dsrl.episode`): one model turn, or an agent's turns and observations. What is
+said above of a request holds for each model turn's; an episode between turns (its environment or tools
+running) sends its next turn only once the update is over, and goes on from exactly where it was.
 """
 
 import asyncio
@@ -34,10 +38,15 @@ from dataclasses import asdict, dataclass, field
 
 from dsrl.config import Config
 from dsrl.data import Prompt, PromptDataset, Sample
-from dsrl.rollout import Batch, Rewarder, Rollouts, parse_generation, request_seed, sampling_params
+from dsrl.episode import Episode, EpisodeRunner
+from dsrl.rollout import Batch, Generation, Rewarder, Rollouts, parse_generation, request_seed, sampling_params
 from dsrl.serving.client import RolloutClient
 
 log = logging.getLogger(__name__)
+
+
+class Restarted(Exception):
+    """An episode's group started over from scratch (too stale): the episode is dropped."""
 
 
 class PromptStream:
@@ -68,6 +77,7 @@ class Group:
     pending: int
     version: int  # the weight version it started generating under (restarting resets it)
     started: dict[str, int] = field(default_factory=dict)  # rid in flight -> oldest version of its tokens
+    restarts: int = 0  # times it started over from scratch: its older episodes' coroutines stop
 
     @property
     def oldest_version(self) -> int:
@@ -90,8 +100,10 @@ class ManagerStats:
 
 
 class RolloutManager(Rollouts):
-    def __init__(self, client: RolloutClient, cfg: Config, stream: PromptStream, rewarder: Rewarder):
+    def __init__(self, client: RolloutClient, cfg: Config, stream: PromptStream, rewarder: Rewarder,
+                 runner: EpisodeRunner | None = None):  # fmt: skip
         self.client, self.cfg, self.stream, self.rewarder = client, cfg, stream, rewarder
+        self.runner = runner or EpisodeRunner()
         r = cfg.rollout
         self.n_samples, self.max_staleness, self.interrupt = r.n_samples, r.max_staleness, r.interrupt
         # Admitting fewer batches ahead than the bound keeps a group that finishes fast from waiting
@@ -105,7 +117,7 @@ class RolloutManager(Rollouts):
         self.in_flight = 0  # requests out at the servers
         self.ready: deque[Group] = deque()  # finished groups, waiting to be trained on
         self.generating: dict[int, Group] = {}  # gid -> group with samples still out
-        self.interrupted: list[tuple[Group, int, Sample | None]] = []  # resubmitted once the new weights are live
+        self.interrupted: list[tuple[Group, int, Episode | None]] = []  # resubmitted once the new weights are live
         self.doomed: set[int] = set()  # groups past the staleness edge: restarted from scratch
         self.next_gid = 0
         self.failed_seen = 0  # the rewarder's failures counted into a batch's metrics so far
@@ -220,46 +232,48 @@ class RolloutManager(Rollouts):
             for slot in range(self.n_samples):
                 self._spawn(self._run_sample(group, slot, None))
 
-    async def _run_sample(self, group: Group, slot: int, partial: Sample | None) -> None:
+    async def _run_sample(self, group: Group, slot: int, episode: Episode | None) -> None:
+        """One episode of the group (a response, without an environment), from its start or from where a
+        weight update interrupted it; its turns' requests wait while an update is being prepared."""
+        restarts = group.restarts
+        episode = episode or self.runner.new(group.prompt, self.params, self.version)
         prompt = group.prompt
-        done = partial.response_ids if partial else []
-        params = {**self.params, **prompt.sampling}
-        if partial and len(done) >= params["max_new_tokens"]:
-            # Aborted as its last token came out (SGLang then says "abort", not "length"): nothing is left
-            # to generate, and a request for 0 tokens would still return one.
-            await self._sample_done(group, slot, partial, "length", partial.extras["spans"][-1][1])
-            return
-        params["max_new_tokens"] -= len(done)
-        params["sampling_seed"] = request_seed(self.cfg.seed, prompt.index, slot, self.version, len(done))
-        # The version of the request's oldest tokens decides whether a weight update interrupts it.
-        oldest = min(partial.oldest_version if partial else self.version, group.oldest_so_far(default=self.version))
-        rid = f"{self.rid_prefix}-v{oldest}-g{group.gid}-s{slot}-{uuid.uuid4().hex[:8]}"
-        sent_under = self.version  # its first token's version, or older than it (when it waits for a slot)
-        body = {"input_ids": prompt.prompt_ids + done, "sampling_params": params, "return_logprob": True, "rid": rid}
-        # Older groups first where the server schedules by priority (the embedded engine; SGLang with
-        # --enable-priority-scheduling, else ignored): a group near the staleness bound holds up the next batch.
-        body["priority"] = -oldest
-        group.started[rid] = oldest
-        self._request_started()
+
+        async def request(episode: Episode, params: dict) -> tuple[Generation, int]:
+            async with self.cond:  # a turn after the first may come while a weight update is prepared
+                await self.cond.wait_for(lambda: not self.paused or self.stopped)
+            if group.restarts != restarts:
+                raise Restarted
+            s = episode.sample
+            params["sampling_seed"] = request_seed(self.cfg.seed, prompt.index, slot, self.version, len(s.response_ids))
+            # The version of the request's oldest tokens decides whether a weight update interrupts it.
+            own = s.oldest_version if s.extras["spans"] else self.version
+            oldest = min(own, group.oldest_so_far(default=self.version))
+            rid = f"{self.rid_prefix}-v{oldest}-g{group.gid}-s{slot}-{uuid.uuid4().hex[:8]}"
+            sent_under = self.version  # its first token's version, or older than it (when it waits for a slot)
+            body = {"input_ids": prompt.prompt_ids + s.response_ids, "sampling_params": params,
+                    "return_logprob": True, "rid": rid}  # fmt: skip
+            # Older groups first where the server schedules by priority (the embedded engine; SGLang with
+            # --enable-priority-scheduling, else ignored): a group near the staleness bound holds up the next batch.
+            body["priority"] = -oldest
+            group.started[rid] = oldest
+            self._request_started()
+            try:
+                out = await self.client.generate(body, route_key=(self.rid_prefix, group.gid))
+            finally:
+                group.started.pop(rid)
+                await self._request_finished()
+            return parse_generation(out), sent_under
+
         try:
-            out = await self.client.generate(body, route_key=(self.rid_prefix, group.gid))
-        finally:
-            group.started.pop(rid)
-            await self._request_finished()
-        reply = parse_generation(out)
-        tokens = reply.output_ids[: params["max_new_tokens"]]
-        logprobs = reply.logprobs[: len(tokens)]
-        sample = partial or Sample(prompt, [], [], "", sent_under, extras={"spans": []})
-        if tokens:  # (none when aborted before it was sent: the client's reply carries no version)
-            finished_under = reply.weight_version
-            sample.extras["spans"].append((len(sample.response_ids), min(sent_under, finished_under)))
-            if finished_under > sent_under:  # paused through an update: where the newer tokens start is unseen
-                sample.extras["spans"].append((None, finished_under))
-            sample.response_ids = sample.response_ids + tokens
-            sample.engine_logprobs = sample.engine_logprobs + logprobs
-        if reply.finish_reason == "abort":
+            finished = await self.runner.run(episode, request)
+        except Restarted:  # its group was too stale to train on and started over without it
+            return
+        if group.restarts != restarts:
+            return
+        if not finished:  # a weight update (or its server leaving) aborted a model turn
             self.stats.interrupted += 1
-            resume = sample if self.interrupt == "partial" and sample.response_ids else None
+            resume = episode if self.interrupt == "partial" and episode.sample.response_ids else None
             if self.paused:  # resubmitted by _after_update, under the new weights
                 self.interrupted.append((group, slot, resume))
             else:  # aborted between updates (its server left the fleet): sent again now
@@ -267,11 +281,9 @@ class RolloutManager(Rollouts):
                 self.stats.restarted += resume is None
                 self._spawn(self._run_sample(group, slot, resume))
             return
-        await self._sample_done(group, slot, sample, reply.finish_reason, reply.weight_version)
+        await self._sample_done(group, slot, episode.sample)
 
-    async def _sample_done(self, group: Group, slot: int, sample: Sample, reason: str, version: int) -> None:
-        sample.finish_reason = reason
-        sample.weight_version = version
+    async def _sample_done(self, group: Group, slot: int, sample: Sample) -> None:
         group.samples[slot] = sample
         group.pending -= 1
         if group.pending == 0:
@@ -359,5 +371,6 @@ class RolloutManager(Rollouts):
         for group in restart.values():  # too stale to train on: every sample from scratch
             self.stats.restarted += self.n_samples
             group.samples, group.pending, group.version = [None] * self.n_samples, self.n_samples, version
+            group.restarts += 1
             for slot in range(self.n_samples):
                 self._spawn(self._run_sample(group, slot, None))

@@ -1,15 +1,22 @@
-"""The built-in toy task: copy a short digit string.
+"""The built-in toy tasks: copy a short digit string, or look a key's value up with a tool and answer it.
 
 A prompt is 1-3 digits followed by "=", e.g. ``"394="``; the right response is the same digits,
 ``"394"``, then end-of-sequence. One token per character. A random policy scores about 0.07; a tiny model trained with
 GRPO on CPU reaches 0.9+ within minutes. Everything (tokenizer, model config, data) is built here,
 so nothing is downloaded. ``python -m dsrl.toy <dir>`` writes the files shipped in examples/toy/.
+
+The agent task (`KeyLookupEnv`, `configs/toy_cpu_agent.yaml`) reads the same prompts as keys: only the
+`lookup` tool knows a key's value. The model calls it by ending a turn with "+" after the key ("394+"),
+reads the value it returns ("512+"), then answers it ("512"): ``394=`` ``394+`` ``512+`` ``512``. After
+"=" a turn copies and calls; after "+" it copies and answers.
 """
 
 import json
 import random
 import sys
 from pathlib import Path
+
+from dsrl.agents import Environment, Step
 
 VOCAB = ["<pad>", "<eos>", *"0123456789", "=", "+"]
 
@@ -71,3 +78,32 @@ def write_example(root: Path) -> None:
 
 if __name__ == "__main__":
     write_example(Path(sys.argv[1] if len(sys.argv) > 1 else "examples/toy"))
+
+
+# -- the agent task --------------------------------------------------------------------------------
+
+
+def lookup(key: str) -> str:
+    """The value of a key, known only to this tool: 1-3 digits."""
+    return str((int(key) * 7919 + 17) % 1000) if key.isdigit() else ""
+
+
+class KeyLookupEnv(Environment):
+    """The toy agent task, a `dsrl.Environment` in a few lines (with no chat template, an observation is
+    plain text). Reward: the last tool call's key (its fraction of right digits) times (1 + the answer's
+    fraction of right digits) / 2: an answer without a tool call, or after a call without the key, is
+    worth nothing, and a guessed answer no more than the call that led to it."""
+
+    def __init__(self, row: dict, **options):
+        self.key = str(row["answer"])
+        self.call_score: float | None = None
+
+    def step(self, response: str) -> Step:
+        text = "".join(response.split())
+        if "+" in text:  # a tool call: the key before the "+"
+            asked = text.split("+")[0]
+            self.call_score = reward("", asked, self.key)
+            return Step(observation=lookup(asked) + "+")
+        if self.call_score is None:
+            return Step(reward=0.0, done=True)
+        return Step(reward=self.call_score * (0.5 + 0.5 * reward("", text, lookup(self.key))), done=True)

@@ -15,23 +15,35 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 from dsrl.advantages import KlController, compute_advantages
-from dsrl.collectives import all_ranks
-from dsrl.config import Config, RolloutConfig, SyncConfig, dump_config, fleet_kind, parse_config, validate
-from dsrl.data import DatasetError, PromptDataset, Sample
+from dsrl.collectives import agreed, all_ranks
+from dsrl.config import Config, SyncConfig, dump_config, fleet_kind, parse_config, validate
+from dsrl.data import DatasetError, Sample, check_datasets, server_context
+from dsrl.episode import EpisodeRunner, episode_metrics, episode_row
 from dsrl.evaluate import Evaluator
 from dsrl.metrics import MetricsWriter, Timer, gather_lists, mean_across_ranks, reduce_across_ranks, summary_line
 from dsrl.rollout import Batch, Rewarder, Rollouts, SyncRollouts
 from dsrl.rollout_manager import PromptStream, RolloutManager
+from dsrl.rundir import (
+    ExportTargetError,
+    RunDirLocked,
+    RunLock,
+    RunStopped,
+    StopRequests,
+    WriteError,
+    check_export_target,
+    clear_stop,
+    lock_run_dir,
+)
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.control import FleetControl
 from dsrl.serving.servers import Fleet, ServerFleet, check_server_args, server_host, start_fleet
 from dsrl.sync.base import make_checkpoint_engine
 from dsrl.sync.weight_sync import WeightSync
 from dsrl.zero.actor import compute_logprobs, logprob_mismatch, update_actor
-from dsrl.zero.checkpoint import export_hf, find_checkpoint, load_checkpoint, save_checkpoint
+from dsrl.zero.checkpoint import CheckpointError, export_hf, find_checkpoint, load_checkpoint, save_checkpoint
 from dsrl.zero.critic import compute_values, update_critic
 from dsrl.zero.engine import decide_offload, init_distributed, load_engine, offload_states, prepare_model_dir, use_cuda
 
@@ -74,8 +86,10 @@ def train(cfg: Config) -> dict[str, float]:
                 rank0 |= evaluate(run, step + 1)
             metrics = log_step(run, step, batch, {**batch.metrics, **stats, **timer.metrics()}, rank0)
             steps.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
-            if cfg.logging.save_every and (step + 1) % cfg.logging.save_every == 0:
+            saved = cfg.logging.save_every and (step + 1) % cfg.logging.save_every == 0
+            if saved:
                 checkpoint(run, step + 1)
+            stop_if_asked(run, step + 1, saved)
         finish(run, metrics)
     finally:
         run.close()
@@ -103,23 +117,32 @@ class Run:
     """Every rank generates through its own client; only rank 0's talks to the servers about weights."""
     weights: WeightSync
     rewarder: Rewarder
+    runner: EpisodeRunner
+    """Plays the episodes (single responses without --rollout.env); owns the environment and tool workers."""
     rollouts: Rollouts
     evaluator: Evaluator | None
     """With --eval.path; rank 0 runs it."""
     writer: MetricsWriter
     start_step: int
+    stop: StopRequests
     control: FleetControl | None = None
     """Rank 0: the endpoint `dsrl fleet add/remove` talks to."""
+    lock: RunLock | None = None
+    """Rank 0, unless `dsrl train` holds it for the ranks: the run directory's lock."""
     bad_steps: int = 0
 
     def close(self) -> None:
         self.rollouts.stop()
         self.rewarder.close()
+        self.runner.close()
         if self.control is not None:
             self.client.run(self.control.stop())
         self.client.close()
         self.writer.close()
         self.fleet.stop()
+        if self.lock is not None:
+            self.lock.release()
+        self.stop.restore()  # last: a SIGTERM meanwhile (the launcher's, when a rank failed) waits for the cleanup
 
 
 def setup(cfg: Config) -> Run:
@@ -132,21 +155,17 @@ def setup(cfg: Config) -> Run:
         level=cfg.logging.log_level if rank == 0 else "WARNING", format="%(asctime)s [dsrl] %(message)s", force=True
     )
     run_dir = Path(cfg.logging.run_dir)
-    if rank == 0:
-        check_writable(run_dir)
-        dump_config(cfg, run_dir / "config.yaml")
+    lock = take_run_dir(cfg, run_dir, rank)
+    stop = StopRequests(run_dir, watch_file=rank == 0).install()
     torch.manual_seed(cfg.seed + rank)
     model_dir = prepare_model_dir(cfg, run_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-    dataset = PromptDataset(cfg.data, tokenizer, cfg.seed)
-    rewarder = Rewarder(cfg.algorithm, tokenizer)
-    evaluator = Evaluator(cfg, tokenizer, rewarder, run_dir) if cfg.eval.path else None  # every rank: same errors
-    if fleet_kind(cfg.rollout) == "external" or rollout_engine(cfg) == "sglang":
-        model_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-        check_fits_context(cfg.rollout, dataset, model_config)
-        if evaluator is not None:
-            check_fits_context(evaluator.rollout, evaluator.dataset, model_config, flags="eval")
+    runner = EpisodeRunner(cfg, tokenizer)  # checks the chat template, with an environment
+    context = server_context(cfg, model_dir, rollout_engine(cfg))
+    dataset, held_out = check_datasets(cfg, tokenizer, context, runner.tool_schemas)  # every rank: the same errors
+    rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env))
+    evaluator = Evaluator(cfg, tokenizer, rewarder, run_dir, held_out, runner) if held_out else None
     actor = load_engine(cfg, model_dir, world, train=True)
     ref = load_engine(cfg, model_dir, world, train=False) if cfg.algorithm.kl_coef > 0 else None
     critic = load_engine(cfg, model_dir, world, train=True, critic=True) if cfg.algorithm.advantage == "gae" else None
@@ -169,15 +188,49 @@ def setup(cfg: Config) -> Run:
                                frozen if sync_cfg.type == "ipc" else None)  # fmt: skip
         client.run(control.start())
     if cfg.rollout.placement == "colocate":
-        rollouts = SyncRollouts(client, cfg, dataset, rewarder, rank, world)
+        rollouts = SyncRollouts(client, cfg, dataset, rewarder, rank, world, runner)
     else:  # disaggregated: generation runs ahead of training by up to max_staleness versions
-        rollouts = RolloutManager(client, cfg, PromptStream(dataset, cfg.rollout.prompts_per_step, rank, world),
-                                  rewarder)  # fmt: skip
+        stream = PromptStream(dataset, cfg.rollout.prompts_per_step, rank, world)
+        rollouts = RolloutManager(client, cfg, stream, rewarder, runner)
     if rank_state is not None:
         rollouts.restore(rank_state["rollouts"], start_step)
     writer = MetricsWriter(run_dir, rank == 0, cfg.logging, tracker_config(cfg))
     return Run(cfg, rank, world, run_dir, model_dir, tokenizer, pad_id, actor, ref, critic, kl, fleet, client, weights,
-               rewarder, rollouts, evaluator, writer, start_step, control)  # fmt: skip
+               rewarder, runner, rollouts, evaluator, writer, start_step, stop, control, lock)  # fmt: skip
+
+
+def take_run_dir(cfg: Config, run_dir: Path, rank: int) -> RunLock | None:
+    """Rank 0, before anything is written: the run directory's lock (unless `dsrl train` holds it for us),
+    a writable checkpoint directory, an export target that holds nothing but dsrl's own; then the config.
+    A failure there stops every rank."""
+    lock = None
+    with agreed("taking the run directory", (RunDirLocked, PermissionError, ExportTargetError)):
+        if rank == 0:
+            lock = lock_run_dir(run_dir, "python -m dsrl.train")
+            if lock is not None:  # launched without `dsrl train`: a stale stop request is ours to clear
+                clear_stop(run_dir)
+            check_writable(run_dir)
+            if cfg.logging.export_hf:
+                check_export_target(run_dir / "hf", overwrite=True, flag="the final export <run_dir>/hf")
+            dump_config(cfg, run_dir / "config.yaml")
+    return lock
+
+
+def stop_if_asked(run: Run, step: int, saved: bool) -> None:
+    """At the end of a step: when any rank was asked to stop (a signal, or `dsrl train`'s STOP file),
+    every rank checkpoints (unless it just did, or --logging.save_on_signal false) and stops."""
+    signum = run.stop.requested()
+    if all_ranks(signum is None):
+        return
+    signums = [None] * run.world
+    dist.all_gather_object(signums, signum)
+    signum = next(s for s in signums if s is not None)
+    path = None
+    if run.cfg.logging.save_on_signal:
+        if not saved:
+            checkpoint(run, step)
+        path = run.run_dir / "checkpoints" / f"step_{step}"
+    raise RunStopped(signum, step, path)
 
 
 def check_writable(run_dir: Path) -> None:
@@ -257,11 +310,12 @@ def update(run: Run, step: int, samples: list[Sample], finite: bool) -> dict[str
 
 
 def kl_in_batch(run: Run, samples: list[Sample]) -> dict[str, float]:
-    """The batch's KL(old || ref) per token (k1), and the coefficient, which adapts to it (kl_target)."""
+    """The batch's KL(old || ref) per model token (k1), and the coefficient, which adapts to it (kl_target)."""
     if run.ref is None:
         return {}
+    model = torch.cat([torch.tensor(s.mask(), dtype=torch.bool) for s in samples])
     old = torch.cat([s.extras["old_logprobs"] for s in samples])
-    kl = (old - torch.cat([s.extras["ref_logprobs"] for s in samples])).mean().item()
+    kl = (old - torch.cat([s.extras["ref_logprobs"] for s in samples]))[model].mean().item()
     coef = run.kl.value
     run.kl.update(mean_across_ranks({"kl": kl})["kl"])
     return {"kl/coef": coef, "kl/old_ref_k1": kl}
@@ -296,6 +350,7 @@ def log_step(run: Run, step: int, batch: Batch, local: dict, rank0: dict) -> dic
     tokens_per_s = sum(len(s.response_ids) for s in samples) / max(local.get("timing/generate", 0.0), 1e-9)
     local = {
         **rollout_metrics(samples, step),
+        **episode_metrics(samples),
         **logprob_mismatch(samples),
         **local,
         "rollout/tokens_per_s": tokens_per_s,
@@ -330,6 +385,7 @@ def generation_rows(run: Run, samples: list[Sample]) -> list[dict]:
             "reward": s.reward,
             "weight_version": s.weight_version,
             "row": s.prompt.index,
+            **episode_row(s, run.tokenizer),
         }
         for s in chosen
     ]
@@ -357,30 +413,6 @@ def finish(run: Run, metrics: dict[str, float]) -> None:
         # again (seen on an H200 with the states kept on the GPU); offloading used to reset them.
         run.actor.empty_partition_cache()
         export_hf(run.actor.module, run.model_dir, run.run_dir / "hf", run.cfg.sync.bucket_bytes)
-
-
-def check_fits_context(rollout: RolloutConfig, dataset: PromptDataset, model_config, flags: str = "rollout") -> None:
-    """SGLang refuses a request whose prompt + max_new_tokens passes the model's context, and an input
-    within 6 tokens of it (its scheduler keeps context - 1 - 5): a partial rollout resumes with prompt +
-    tokens so far as input. Fail at start-up, naming the first row, rather than mid-run. `rollout` is
-    the sampling of these prompts' requests, set by `--{flags}.max_new_tokens`."""
-    context = getattr(model_config, "max_position_embeddings", None)
-    if not context:
-        return
-    partial = rollout.placement == "disaggregate" and rollout.interrupt == "partial"
-    limit = context - 6 if partial else context
-    for p in dataset.prompts:
-        new_tokens = int(p.sampling.get("max_new_tokens", rollout.max_new_tokens))
-        if len(p.prompt_ids) + new_tokens > limit:
-            why = f"the model's context ({context})" + (
-                ", less the 6 tokens SGLang keeps free, which a resumed partial rollout needs" if partial else ""
-            )
-            raise DatasetError(
-                f"{dataset.path}, row {p.index}: prompt ({len(p.prompt_ids)} tokens) + max_new_tokens "
-                f"({new_tokens}) = {len(p.prompt_ids) + new_tokens} tokens, over {limit}: {why}. Lower "
-                f"--{flags}.max_new_tokens (or the row's sampling_params) or --data.max_prompt_tokens"
-                + (", or use --rollout.interrupt abort" if partial else "")
-            )
 
 
 def rollout_engine(cfg: Config) -> str:
@@ -427,7 +459,17 @@ def rollout_metrics(samples: list[Sample], trainer_version: int) -> dict[str, fl
 def main(argv: list[str] | None = None) -> None:
     # The deepspeed launcher appends --local_rank=N unless told not to; LOCAL_RANK carries it anyway.
     argv = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("--local_rank")]
-    train(parse_config(argv))
+    try:
+        train(parse_config(argv))
+    except RunStopped as e:  # a clean stop: exit 0, so the launcher does not kill the ranks still closing
+        log.warning("%s; the same command resumes the run", e)
+    except USER_ERRORS as e:  # they name the file, row or flag: a traceback would only hide that line
+        log.error("error: %s", e)
+        sys.exit(1)
+
+
+USER_ERRORS = (WriteError, CheckpointError, DatasetError, RunDirLocked, ExportTargetError)
+"""Errors whose message says all a user needs: logged as one line, without a traceback."""
 
 
 def logging_redirect(steps, rank: int):

@@ -255,3 +255,119 @@ def test_adaptive_kl_controller_by_hand():
     fixed = KlController(cfg)
     fixed.update(0.5)
     assert fixed.value == 0.1
+
+
+# -- masks with holes: an agent's observation tokens between the model's ---------------------------
+
+
+def test_reward_to_go_carries_across_observation_tokens_by_hand():
+    """[model, obs, obs, model, model]: the first token's return is the episode's, discounted per model
+    token (a hole used to restart it at 0)."""
+    rewards, mask = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0]]), torch.tensor([[1.0, 0.0, 0.0, 1.0, 1.0]])
+    assert reward_to_go(rewards, mask, gamma=0.5).tolist() == [[0.25, 0.0, 0.0, 0.5, 1.0]]
+
+
+def test_gae_carries_across_observation_tokens_by_hand():
+    """The first row of test_gae_by_hand with an observation token (value 9, never read) in the middle."""
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
+    values, mask = torch.tensor([[0.5, 9.0, 0.6, 0.7]]), torch.tensor([[1.0, 0.0, 1.0, 1.0]])
+    adv, returns = gae(rewards, values, mask, gamma=1.0, lam=0.5)
+    assert adv[0].tolist() == pytest.approx([0.225, 0.0, 0.25, 0.3])
+    assert returns[0].tolist() == pytest.approx([0.725, 0.0, 0.85, 1.0])
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    import torch.distributed as dist
+
+    from dsrl.serving.servers import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def episodes_with_and_without_holes(seed: int):
+    """Two groups of 2 samples; each sample has model tokens and, in the `holes` copy, observation tokens
+    (masked, with junk per-token values) inserted at scattered places. Returns (plain, holes, where the
+    model tokens sit in each holes sample)."""
+    from dsrl.data import Prompt, Sample
+
+    g = torch.Generator().manual_seed(seed)
+    plain, holes, places = [], [], []
+    for i in range(4):
+        n = 3 + i
+        per_token = {k: torch.randn(n, generator=g) for k in ("old_logprobs", "ref_logprobs", "values")}
+        reward = float(torch.rand(1, generator=g))
+        prompt = Prompt(i // 2, [1, 2], "p", None)
+        plain.append(Sample(prompt, list(range(n)), [0.0] * n, "stop", 0, reward, extras=dict(per_token)))
+        mask, where = [], []
+        for t in range(n):  # an observation of 1-2 tokens before every other model token
+            if t % 2 == 1:
+                mask += [0] * (1 + t % 3)
+            where.append(len(mask))
+            mask.append(1)
+        junk = {k: torch.full((len(mask),), 99.0) for k in per_token}
+        for k, v in per_token.items():
+            junk[k][where] = v
+        holes.append(Sample(prompt, list(range(len(mask))), [0.0] * len(mask), "stop", 0, reward, mask, junk))
+        places.append(where)
+    return plain, holes, places
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus",
+                                       "reinforce_plus_plus_baseline", "gae"])  # fmt: skip
+def test_every_estimator_ignores_observation_tokens(world_of_one, estimator):
+    """Inserting masked tokens anywhere changes no model token's advantage (or return); the masked ones get 0.
+    With the KL folded into the reward and a discount, so the per-token paths are exercised too."""
+    from dsrl.advantages import compute_advantages
+
+    cfg = Config(model=ModelConfig(path="m"), data=DataConfig(train_path="d.jsonl"))
+    cfg.rollout.n_samples, cfg.rollout.max_new_tokens = 2, 64
+    a = cfg.algorithm
+    a.advantage, a.gamma, a.lam, a.kl_in_reward = estimator, 0.9, 0.8, True
+    plain, holes, places = episodes_with_and_without_holes(0)
+    stats_plain = compute_advantages(plain, cfg, kl_coef=0.1)
+    stats_holes = compute_advantages(holes, cfg, kl_coef=0.1)
+    for p, h, where in zip(plain, holes, places):
+        for key in ("advantages", "returns") if estimator == "gae" else ("advantages",):
+            assert h.extras[key][where].tolist() == pytest.approx(p.extras[key].tolist(), abs=1e-6), key
+            others = [t for t in range(len(h.response_ids)) if t not in where]
+            assert h.extras[key][others].abs().max().item() == 0.0, key
+    assert stats_holes == pytest.approx(stats_plain)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "seq_mean_token_sum_norm"])
+def test_every_loss_ignores_observation_tokens(agg):
+    """PPO, GSPO, CISPO, the value loss and the KL term: the same loss and gradient with masked tokens
+    (junk values) inserted between the model's."""
+    g = torch.Generator().manual_seed(1)
+    logp, old, ref = (torch.randn(2, 4, generator=g) for _ in range(3))
+    adv, returns = torch.randn(2, 4, generator=g), torch.randn(2, 4, generator=g)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+    where = [0, 2, 3, 5]  # model tokens among 7 positions
+    hole_mask = torch.zeros(2, 7)
+    hole_mask[:, where] = mask
+
+    def spread(x):
+        out = torch.full((2, 7), 50.0)
+        out[:, where] = x
+        return out
+
+    def losses(lp, o, a, v, r, rf, m):
+        out = [fn(lp, o, a, m, 0.2, 0.28, agg, num_tokens=6.0, num_seqs=2.0, horizon=8)[0]
+               for fn in (ppo_clip_loss, gspo_loss, cispo_loss)]  # fmt: skip
+        out.append(value_loss(v, o, r, m, 0.2, "token_mean", 6.0, 2.0)[0])  # the critic aggregates so
+        out.append(aggregate(kl_estimate(lp, rf, "k3"), m, agg, 6.0, 2.0, 8))
+        return out
+
+    a = logp.clone().requires_grad_()
+    b = spread(logp).requires_grad_()
+    plain = losses(a, old, adv, a, returns, ref, mask)
+    holes = losses(b, spread(old), spread(adv), b, spread(returns), spread(ref), hole_mask)
+    for x, y in zip(plain, holes):
+        assert y.item() == pytest.approx(x.item(), rel=1e-6)
+    sum(plain).backward()
+    sum(holes).backward()
+    torch.testing.assert_close(b.grad[:, where], a.grad, atol=1e-6, rtol=0)
+    assert b.grad[:, [1, 4, 6]].abs().max().item() == 0.0

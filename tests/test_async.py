@@ -16,6 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from dsrl import toy
 from dsrl.config import Config, DataConfig, ModelConfig
 from dsrl.data import PromptDataset, Sample
+from dsrl.episode import Episode
 from dsrl.rollout import Rewarder
 from dsrl.rollout_manager import Group, PromptStream, RolloutManager
 from dsrl.serving.client import RolloutClient
@@ -195,11 +196,12 @@ def test_a_partial_sample_aborted_at_its_last_token_finishes_without_a_request(s
     prompt = stream.next()
     group = Group(0, prompt, [None], 1, 0)
     full = Sample(prompt, [7, 7, 7, 7], [-0.5] * 4, "", 0, extras={"spans": [(0, 0), (2, 1)]})
+    episode = Episode(full, {**manager.params, **prompt.sampling}, turn_tokens=4)
     manager.generating[group.gid] = group
 
     async def resume():
         manager.cond = asyncio.Condition()
-        await manager._run_sample(group, 0, full)
+        await manager._run_sample(group, 0, episode)
 
     slow_server.run(resume())
     assert manager.ready and manager.ready[0] is group

@@ -11,13 +11,13 @@ import pytest
 
 from dsrl import toy
 from dsrl.config import Config, ConfigError, DataConfig, ModelConfig, build_parser, parse_config, to_config, validate
-from dsrl.data import DatasetError, Prompt, PromptDataset, Sample
+from dsrl.data import DatasetError, Prompt, PromptDataset, Sample, check_fits_context
 from dsrl.evaluate import eval_rollout
 from dsrl.rewards import load_reward_fn
 from dsrl.rollout import score_one
 from dsrl.serving.client import RolloutClient, ServerError
 from dsrl.serving.servers import free_port, wait_healthy
-from dsrl.train import check_fits_context, check_writable
+from dsrl.train import check_writable
 from dsrl.zero.checkpoint import find_checkpoint
 from tests.conftest import ROOT
 
@@ -300,7 +300,7 @@ def test_prompt_and_max_new_tokens_past_sglangs_context_name_the_row(tmp_path):
     cfg = Config(model=ModelConfig(path=str(ROOT / "examples/toy/model")), data=DataConfig(train_path=str(path)))
     cfg.rollout.max_new_tokens = 5
     dataset = PromptDataset(cfg.data, toy.build_tokenizer())
-    context = toy.build_model_config()  # 64 tokens
+    context = toy.build_model_config().max_position_embeddings  # 64 tokens
     assert len(dataset.prompts[1].prompt_ids) + 58 <= 64
     check_fits_context(cfg.rollout, dataset, context)  # fits as a fresh request
     cfg.rollout.placement, cfg.rollout.interrupt = "disaggregate", "partial"

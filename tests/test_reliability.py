@@ -90,9 +90,14 @@ def test_resume_after_kill_repeats_the_uninterrupted_run_bit_for_bit(tmp_path):
     assert sorted(p.name for p in (killed / "checkpoints").glob("step_*")) == ["step_8"]  # keep_last 1
 
 
-def test_resume_after_kill_in_async_mode_loses_no_prompt(tmp_path):
+AGENT = ["--rollout.env", "dsrl.toy:KeyLookupEnv", "--agent.max_turns", "3", "--agent.max_episode_tokens", "24"]
+"""The toy agent task: multi-turn episodes, some in the middle of a turn or between turns at the kill."""
+
+
+@pytest.mark.parametrize("extra", [[], AGENT], ids=["responses", "episodes"])
+def test_resume_after_kill_in_async_mode_loses_no_prompt(tmp_path, extra):
     k = 2
-    args = ["--trainer.total_steps", "12", "--logging.save_every", "4", "--rollout.max_staleness", str(k)]
+    args = ["--trainer.total_steps", "12", "--logging.save_every", "4", "--rollout.max_staleness", str(k), *extra]
     args += ["--rollout.server_args", json.dumps({"decode_delay_ms": 3})]  # requests in flight at the kill
     run_dir = tmp_path / "async"
     run_and_kill(train_cmd("toy_cpu_async.yaml", run_dir, *args), at_step=7, total=12)

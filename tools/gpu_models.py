@@ -26,8 +26,12 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads (Qwen2.5 shapes)
 
 
 def build(out: Path, size: str, vocab: int = 151936) -> Path:
+    """`size` of SHAPES, with the toy tokenizer padded to `vocab`; `<size>-chat` (e.g. 0.5b-chat): that shape
+    with the Qwen2-style tokenizer and Qwen2.5 chat template of examples/calculator/model (agent runs)."""
     if (out / "config.json").is_file():
         return out
+    if size.endswith("-chat"):
+        return build_chat(out, size.removesuffix("-chat"))
     hidden, inter, layers, heads, kv = SHAPES[size]
     config = Qwen2Config(
         vocab_size=vocab,
@@ -48,6 +52,24 @@ def build(out: Path, size: str, vocab: int = 151936) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out)
     build_tokenizer(vocab).save_pretrained(out)
+    return out
+
+
+def build_chat(out: Path, size: str) -> Path:
+    from transformers import AutoTokenizer
+
+    from dsrl.calculator import build_model_config
+
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "examples/calculator/model")
+    hidden, inter, layers, heads, kv = SHAPES[size]
+    shape = {"hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+             "num_attention_heads": heads, "num_key_value_heads": kv, "max_position_embeddings": 4096}  # fmt: skip
+    config = build_model_config(tokenizer, **shape)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return out
 
 

@@ -10,6 +10,7 @@
 #   source .gpu/setup.sh; MODELS=3b bash tools/gpu_run.sh setup step                  # 1 GPU (64x8x512 step)
 #   source .gpu/setup.sh; MODELS=1.5b bash tools/gpu_run.sh setup ppo                 # 1 GPU (PPO, critic)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup ray_fleet routes               # 2 GPUs, Ray importable
+#   source .gpu/setup.sh; MODELS="0.5b-chat" bash tools/gpu_run.sh setup agent_toy agent_calc bench_agent  # 1 GPU
 #   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py;
 #                                                         ASYNC_EXTRA="--rollout.max_concurrency 768" passes flags on)
 # Pinning stages to GPUs with CUDA_VISIBLE_DEVICES holds for `dsrl train` stages (toy, colocate,
@@ -189,6 +190,29 @@ for s in "$@"; do
         --routes --requests ${ROUTES_REQUESTS:-512} --n 8 --prompt-len ${ROUTES_PROMPT:-2048} --new-tokens 64 \
         --server-args '{"attention_backend": "triton", "sampling_backend": "pytorch"}'
       grep -a "^routes" "$OUT/routes.log" | tee -a "$SUMMARY"
+      ;;
+    agent_toy)  # 1 GPU: the toy agent task (multi-turn episodes) colocated with SGLang
+      TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
+      stage agent_toy ${AGENT_LIMIT:-420} python3 -m dsrl.cli train --config configs/toy_gpu_agent.yaml \
+        --trainer.total_steps ${AGENT_STEPS:-150} --logging.tensorboard $TB --logging.run_dir /tmp/runs/agent_toy
+      grep -a "\[dsrl\] step" "$OUT/agent_toy.log" | sed -n '1p;$p' | sed 's/.*\[dsrl\]//' | tee -a "$SUMMARY"
+      grep -a "Error" "$OUT/agent_toy.log" | tail -3 | tee -a "$SUMMARY"
+      grep -a "final metrics" "$OUT/agent_toy.log" | grep -o '"agent/[a-z_]*": [0-9.e-]*\|"mismatch/[a-z_]*": [0-9.e-]*\|"sync/probe_logprob_diff": [0-9.e-]*\|"timing/step": [0-9.e-]*\|"reward/mean": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
+      ;;
+    agent_calc)  # 1 GPU: the calculator environment, a random-init 0.5B chat model (MODELS must include 0.5b-chat)
+      TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
+      stage agent_calc ${CALC_LIMIT:-480} python3 -m dsrl.cli train --config configs/gpu_calculator_agent.yaml \
+        --rollout.env_args '{"scripted_calls": 1}' --trainer.total_steps ${CALC_STEPS:-5} --logging.tensorboard $TB \
+        --logging.run_dir /tmp/runs/agent_calc ${CALC_EXTRA:-}
+      grep -a "\[dsrl\] step\|Error\|eval at" "$OUT/agent_calc.log" | sed 's/.*\[dsrl\]//' | tail -4 | tee -a "$SUMMARY"
+      grep -a "final metrics" "$OUT/agent_calc.log" | grep -o '"agent/[a-z_]*": [0-9.e-]*\|"mismatch/[a-z_]*": [0-9.e-]*\|"timing/[a-z]*": [0-9.e-]*\|"response/length_mean": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
+      python3 -c "import json; r = [json.loads(l) for l in open('/tmp/runs/agent_calc/generations.jsonl')][-1]; print('episode:', json.dumps(r['episode'])[:1500])" 2>&1 | tee -a "$SUMMARY"
+      ;;
+    bench_agent)  # 1 GPU: episodes of 1-16 turns at equal model tokens against single responses (tools/bench_agent.py)
+      stage bench_agent ${BENCH_AGENT_LIMIT:-420} python3 tools/bench_agent.py --model /tmp/models/${BENCH_AGENT_MODEL:-0.5b-chat} \
+        --engine sglang --tokens ${BENCH_AGENT_TOKENS:-1024} --episodes ${BENCH_AGENT_EPISODES:-256} --repeats 2 \
+        --server-args '{"attention_backend": "triton", "sampling_backend": "pytorch", "mem_fraction_static": 0.6}'
+      grep -a -A8 "^model tokens per episode" "$OUT/bench_agent.log" | tee -a "$SUMMARY"
       ;;
     *) note "unknown stage $s" ;;
   esac

@@ -20,7 +20,8 @@ from dsrl.data import Sample
 
 
 def pack(samples: list[Sample], pad_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Right-padded prompt+response ids, attention mask, and a [B, T-1] mask of response targets."""
+    """Right-padded prompt+response ids, attention mask, and a [B, T-1] mask of the targets the loss counts:
+    the model's response tokens (not an agent's observation tokens)."""
     seqs = [s.prompt.prompt_ids + s.response_ids for s in samples]
     width = max(map(len, seqs))
     input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -30,7 +31,7 @@ def pack(samples: list[Sample], pad_id: int, device: torch.device) -> tuple[torc
         input_ids[i, : len(seq)] = torch.tensor(seq)
         attention[i, : len(seq)] = 1
         if not s.extras.get("skip"):  # a sample whose reward failed (on_reward_error skip) has no loss
-            targets[i, len(s.prompt.prompt_ids) - 1 : len(seq) - 1] = 1
+            targets[i, len(s.prompt.prompt_ids) - 1 : len(seq) - 1] = torch.tensor(s.mask(), dtype=targets.dtype)
     return input_ids.to(device), attention.to(device), targets.to(device)
 
 
@@ -63,9 +64,10 @@ def compute_logprobs(engine, samples: list[Sample], key: str, cfg: Config, pad_i
 
 
 def logprob_mismatch(samples: list[Sample]) -> dict[str, float]:
-    """How far the engine's sampling logprobs are from the trainer's recomputed ones."""
-    engine = torch.cat([torch.tensor(s.engine_logprobs) for s in samples])
-    trainer = torch.cat([s.extras["old_logprobs"] for s in samples])
+    """How far the engine's sampling logprobs are from the trainer's recomputed ones, over the model's tokens."""
+    model = torch.cat([torch.tensor(s.mask(), dtype=torch.bool) for s in samples])
+    engine = torch.cat([torch.tensor(s.engine_logprobs) for s in samples])[model]
+    trainer = torch.cat([s.extras["old_logprobs"] for s in samples])[model]
     diff = engine - trainer
     return {
         "mismatch/logprob_abs_diff": diff.abs().mean().item(),
@@ -75,7 +77,7 @@ def logprob_mismatch(samples: list[Sample]) -> dict[str, float]:
 
 
 def global_denominators(mini: list[Sample]) -> tuple[float, float]:
-    """The mini-batch's response tokens and sequences over every rank, divided by the number of ranks.
+    """The mini-batch's model tokens and sequences over every rank, divided by the number of ranks.
 
     DeepSpeed averages the ranks' gradients; a rank that divides its sum by (global count / ranks)
     then contributes exactly its share of the global mean. Dividing by its own count instead made
@@ -83,7 +85,7 @@ def global_denominators(mini: list[Sample]) -> tuple[float, float]:
     Skipped samples (a failed reward, `on_reward_error skip`) count for nothing.
     """
     kept = [s for s in mini if not s.extras.get("skip")]
-    counts = [float(sum(len(s.response_ids) for s in kept)), float(len(kept))]
+    counts = [float(sum(s.model_tokens() for s in kept)), float(len(kept))]
     counts = torch.tensor(counts, dtype=torch.float64, device=reduce_device())
     dist.all_reduce(counts)
     counts = counts.clamp(min=1) / dist.get_world_size()

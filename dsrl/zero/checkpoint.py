@@ -1,11 +1,15 @@
 """Checkpoints during training (DeepSpeed states + dsrl's own), resume, and the final Hugging Face export.
 
 Layout: <run_dir>/checkpoints/step_<N>/ holds DeepSpeed's files, `dsrl_state.json` (step, weight
-version, ...) and `dsrl_rank<r>.pt` (each rank's RNG and rollout-stream state). A checkpoint is
-written under a temporary name and renamed once every rank has finished, and `latest` is
-replaced atomically, so a crash or a full disk mid-save never damages the last good one.
+version, ...), `dsrl_rank<r>.pt` (each rank's RNG and rollout-stream state) and `manifest.json`
+(every file's size and SHA-256, written last). A checkpoint is written under a temporary name and
+renamed once every rank has finished, and `latest` is replaced atomically, so a crash or a full
+disk mid-save never damages the last good one; a file damaged later is found by the manifest at
+resume, which then takes the newest complete checkpoint.
 """
 
+import errno
+import hashlib
 import json
 import logging
 import os
@@ -18,9 +22,13 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from dsrl.collectives import reduce_device
+from dsrl.rundir import WriteError, check_export_target, publish_export, staging_dir, write_error
 from dsrl.zero.buckets import gathered_buckets
 
 log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -29,47 +37,156 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 def save_checkpoint(engine, run_dir: Path, state: dict, rank_state: dict, keep_last: int, critic=None) -> Path:
     """Write step_<state['step']> on every rank (each its partition and `rank_state`; the critic's states
-    under critic/), then publish it."""
+    under critic/), then its manifest, then publish it. A write that fails names its path and cause."""
     root, rank = checkpoint_dir(run_dir), dist.get_rank()
     final, tmp = root / f"step_{state['step']}", root / f".tmp_step_{state['step']}"
     if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash mid-save
+    check_space(tmp, [e for e in (engine, critic) if e is not None])
+    try:
+        engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
+        if critic is not None:
+            critic.save_checkpoint(str(tmp), tag="critic", save_latest=False)
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        torch.save({**rank_state, "rng": rng}, tmp / f"dsrl_rank{rank}.pt")
+        if rank == 0:
+            (tmp / "dsrl_state.json").write_text(json.dumps(state))
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as "basic_ios::clear: iostream error"
+        raise write_error(tmp, e) from e
     dist.barrier()
-    engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
-    if critic is not None:
-        critic.save_checkpoint(str(tmp), tag="critic", save_latest=False)
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    torch.save({**rank_state, "rng": rng}, tmp / f"dsrl_rank{rank}.pt")
-    if rank == 0:
-        (tmp / "dsrl_state.json").write_text(json.dumps(state))
-    dist.barrier()
+    write_manifest(tmp)
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         latest = root / "latest.tmp"
         latest.write_text(final.name)
         os.replace(latest, root / "latest")
-        steps = sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
-        for old in steps[: max(0, len(steps) - keep_last)] if keep_last > 0 else []:
+        for old in checkpoints(root)[keep_last:] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 
 
+def check_space(tmp: Path, engines: list) -> None:
+    """Fail on every rank, before anything is written, when the disk cannot hold the checkpoint: one rank
+    failing mid-write would leave the others waiting in DeepSpeed's barrier. The optimizer's fp32 master
+    weights and Adam's two moments (12 bytes per trained parameter) are nearly all of it. Every rank
+    raises the same message, with rank 0's view of the disk."""
+    mine = sum(p.ds_tensor.numel() for e in engines for p in e.module.parameters() if p.requires_grad) * 12
+    need = torch.tensor([float(mine)], dtype=torch.float64, device=reduce_device())
+    dist.all_reduce(need)
+    free = torch.tensor([float(shutil.disk_usage(tmp.parent).free if dist.get_rank() == 0 else 0)],
+                        dtype=torch.float64, device=reduce_device())  # fmt: skip
+    dist.broadcast(free, src=0)
+    need, free = need.item() * 1.05 + (1 << 20), free.item()
+    if free < need:
+        raise WriteError(
+            f"cannot write {tmp}: no space left on the device ({free / 1e6:.1f} MB free, the checkpoint needs "
+            f"about {need / 1e6:.1f} MB)",
+            errno.ENOSPC,
+        )
+
+
+def checkpoints(root: Path) -> list[Path]:
+    """The published checkpoints under `root`, newest first."""
+    return sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: -int(p.name.split("_")[1]))
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(tmp: Path) -> None:
+    """Every file's size and SHA-256, written last (the ranks hash a share of the files each)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    files = _files(tmp) if rank == 0 else None
+    box = [files]
+    dist.broadcast_object_list(box, src=0)
+    mine = {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in box[0][rank::world]}
+    shares = [None] * world
+    dist.all_gather_object(shares, mine)
+    if rank == 0:
+        entries = {f: e for share in shares for f, e in share.items()}
+        try:
+            (tmp / MANIFEST).write_text(json.dumps({"files": dict(sorted(entries.items()))}, indent=1))
+        except OSError as e:
+            raise write_error(tmp / MANIFEST, e) from e
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be used (a file missing, short or changed since it was written),
+    or None; every rank checks a share of its files and they agree. A checkpoint written before manifests
+    existed is taken as it is."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problem = None
+    if not (path / "dsrl_state.json").is_file():
+        problem = "no dsrl_state.json"
+    elif (path / MANIFEST).is_file():
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())["files"]
+        except (ValueError, KeyError) as e:
+            manifest, problem = {}, f"its {MANIFEST} is unreadable ({e})"
+        for name in sorted(manifest)[rank::world]:
+            file, want = path / name, manifest[name]
+            if not file.is_file():
+                problem = f"{name} is missing"
+            elif file.stat().st_size != want["bytes"]:
+                problem = f"{name} has {file.stat().st_size} bytes, {want['bytes']} when it was written"
+            elif _sha256(file) != want["sha256"]:
+                problem = f"{name} has changed since it was written (its checksum differs)"
+            if problem:
+                break
+    problems = [None] * world
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p), None)
+
+
 def find_checkpoint(run_dir: Path, resume: str) -> Path | None:
-    """The checkpoint to resume from: `auto` = <run_dir>/checkpoints/latest if any, `never`, or a path."""
+    """The checkpoint to resume from, verified against its manifest (every rank joins): `auto` = the latest
+    under <run_dir>/checkpoints, or, when it is damaged, the newest complete one (with a warning naming
+    both); `never`; or a path, which must be complete."""
     if resume == "never":
         return None
     if resume != "auto":
         path = Path(resume)
         if not (path / "dsrl_state.json").is_file():
             raise FileNotFoundError(f"--logging.resume={resume!r}: not a dsrl checkpoint (no dsrl_state.json)")
+        problem = checkpoint_problem(path)
+        if problem:
+            raise CheckpointError(f"--logging.resume={resume!r}: the checkpoint is damaged: {problem}")
         return path
-    latest = checkpoint_dir(run_dir) / "latest"
-    if not latest.is_file():
+    root = checkpoint_dir(run_dir)
+    latest_file = root / "latest"
+    if not latest_file.is_file():
         return None
-    path = checkpoint_dir(run_dir) / latest.read_text().strip()
-    return path if (path / "dsrl_state.json").is_file() else None
+    latest = root / latest_file.read_text().strip()
+    damaged = []
+    for path in [latest] + [p for p in checkpoints(root) if p != latest]:
+        problem = checkpoint_problem(path) if path.is_dir() else "it is missing"
+        if problem is None:
+            if damaged:
+                log.warning("the latest checkpoint %s cannot be used (%s): resuming from %s instead",
+                            latest, damaged[0][1], path)  # fmt: skip
+            return path
+        damaged.append((path, problem))
+    raise CheckpointError(
+        "no checkpoint to resume from is complete: "
+        + "; ".join(f"{p}: {why}" for p, why in damaged)
+        + " (--logging.resume never starts over, leaving them as they are)"
+    )
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one was expected."""
 
 
 def load_checkpoint(engine, path: Path, critic=None) -> tuple[dict, dict]:
@@ -93,11 +210,13 @@ def load_checkpoint(engine, path: Path, critic=None) -> tuple[dict, dict]:
 class ShardWriter:
     """A Hugging Face model directory written shard by shard (safetensors, `shard_bytes` each, with an
     index), so no process holds the whole model: tensors are added as they are gathered or read. It
-    is built under <out>.tmp and renamed when complete."""
+    is built in a staging directory beside `out` and published when complete: `out` may be new, empty
+    or a previous dsrl export (with `overwrite`), never anything else (`rundir.check_export_target`)."""
 
-    def __init__(self, out: Path, shard_bytes: int = 2 << 30):
-        self.out, self.tmp, self.shard_bytes = out, out.with_name(out.name + ".tmp"), shard_bytes
-        shutil.rmtree(self.tmp, ignore_errors=True)
+    def __init__(self, out: Path, shard_bytes: int = 2 << 30, overwrite: bool = False, source: str = ""):
+        check_export_target(out, overwrite)  # before any work: refused at once, not after the gather
+        self.out, self.tmp, self.shard_bytes = out, staging_dir(out), shard_bytes
+        self.overwrite, self.source = overwrite, source
         self.tmp.mkdir(parents=True)
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
@@ -106,6 +225,7 @@ class ShardWriter:
         self.total = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue a tensor; a full shard is written (a failed write names its file: `rundir.write_error`)."""
         self.pending[name] = tensor.detach().contiguous().cpu().clone()
         self.pending_bytes += tensor.numel() * tensor.element_size()
         if self.pending_bytes >= self.shard_bytes:
@@ -114,7 +234,10 @@ class ShardWriter:
     def _flush(self) -> None:
         if self.pending:
             file = f"model-{len(self.files) + 1:05d}.safetensors"
-            save_file(self.pending, self.tmp / file, metadata={"format": "pt"})
+            try:
+                save_file(self.pending, self.tmp / file, metadata={"format": "pt"})
+            except (OSError, RuntimeError) as e:
+                raise write_error(self.tmp / file, e) from e
             self.files.append(file)
             self.weight_map.update(dict.fromkeys(self.pending, file))
             self.total += self.pending_bytes
@@ -134,24 +257,35 @@ class ShardWriter:
         except OSError:
             pass
         AutoTokenizer.from_pretrained(model_dir).save_pretrained(self.tmp)
-        shutil.rmtree(self.out, ignore_errors=True)
-        self.tmp.rename(self.out)
+        publish_export(self.tmp, self.out, self.source, self.overwrite)
+
+    def abandon(self) -> None:
+        """Delete the staging directory of an export that failed (it is this writer's own)."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def export_hf(module, tokenizer_dir: str, out_dir: Path, bucket_bytes: int) -> None:
     """Gather the weights bucket by bucket and write a transformers- and SGLang-loadable model directory;
-    rank 0 writes each shard once it is full, so it never holds the whole model. Every rank joins."""
-    writer = ShardWriter(out_dir) if dist.get_rank() == 0 else None
-    for bucket in gathered_buckets(module, bucket_bytes):
-        for name, tensor in bucket if writer is not None else []:
-            writer.add(name, tensor)
-    if writer is not None:
-        writer.close(tokenizer_dir, module.config)
-        log.info("exported the trained model to %s", out_dir)
+    rank 0 writes each shard once it is full, so it never holds the whole model. Every rank joins. The
+    run's own export: it replaces a previous dsrl export there (a resumed run's), nothing else."""
+    writer = ShardWriter(out_dir, overwrite=True, source="the run's final weights") if dist.get_rank() == 0 else None
+    try:
+        for bucket in gathered_buckets(module, bucket_bytes):
+            for name, tensor in bucket if writer is not None else []:
+                writer.add(name, tensor)
+        if writer is not None:
+            writer.close(tokenizer_dir, module.config)
+            log.info("exported the trained model to %s", out_dir)
+    except BaseException:
+        if writer is not None:
+            writer.abandon()
+        raise
     dist.barrier()
 
 
-def export_checkpoint(checkpoint: Path, model_dir: str, out: Path, shard_bytes: int = 2 << 30) -> None:
+def export_checkpoint(
+    checkpoint: Path, model_dir: str, out: Path, shard_bytes: int = 2 << 30, overwrite: bool = False
+) -> None:
     """A training checkpoint (any number of ranks) as a Hugging Face model directory, in the model's dtype.
     DeepSpeed's partitions are read lazily, a parameter at a time (`zero_to_fp32`'s lazy mode), and
     written in shards."""
@@ -160,8 +294,12 @@ def export_checkpoint(checkpoint: Path, model_dir: str, out: Path, shard_bytes: 
     config = AutoConfig.from_pretrained(model_dir)
     dtype = getattr(config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name, lazy_mode=True)
-    writer = ShardWriter(out, shard_bytes)
-    for name, tensor in state.items():
-        writer.add(name, tensor.contiguous().to(dtype))
-    writer.close(model_dir, config)
+    writer = ShardWriter(out, shard_bytes, overwrite, source=str(checkpoint))
+    try:
+        state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name, lazy_mode=True)
+        for name, tensor in state.items():
+            writer.add(name, tensor.contiguous().to(dtype))
+        writer.close(model_dir, config)
+    except BaseException:
+        writer.abandon()
+        raise

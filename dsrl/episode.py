@@ -1,0 +1,403 @@
+"""Episodes: the model's turns and an environment's observations, as one token-exact training sample.
+
+Every rollout is an episode: without `--rollout.env` it is one model turn (a response); with one, the
+model's turns alternate with the environment's observations until it ends the episode or a limit does.
+`EpisodeRunner.run` plays an episode through a `request` function the schedule supplies (the
+synchronous one sends it; the asynchronous one also tags, counts and routes it), and returns early when
+a weight update aborts a model turn: the episode keeps its exact token state and resumes at that turn.
+
+Token exactness: the model's tokens are the server's output ids, never re-tokenised. An observation is
+rendered once, as the chat template renders it after a model turn: the template's tokens after the
+model's end-of-turn token, then the observation's messages, then the generation prompt, taken as the
+difference between a fixed two-message conversation with and without them (O(1) per turn, not O(turns)).
+`check_rendering` proves at start-up, per tokenizer, that this equals the template's rendering of a
+whole conversation. Observation tokens get loss mask 0 and logprob 0; consecutive turns stay one sample.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsrl.agents import Step, ToolCall, cap_text, env_step, tool_schema
+from dsrl.config import Config, function_spec
+from dsrl.data import Prompt, Sample
+from dsrl.reward_pool import RewardPool
+from dsrl.rewards import load_function
+
+log = logging.getLogger(__name__)
+
+STOP_REASONS = ("done", "max_turns", "max_tokens", "deadline", "error")
+"""Why an episode ended: the environment ended it, agent.max_turns, agent.max_episode_tokens,
+agent.episode_timeout_s, or the environment failed. (A model turn cut by rollout.max_new_tokens goes to
+the environment like any other: its finish_reason says "length".)"""
+
+
+class TemplateError(ValueError):
+    """The chat template cannot be rendered turn by turn as it renders a whole conversation."""
+
+
+class Renderer:
+    """Observations as tokens, rendered once as the chat template renders them after a model turn; without
+    a chat template (or with `data.apply_chat_template` false) an observation is its text, tokenized."""
+
+    def __init__(self, tokenizer, tools: list[dict] | None = None, use_template: bool = True):
+        self.tokenizer, self.tools = tokenizer, tools or None
+        self.templated = use_template and bool(getattr(tokenizer, "chat_template", None))
+        self.eos = tokenizer.eos_token_id
+        if self.templated:
+            self.base = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+            self.base_text = self.render(self.base, generation_prompt=False)
+            eos_text = tokenizer.convert_ids_to_tokens(self.eos)
+            end = self.base_text.rfind(eos_text)
+            if end < 0:
+                raise TemplateError(f"the chat template does not end an assistant turn with the eos token {eos_text}")
+            self.after_eos = self.base_text[end + len(eos_text) :]
+            """What the template puts after the model's end-of-turn token (Qwen: a newline)."""
+
+    def render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def observation(self, messages: list[dict], ended_with_eos: bool) -> list[int]:
+        """The tokens that follow a model turn: `messages` and the next generation prompt."""
+        if not self.templated:
+            return self.encode("".join(m["content"] for m in messages))
+        whole = self.render(self.base + messages, generation_prompt=True)
+        if not whole.startswith(self.base_text):
+            raise TemplateError("the chat template renders the conversation before an observation differently "
+                                "once the observation follows it: turns cannot be rendered one at a time")  # fmt: skip
+        ids = self.encode(self.after_eos + whole[len(self.base_text) :])
+        return ids if ended_with_eos else [self.eos, *ids]
+
+    def cap(self, text: str, limit: int, side: str) -> str:
+        """`text` cut to `limit` tokens (agent.max_observation_tokens), keeping the side(s) asked for."""
+        ids = self.encode(text)
+        if len(ids) <= limit:
+            return text
+        keep = {"head": (limit, 0), "tail": (0, limit), "middle": (limit - limit // 2, limit // 2)}[side]
+        cut = f"\n[... {len(ids) - limit} tokens cut ...]\n"
+        head = self.tokenizer.decode(ids[: keep[0]]) if keep[0] else ""
+        tail = self.tokenizer.decode(ids[len(ids) - keep[1] :]) if keep[1] else ""
+        return head + cut + tail
+
+
+def check_rendering(renderer: Renderer) -> None:
+    """Render a tool-calling conversation turn by turn as an episode does and whole as the chat template
+    does: the tokens must be the same, else training would see tokens the model never did (the drift
+    peers' users report). Raise naming the first token that differs."""
+    if not renderer.templated:
+        return
+    user = {"role": "user", "content": "What is 12 * 7?"}
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}\n</tool_call>'
+    answer = "12 * 7 = 84."
+    result = [{"role": "tool", "name": "calculator", "content": "84"}]
+    whole_messages = [user, {"role": "assistant", "content": call}, *result, {"role": "assistant", "content": answer}]
+    whole = renderer.encode(renderer.render(whole_messages, generation_prompt=False))
+    eos = [renderer.eos]
+    ours = renderer.encode(renderer.render([user], generation_prompt=True)) + renderer.encode(call) + eos
+    ours += renderer.observation(result, ended_with_eos=True) + renderer.encode(answer) + eos
+    ours += renderer.encode(renderer.after_eos)
+    if ours != whole:
+        at = next((i for i, (a, b) in enumerate(zip(ours, whole)) if a != b), min(len(ours), len(whole)))
+        show = renderer.tokenizer.decode
+        raise TemplateError(
+            f"the chat template renders a conversation whole differently from turn by turn, from token {at}: whole "
+            f"{show(whole[at : at + 12])!r}, turn by turn {show(ours[at : at + 12])!r}. An episode would train on "
+            "tokens the model never saw; use a template that renders every turn the same way whatever follows it "
+            "(e.g. one that does not drop earlier turns' reasoning), or --data.apply_chat_template false"
+        )
+
+
+@dataclass
+class Episode:
+    """An episode in progress: its sample (all tokens so far, masks, logprobs, versions) and what the
+    environment and the limits need to go on from exactly here."""
+
+    sample: Sample
+    sampling: dict
+    """The sampling parameters of its model turns (the prompt's own overrides applied)."""
+    env: Any = None
+    """The environment between turns (pickled when it lives in worker processes); None before its first."""
+    turns: int = 0
+    """Model turns completed."""
+    turn_tokens: int = 0
+    """Tokens of the model turn in progress (one a weight update interrupted)."""
+    reward: float = 0.0
+    stop: str | None = None
+    error: str | None = None
+    counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("tool_calls", "tool_errors", "tool_timeouts", "env_s", "tool_s"), 0.0))  # fmt: skip
+    started: float = field(default_factory=time.monotonic)
+
+    def record(self) -> dict:
+        """What the sample keeps of the episode (extras["episode"]): metrics and the reward."""
+        return {"turns": self.turns, "stop": self.stop, "reward": self.reward, "error": self.error, **self.counts}
+
+
+Request = Callable[[Episode, dict], Awaitable[tuple[Any, int]]]
+"""(episode, sampling params) -> (the parsed `/generate` reply, the weight version it was sent under): one
+model turn's request, built from the episode's tokens so far by the schedule."""
+
+
+class EpisodeRunner:
+    """Plays episodes: model turns through the schedule's `request`, environment turns in worker processes,
+    tool calls in others, observations rendered by `Renderer`."""
+
+    def __init__(self, cfg: Config | None = None, tokenizer=None):
+        """Episodes of `cfg.rollout.env`; without one (or without `cfg`), single responses."""
+        self.env_cls = load_function(cfg.rollout.env, "rollout.env") if cfg and cfg.rollout.env else None
+        self.env_pool = self.tool_pool = None
+        self.tools: dict[str, str] = {}
+        self.tool_schemas = tool_schemas(self.env_cls)
+        """The chat template's `tools` for the prompts: the environment's (None without)."""
+        if self.env_cls is None:
+            return
+        self.agent, self.tokenizer = cfg.agent, tokenizer
+        self.env_spec, self.env_args = function_spec(cfg.rollout.env), dict(cfg.rollout.env_args)
+        self.tools = {schema["function"]["name"]: function_spec(fn) for fn, schema in env_tools(self.env_cls)}
+        self.renderer = Renderer(tokenizer, self.tool_schemas, cfg.data.apply_chat_template)
+        check_rendering(self.renderer)
+        g = self.agent
+        if g.env_workers:
+            self.env_pool = RewardPool("dsrl.agents:env_step", g.env_workers, g.env_timeout_s, True,
+                                       "--agent.env_timeout_s")  # fmt: skip
+        if self.tools:
+            self.tool_pool = RewardPool("dsrl.agents:call_tool", g.tool_workers, g.tool_timeout_s, True,
+                                        "--agent.tool_timeout_s")  # fmt: skip
+
+    def close(self) -> None:
+        for pool in (self.env_pool, self.tool_pool):
+            if pool is not None:
+                pool.close()
+
+    def new(self, prompt: Prompt, sampling: dict, version: int = 0) -> Episode:
+        return Episode(Sample(prompt, [], [], "", version, extras={"spans": []}), {**sampling, **prompt.sampling})
+
+    async def run(self, episode: Episode, request: Request) -> bool:
+        """Play `episode` to its end (then its sample is complete), or until a weight update aborts a model
+        turn: False, and the episode stays as it is, to go on from there."""
+        while episode.stop is None:
+            if not await self.model_turn(episode, request):
+                return False
+            if episode.stop is None:
+                await self.env_turn(episode)
+        if self.env_cls is not None:
+            episode.sample.extras["episode"] = episode.record()
+        return True
+
+    async def model_turn(self, episode: Episode, request: Request) -> bool:
+        s = episode.sample
+        params = dict(episode.sampling)
+        budget = params["max_new_tokens"] - episode.turn_tokens
+        if self.env_cls is not None:
+            budget = min(budget, self.agent.max_episode_tokens - len(s.response_ids))
+        if budget <= 0:  # aborted as its last token came out (SGLang then says "abort", not "length")
+            self.end_turn(episode, "length", s.extras["spans"][-1][1] if s.extras["spans"] else s.weight_version)
+            return True
+        params["max_new_tokens"] = budget
+        reply, sent_under = await request(episode, params)
+        tokens = reply.output_ids[:budget]
+        if tokens:  # (none when aborted before it was sent: the client's reply carries no version)
+            finished_under = reply.weight_version
+            s.extras["spans"].append((len(s.response_ids), min(sent_under, finished_under)))
+            if finished_under > sent_under:  # paused through an update: where the newer tokens start is unseen
+                s.extras["spans"].append((None, finished_under))
+            s.response_ids = s.response_ids + tokens
+            s.engine_logprobs = s.engine_logprobs + reply.logprobs[: len(tokens)]
+            if s.loss_mask is not None:
+                s.loss_mask = s.loss_mask + [1] * len(tokens)
+            episode.turn_tokens += len(tokens)
+        if reply.finish_reason == "abort":
+            return False
+        self.end_turn(episode, reply.finish_reason, reply.weight_version)
+        return True
+
+    def end_turn(self, episode: Episode, finish_reason: str, version: int) -> None:
+        s = episode.sample
+        s.finish_reason, s.weight_version = finish_reason, version
+        if not s.extras["spans"]:
+            s.extras["spans"].append((0, version))
+        episode.turns += 1
+        episode.turn_tokens = 0
+        if self.env_cls is None:
+            episode.stop = "done"
+        elif len(s.response_ids) >= self.agent.max_episode_tokens:
+            episode.stop = "max_tokens"
+
+    async def env_turn(self, episode: Episode) -> None:
+        """The environment's answer to the model's last turn, rendered; or the episode's end."""
+        s, g = episode.sample, self.agent
+        left = g.episode_timeout_s - (time.monotonic() - episode.started)
+        if left <= 0:
+            episode.stop = "deadline"
+            return
+        turn = s.response_ids[len(s.response_ids) - self.last_turn_length(s) :]
+        text = self.tokenizer.decode(turn, skip_special_tokens=True)
+        start = time.monotonic()
+        step, error = await self.call_env(episode, text, left)
+        episode.counts["env_s"] += time.monotonic() - start
+        if error is not None:
+            episode.stop, episode.error = "error", f"the environment failed on turn {episode.turns}: {error}"
+        if step is None:
+            return
+        episode.reward += float(step.reward)
+        if step.done:
+            episode.stop = "done"
+            return
+        if episode.turns >= g.max_turns:
+            episode.stop = "max_turns"
+            return
+        messages = observation_messages(step.observation, self.renderer.templated)
+        if step.tool_calls:
+            messages += await self.run_tools(episode, step.tool_calls, left - (time.monotonic() - start))
+        for m in messages:
+            m["content"] = self.renderer.cap(str(m["content"]), g.max_observation_tokens, g.truncate_side)
+        ids = self.renderer.observation(messages, ended_with_eos=bool(turn) and turn[-1] == self.renderer.eos)
+        if len(s.response_ids) + len(ids) >= g.max_episode_tokens:
+            episode.stop = "max_tokens"  # no room for the observation and a turn after it
+            return
+        if s.loss_mask is None:
+            s.loss_mask = [1] * len(s.response_ids)
+        s.response_ids = s.response_ids + ids
+        s.engine_logprobs = s.engine_logprobs + [0.0] * len(ids)
+        s.loss_mask = s.loss_mask + [0] * len(ids)
+
+    @staticmethod
+    def last_turn_length(s: Sample) -> int:
+        mask = s.mask()
+        n = 0
+        while n < len(mask) and mask[len(mask) - 1 - n]:
+            n += 1
+        return n
+
+    async def call_env(self, episode: Episode, text: str, left: float) -> tuple[Step | None, str | None]:
+        """The environment's step on the model's turn `text`: (step, None), (None, why it failed), or (None, None)
+        when the episode's deadline passed first. The environment is made from the row on the first turn."""
+        row = episode.sample.prompt.row
+        args = (self.env_spec, self.env_args, episode.env, row, text, self.env_pool is not None)
+        try:
+            if self.env_pool is None:  # in this process, in a thread: the event loop goes on meanwhile
+                if episode.env is None:  # the class itself (it may be one given from Python, not importable)
+                    value, error = _call(self.env_cls, (row,), self.env_args)
+                    episode.env = value
+                    if error is not None:
+                        return None, error
+                    args = (self.env_spec, self.env_args, episode.env, row, text, False)
+                value, error = await asyncio.wait_for(asyncio.to_thread(_call, env_step, args), left)
+            else:
+                ((value, error),) = await asyncio.wait_for(self.env_pool.score_async([args]), left)
+        except TimeoutError:  # the episode's deadline passed while the environment thought
+            episode.stop = "deadline"
+            return None, None
+        if error is not None:
+            return None, error
+        episode.env, step = value
+        return step, None
+
+    async def run_tools(self, episode: Episode, calls: list[ToolCall], left: float) -> list[dict]:
+        """Each call's result as a `tool` message, in order; at most agent.max_parallel_calls at once. A call
+        that raises, hangs, kills its process or names no known tool gets an error message instead."""
+        g, counts = self.agent, episode.counts
+        slots = asyncio.Semaphore(g.max_parallel_calls)
+
+        async def one(call: ToolCall) -> dict:
+            counts["tool_calls"] += 1
+            spec = self.tools.get(call.name)
+            error = call.error or (None if spec else f"no tool named {call.name!r}; tools: {sorted(self.tools)}")
+            output = None
+            if error is None:
+                async with slots:
+                    item = (spec, call.arguments, g.max_tool_output_chars, g.truncate_side)
+                    try:
+                        ((output, error),) = await asyncio.wait_for(self.tool_pool.score_async([item]), max(left, 0.01))
+                    except TimeoutError:
+                        error = "took longer than the episode had left (--agent.episode_timeout_s)"
+            if error is not None:
+                counts["tool_errors"] += 1
+                counts["tool_timeouts"] += "took longer" in error
+                output = cap_text(f"error: {error}", g.max_tool_output_chars, g.truncate_side)
+            return {"role": "tool", "name": call.name, "content": output}
+
+        start = time.monotonic()
+        messages = list(await asyncio.gather(*(one(c) for c in calls)))
+        counts["tool_s"] += time.monotonic() - start
+        return messages
+
+
+def _call(fn, args: tuple, kwargs: dict | None = None) -> tuple[Any, str | None]:
+    try:
+        return fn(*args, **(kwargs or {})), None
+    except Exception as e:  # noqa: BLE001 -- reported as the episode's failure, naming the row
+        return None, repr(e)
+
+
+def observation_messages(observation, templated: bool) -> list[dict]:
+    """An environment's observation as chat messages: a string is a user turn (or, without a chat template,
+    the text itself)."""
+    if observation is None:
+        return []
+    if isinstance(observation, str):
+        return [{"role": "user", "content": observation}]
+    if not templated and any(m.get("role") != "user" for m in observation):
+        return [{"role": "user", "content": "".join(str(m["content"]) for m in observation)}]
+    return [dict(m) for m in observation]
+
+
+def env_tools(env_cls) -> list[tuple]:
+    """(function, JSON schema) of each tool an environment class offers."""
+    return [(fn, tool_schema(fn)) for fn in getattr(env_cls, "tools", []) or []]
+
+
+def tool_schemas(env_cls) -> list[dict] | None:
+    """The tools an environment class offers, as the chat template's `tools` (None: it offers none)."""
+    if env_cls is None:
+        return None
+    return [schema for _, schema in env_tools(env_cls)] or None
+
+
+def episode_metrics(samples: list[Sample]) -> dict[str, float]:
+    """agent/*: turns, tool calls and failures, seconds, stop reasons and the masked fraction of a batch's
+    episodes (the same keys on every rank: they are averaged or summed over ranks)."""
+    records = [s.extras["episode"] for s in samples if "episode" in s.extras]
+    if not records:
+        return {}
+    n = len(records)
+    tokens = sum(len(s.response_ids) for s in samples)
+    out = {
+        "agent/turns_mean": sum(r["turns"] for r in records) / n,
+        "agent/tool_calls": float(sum(r["tool_calls"] for r in records)),
+        "agent/tool_errors": float(sum(r["tool_errors"] for r in records)),
+        "agent/tool_timeouts": float(sum(r["tool_timeouts"] for r in records)),
+        "agent/env_s_mean": sum(r["env_s"] for r in records) / n,
+        "agent/tool_s_mean": sum(r["tool_s"] for r in records) / n,
+        "agent/masked_token_frac": sum(len(s.response_ids) - s.model_tokens() for s in samples) / max(tokens, 1),
+    }
+    out.update({f"agent/stop_{why}_frac": sum(r["stop"] == why for r in records) / n for why in STOP_REASONS})
+    return out
+
+
+def episode_row(sample: Sample, tokenizer) -> dict:
+    """An episode's record and whole conversation, for generations.jsonl, eval files and tables ({} for a
+    single response)."""
+    if "episode" not in sample.extras:
+        return {}
+    return {"episode": {**sample.extras["episode"], "turns": conversation(sample, tokenizer)}}
+
+
+def conversation(sample: Sample, tokenizer) -> list[dict]:
+    """The response as turns, the model's and the environment's told apart (for generations.jsonl, tables)."""
+    turns, mask = [], sample.mask()
+    start = 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            text = tokenizer.decode(sample.response_ids[start:i], skip_special_tokens=False)
+            turns.append({"from": "model" if mask[start] else "environment", "text": text})
+            start = i
+    return turns

@@ -1,0 +1,251 @@
+"""What dsrl does to the directories it writes: a run directory has one owner (a lock), a run is asked
+to stop through it, an export never deletes what dsrl did not write, and a failed write names its path.
+
+Imports no torch: the CLI uses it before the launcher starts.
+"""
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = ".dsrl.lock"
+STOP_FILE = "STOP"
+"""Written by `dsrl train` when it is signalled: trainer rank 0 sees it at the end of a step."""
+EXPORT_MARKER = "dsrl_export.json"
+"""In every directory dsrl exports: what marks it as dsrl's to replace (`--overwrite`)."""
+OWNER_ENV = "DSRL_RUN_LOCK_PID"
+"""Set by `dsrl train` for the ranks it launches: the pid that holds the run directory's lock for them."""
+
+
+class RunDirLocked(RuntimeError):
+    """Another live run owns the run directory."""
+
+
+class RunLock:
+    """The run directory's lock: an flock on <run_dir>/.dsrl.lock, held for the life of the owner, with the
+    owner's host and pid written in it. The kernel drops an flock when its process dies, so a lock file
+    that names an owner and can be locked again was left by a run that died (SIGKILL): it is taken over,
+    with a warning naming that owner."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self, command: str = "") -> "RunLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = _read_owner(fd)
+            os.close(fd)
+            raise RunDirLocked(
+                f"--logging.run_dir={str(self.path.parent)!r} belongs to a run that is still going: {owner}. "
+                "Wait for it, stop it, or choose another --logging.run_dir"
+            ) from None
+        previous = _read_owner(fd)
+        if previous:
+            log.warning("%s: taking over the lock of a run that is gone (%s)", self.path.parent, previous)
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({**info, "command": command}).encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)  # empty: nobody's (the file stays: unlinking it races a new owner)
+            os.close(self.fd)
+            self.fd = None
+
+
+def _read_owner(fd: int) -> str:
+    raw = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+    if not raw:
+        return ""
+    try:
+        o = json.loads(raw)
+        return f"pid {o['pid']} on {o['host']} since {o['since']}" + (f" ({o['command']})" if o.get("command") else "")
+    except (ValueError, KeyError, TypeError):
+        return raw[:200]
+
+
+def lock_run_dir(run_dir: Path, command: str = "") -> RunLock | None:
+    """Take the run directory's lock, unless the process that launched this one holds it for us."""
+    holder = os.environ.get(OWNER_ENV)
+    if holder and _lock_pid(Path(run_dir) / LOCK_FILE) == int(holder):
+        return None
+    return RunLock(run_dir).acquire(command)
+
+
+def _lock_pid(path: Path) -> int | None:
+    try:
+        return int(json.loads(path.read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# -- stopping a run --------------------------------------------------------------------------------
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""What stops a run cleanly: a job scheduler's or container runtime's stop, and Ctrl-C."""
+
+
+def request_stop(run_dir: Path, signum: int) -> None:
+    """Ask the run's ranks to stop at the end of the step (what `dsrl train` does when it is signalled)."""
+    (Path(run_dir) / STOP_FILE).write_text(f"{signum}\n")
+
+
+def clear_stop(run_dir: Path) -> None:
+    (Path(run_dir) / STOP_FILE).unlink(missing_ok=True)
+
+
+class RunStopped(RuntimeError):
+    """The run stopped at the end of a step because it was asked to (SIGTERM, SIGINT)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, message: str | None = None):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        saved = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (--logging.save_on_signal false)"
+        super().__init__(message or f"stopped by {signal.Signals(signum).name} after step {step}; {saved}")
+
+
+class StopRequests:
+    """A rank's view of stop requests: SIGTERM or SIGINT to this process, or the run directory's STOP file
+    (`dsrl train` writes it when it is signalled itself). The first asks for a stop at the end of the
+    step; a second signal stops at once (KeyboardInterrupt)."""
+
+    def __init__(self, run_dir: Path, watch_file: bool):
+        self.run_dir, self.watch_file = Path(run_dir), watch_file
+        self.signum: int | None = None
+        self.previous: dict[int, object] = {}
+
+    def install(self) -> "StopRequests":
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"a second {signal.Signals(signum).name}: stopping now")
+        self.signum = signum
+        log.warning("%s: stopping at the end of this step (send it again to stop at once)",
+                    signal.Signals(signum).name)  # fmt: skip
+
+    def requested(self) -> int | None:
+        """The signal a stop was asked for with, if one was (this rank's view)."""
+        if self.signum is None and self.watch_file:
+            try:
+                self.signum = int((self.run_dir / STOP_FILE).read_text().strip() or signal.SIGTERM)
+            except FileNotFoundError:
+                pass
+            except ValueError:
+                self.signum = signal.SIGTERM
+        return self.signum
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
+
+
+# -- exports ---------------------------------------------------------------------------------------
+
+
+class ExportTargetError(ValueError):
+    """An export would replace or mix with files dsrl did not write."""
+
+
+def check_export_target(out: Path, overwrite: bool, flag: str = "--out") -> None:
+    """Refuse a target that holds anything but a previous dsrl export (and that one unless `overwrite`);
+    `.`, `/` and the home directory never are targets."""
+    out = Path(out)
+    resolved = out.expanduser().resolve()
+    if resolved in {Path.cwd().resolve(), Path.home().resolve(), Path("/")} or resolved == resolved.parent:
+        raise ExportTargetError(f"{flag}={str(out)!r} is {resolved}: export into a directory of its own")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ExportTargetError(f"{flag}={str(out)!r} is a file, not a directory")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    if EXPORT_MARKER not in entries:
+        shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+        raise ExportTargetError(
+            f"{flag}={str(out)!r} holds files dsrl did not write ({shown}): nothing there is deleted; "
+            "export into a new or empty directory"
+        )
+    if not overwrite:
+        raise ExportTargetError(f"{flag}={str(out)!r} holds a previous dsrl export: --overwrite replaces it")
+
+
+def staging_dir(out: Path) -> Path:
+    """Where an export to `out` is built before it is published: beside it, a name only this process uses."""
+    return out.with_name(f".{out.name}.dsrl-tmp-{os.getpid()}")
+
+
+def publish_export(tmp: Path, out: Path, source: str, overwrite: bool) -> None:
+    """Move a finished export into place. A previous dsrl export there is swapped out and then deleted
+    (checked again here: nothing else is ever deleted); an empty directory is replaced."""
+    check_export_target(out, overwrite)
+    (tmp / EXPORT_MARKER).write_text(json.dumps({"source": source, "time": time.strftime("%Y-%m-%d %H:%M:%S")}))
+    old = None
+    if out.exists():
+        if any(out.iterdir()):
+            old = out.with_name(f".{out.name}.dsrl-old-{os.getpid()}")
+            out.rename(old)
+        else:
+            out.rmdir()
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+# -- writes that fail ----------------------------------------------------------------------------
+
+
+class WriteError(OSError):
+    """A write dsrl could not complete, naming the path and the cause."""
+
+    def __init__(self, message: str, code: int = errno.EIO):
+        super().__init__(message)
+        self.errno = code
+
+
+def write_error(path: Path, e: BaseException) -> WriteError:
+    """`e` (an OSError, or the RuntimeError torch.save raises for one) as a message naming `path` and the
+    cause: a full disk says how much is free."""
+    path = Path(path)
+    code = getattr(e, "errno", None)
+    free = _free_bytes(path)
+    if code == errno.ENOSPC or (code is None and free is not None and free < 64 << 20):
+        cause = f"no space left on the device ({free / 1e6:.1f} MB free)" if free is not None else "no space left"
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        cause = f"permission denied ({os.strerror(code)})"
+    elif code is not None:
+        cause = os.strerror(code)
+    else:
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return WriteError(f"cannot write {path}: {cause}", code or errno.EIO)
+
+
+def _free_bytes(path: Path) -> int | None:
+    for p in [path, *path.parents]:
+        if p.exists():
+            try:
+                return shutil.disk_usage(p).free
+            except OSError:
+                return None
+    return None

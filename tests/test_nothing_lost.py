@@ -1,0 +1,285 @@
+"""Nothing of the user's is lost: an export never deletes what dsrl did not write, a run directory has one
+owner, SIGTERM stops the whole run with a checkpoint, a damaged checkpoint falls back to the previous one,
+and bad data or a full disk get one-line messages naming the file.
+
+Real processes: `dsrl train` with the deepspeed launcher, 2 ZeRO-3 ranks and the embedded server.
+"""
+
+import errno
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from dsrl import toy
+from dsrl.config import DataConfig
+from dsrl.data import PromptDataset
+from dsrl.rundir import EXPORT_MARKER, ExportTargetError, RunDirLocked, RunLock, check_export_target, write_error
+from dsrl.zero.checkpoint import ShardWriter
+from tests.conftest import ROOT, TOY_MODEL
+
+TOY = ["--config", str(ROOT / "configs/toy_cpu.yaml"), "--eval.path", "null", "--logging.export_hf", "false"]
+
+
+def train_cmd(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "dsrl.cli", "train", *TOY, "--logging.run_dir", str(run_dir), *extra]
+
+
+def trace(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
+
+
+def expected_rows(step: int) -> list[int]:
+    """The rows the toy config trains at `step` (32 prompts, 2 ranks): fixed by the step, whatever the weights."""
+    dataset = PromptDataset(DataConfig(train_path=str(ROOT / "examples/toy/train.jsonl")), toy.build_tokenizer())
+    return [p.index for rank in range(2) for p in dataset.batch(step, 32, rank, 2)]
+
+
+# -- 1. exports ------------------------------------------------------------------------------------
+
+
+def write_export(out: Path, overwrite: bool = False) -> None:
+    writer = ShardWriter(out, overwrite=overwrite, source="test")
+    writer.add("w", torch.ones(3))
+    writer.close(str(TOY_MODEL))
+
+
+def test_an_export_keeps_every_file_it_did_not_write(tmp_path):
+    """`dsrl export --out DIR` used to delete DIR first: a model beside it went with it."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "other_model.safetensors").write_text("precious")
+    with pytest.raises(ExportTargetError, match=r"models' holds files dsrl did not write \(other_model.safetensors\)"):
+        write_export(models)
+    assert (models / "other_model.safetensors").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models"]  # no staging directory left behind
+
+    out = tmp_path / "export"
+    write_export(out)
+    assert (out / EXPORT_MARKER).is_file() and (out / "model.safetensors").is_file()
+    with pytest.raises(ExportTargetError, match="holds a previous dsrl export: --overwrite replaces it"):
+        write_export(out)
+    (out / "model.safetensors").write_text("stale")
+    write_export(out, overwrite=True)
+    assert (out / "model.safetensors").read_bytes() != b"stale"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "models"]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    write_export(empty)  # an empty directory is fine
+    assert (empty / EXPORT_MARKER).is_file()
+
+
+def test_an_export_never_targets_the_working_or_home_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for target in (Path("."), Path.home(), Path("/")):
+        with pytest.raises(ExportTargetError, match="export into a directory of its own"):
+            check_export_target(target, overwrite=True)
+
+
+def test_the_export_command_refuses_a_directory_of_other_files(tmp_path):
+    """The CLI says why in one line, before reading the checkpoint."""
+    (tmp_path / "keep.txt").write_text("mine")
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_1"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "dsrl_state.json").write_text("{}")
+    (tmp_path / "run" / "config.yaml").write_text(f"model:\n  path: {TOY_MODEL}\n")
+    cmd = [sys.executable, "-m", "dsrl.cli", "export", "--checkpoint", str(checkpoint), "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "holds files dsrl did not write" in proc.stderr and "Traceback" not in proc.stderr
+    assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+# -- 2. one owner per run directory ----------------------------------------------------------------
+
+
+def test_a_second_run_on_a_locked_run_dir_stops_at_once_naming_the_first(tmp_path):
+    """Two runs on one --logging.run_dir both ran, interleaving trained_prompts.jsonl and checkpoints."""
+    first = RunLock(tmp_path).acquire("the first run")
+    try:
+        start = time.monotonic()
+        proc = subprocess.run(train_cmd(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - start
+    finally:
+        first.release()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"belongs to a run that is still going: pid {os.getpid()}" in proc.stderr and "the first run" in proc.stderr
+    assert "deepspeed.launcher" not in proc.stderr and took < 60  # nothing started
+    assert not (tmp_path / "config.yaml").exists() and not (tmp_path / "trained_prompts.jsonl").exists()
+
+
+def test_a_lock_left_by_a_dead_run_is_taken_over_with_a_warning(tmp_path, caplog):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / ".dsrl.lock").write_text(json.dumps({"host": "h", "pid": dead.pid, "since": "then"}))
+    with caplog.at_level(logging.WARNING):
+        lock = RunLock(tmp_path).acquire()
+    assert f"taking over the lock of a run that is gone (pid {dead.pid} on h" in caplog.text
+    with pytest.raises(RunDirLocked):  # and it is held now
+        RunLock(tmp_path).acquire()
+    lock.release()
+    RunLock(tmp_path).acquire().release()
+
+
+# -- 3. signals stop the whole run -----------------------------------------------------------------
+
+
+def test_sigterm_to_dsrl_train_stops_every_process_of_the_run_with_a_checkpoint(tmp_path):
+    """SIGTERM used to kill the CLI alone: the launcher, ranks and server trained on, detached, to the end."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(train_cmd(run_dir, "--trainer.total_steps", "200"), cwd=ROOT, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    log = []
+    try:
+        for line in proc.stderr:
+            log.append(line)
+            if "step 3/200 |" in line:
+                break
+        run = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(run) >= 5, "the CLI, the launcher, its launch process, 2 ranks (and the server)"
+        proc.send_signal(signal.SIGTERM)
+        log += proc.stderr.readlines()
+        proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = "".join(log)
+    assert proc.returncode == 128 + signal.SIGTERM, text[-3000:]
+    assert "stops at the end of this step" in text and "stopped by SIGTERM after step" in text
+    alive = [pid for pid in run if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"processes of the run still alive: {alive}"
+
+    stopped_at = int((run_dir / "checkpoints" / "latest").read_text().split("_")[1])
+    assert stopped_at >= 3 and (run_dir / "checkpoints" / f"step_{stopped_at}" / "manifest.json").is_file()
+    assert [r["step"] for r in trace(run_dir)] == list(range(stopped_at))
+    assert not (run_dir / "STOP").exists() and (run_dir / ".dsrl.lock").read_text() == ""
+
+    # The same command, two more steps: it resumes where it stopped and trains each step's prompts once.
+    done = subprocess.run(train_cmd(run_dir, "--trainer.total_steps", str(stopped_at + 2)), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"step_{stopped_at} at step {stopped_at}" in done.stderr
+    records = trace(run_dir)
+    assert [r["step"] for r in records] == list(range(stopped_at + 2))
+    assert [r["rows"] for r in records] == [expected_rows(s) for s in range(stopped_at + 2)]
+
+
+# -- 4. a damaged checkpoint -----------------------------------------------------------------------
+
+
+def test_a_truncated_latest_checkpoint_resumes_from_the_previous_one(tmp_path):
+    """One truncated file of the latest checkpoint used to end the resume with torch's "failed finding
+    central directory"; the previous complete checkpoint was not used and the message named neither."""
+    run_dir = tmp_path / "run"
+    args = ["--logging.save_every", "2", "--logging.keep_last", "2"]
+    first = subprocess.run(train_cmd(run_dir, "--trainer.total_steps", "6", *args), cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    (victim,) = (run_dir / "checkpoints" / "step_6").glob("*rank_1*optim_states.pt")
+    victim.write_bytes(victim.read_bytes()[:1000])
+
+    again = subprocess.run(train_cmd(run_dir, "--trainer.total_steps", "8", *args), cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"the latest checkpoint {run_dir}/checkpoints/step_6 cannot be used ({victim.name} has 1000 bytes" in (
+        again.stderr
+    )
+    assert f"resuming from {run_dir}/checkpoints/step_4" in again.stderr
+    records = trace(run_dir)  # steps 4 and 5 trained again from step_4's state: the trace has them once
+    assert [r["step"] for r in records] == list(range(8))
+    assert [r["rows"] for r in records] == [expected_rows(s) for s in range(8)]
+
+
+@pytest.fixture
+def world_of_one():
+    import torch.distributed as dist
+
+    from dsrl.serving.servers import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def fake_checkpoint(root: Path, step: int) -> Path:
+    from dsrl.zero.checkpoint import write_manifest
+
+    path = root / "checkpoints" / f"step_{step}"
+    path.mkdir(parents=True)
+    (path / "dsrl_state.json").write_text(json.dumps({"step": step}))
+    (path / "dsrl_rank0.pt").write_bytes(os.urandom(1000))
+    write_manifest(path)
+    (root / "checkpoints" / "latest").write_text(path.name)
+    return path
+
+
+def test_a_damaged_checkpoint_is_named_and_every_damaged_one_stops_the_resume(world_of_one, tmp_path):
+    from dsrl.zero.checkpoint import CheckpointError, find_checkpoint
+
+    older, newer = fake_checkpoint(tmp_path, 2), fake_checkpoint(tmp_path, 4)
+    assert find_checkpoint(tmp_path, "auto") == newer
+    data = (newer / "dsrl_rank0.pt").read_bytes()
+    (newer / "dsrl_rank0.pt").write_bytes(bytes([data[0] ^ 1]) + data[1:])  # same size, one bit changed
+    assert find_checkpoint(tmp_path, "auto") == older
+    with pytest.raises(CheckpointError, match=r"--logging.resume='.*step_4': the checkpoint is damaged: "
+                                              r"dsrl_rank0.pt has changed since it was written"):  # fmt: skip
+        find_checkpoint(tmp_path, str(newer))
+    (older / "dsrl_rank0.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"no checkpoint to resume from is complete: .*step_4: .*changed.*; "
+                                              r".*step_2: dsrl_rank0.pt is missing"):  # fmt: skip
+        find_checkpoint(tmp_path, "auto")
+
+
+# -- 5. messages that name the cause ---------------------------------------------------------------
+
+
+def test_invalid_utf8_and_bad_rows_fail_before_the_launcher_in_one_message(tmp_path):
+    """Invalid UTF-8 used to be a raw UnicodeDecodeError traceback from rank 0, after the launcher started."""
+    data = tmp_path / "rows.jsonl"
+    data.write_bytes(b'{"prompt": "12=", "answer": "12"}\n{"prompt": "1\xff=", "answer": "1"}\n{"answer": "3"}\n')
+    proc = subprocess.run(train_cmd(tmp_path / "run", "--data.train_path", str(data)), cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "dsrl train: error: 2 bad rows (--data.on_bad_row skip skips them):" in proc.stderr
+    assert f"{data}, line 2: not valid UTF-8 (byte 0xff at column 14)" in proc.stderr
+    assert f"{data}, row 2: no field 'prompt'" in proc.stderr  # rows count every non-empty line
+    assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr and "deepspeed.launcher" not in proc.stderr
+
+
+def test_a_full_disk_names_the_checkpoint_and_the_cause(tmp_path):
+    """A full disk used to say "basic_ios::clear: iostream error". The checkpoints go to a 600 kB tmpfs."""
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(tiny)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (test_a_full_disk_message_without_a_tmpfs covers the message)")
+    try:
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        (run_dir / "checkpoints").symlink_to(tiny)
+        args = ["--trainer.total_steps", "4", "--logging.save_every", "2"]
+        proc = subprocess.run(train_cmd(run_dir, *args), cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0
+        assert f"cannot write {run_dir}/checkpoints/.tmp_step_2: no space left on the device (" in proc.stderr, (
+            proc.stderr[-3000:]
+        )
+        assert not (tiny / "latest").exists()  # nothing half-written was published
+    finally:
+        subprocess.run(["umount", str(tiny)])
+
+
+def test_a_full_disk_message_without_a_tmpfs(tmp_path):
+    for e in (OSError(errno.ENOSPC, "No space left on device"), RuntimeError("basic_ios::clear: iostream error")):
+        message = str(write_error(tmp_path / "step_2", e))
+        if isinstance(e, RuntimeError):  # the disk here is not full: torch's own words are all there is
+            assert message.startswith(f"cannot write {tmp_path}/step_2: basic_ios::clear"), message
+        else:
+            assert message.startswith(f"cannot write {tmp_path}/step_2: no space left on the device ("), message
