@@ -45,7 +45,16 @@ from dsrl.sync.weight_sync import WeightSync
 from dsrl.zero.actor import compute_logprobs, logprob_mismatch, update_actor
 from dsrl.zero.checkpoint import CheckpointError, export_hf, find_checkpoint, load_checkpoint, save_checkpoint
 from dsrl.zero.critic import compute_values, update_critic
-from dsrl.zero.engine import decide_offload, init_distributed, load_engine, offload_states, prepare_model_dir, use_cuda
+from dsrl.zero.engine import (
+    check_host_memory,
+    decide_offload,
+    init_distributed,
+    load_engine,
+    offload_states,
+    prepare_model_dir,
+    use_cuda,
+)
+from dsrl.zero.lora import is_lora, reference_off, save_adapter
 
 log = logging.getLogger("dsrl")
 
@@ -166,8 +175,11 @@ def setup(cfg: Config) -> Run:
     dataset, held_out = check_datasets(cfg, tokenizer, context, runner.tool_schemas)  # every rank: the same errors
     rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env))
     evaluator = Evaluator(cfg, tokenizer, rewarder, run_dir, held_out, runner) if held_out else None
+    check_host_memory(cfg, model_dir, world)  # ZeRO-Offload's states, before DeepSpeed allocates them
     actor = load_engine(cfg, model_dir, world, train=True)
-    ref = load_engine(cfg, model_dir, world, train=False) if cfg.algorithm.kl_coef > 0 else None
+    ref = None  # the reference policy; with LoRA the actor itself, its adapters off (`reference_off`)
+    if cfg.algorithm.kl_coef > 0:
+        ref = actor if cfg.model.lora_rank > 0 else load_engine(cfg, model_dir, world, train=False)
     critic = load_engine(cfg, model_dir, world, train=True, critic=True) if cfg.algorithm.advantage == "gae" else None
     start_step, rank_state, kl = resume(cfg, run_dir, actor, critic, rank)
     trainers = [e for e in (actor, critic) if e is not None]
@@ -279,7 +291,8 @@ def compute_all_logprobs(run: Run, samples: list[Sample]) -> bool:
     non-finite value."""
     compute_logprobs(run.actor, samples, "old_logprobs", run.cfg, run.pad_id)
     if run.ref is not None:
-        compute_logprobs(run.ref, samples, "ref_logprobs", run.cfg, run.pad_id)
+        with reference_off(run.ref.module):
+            compute_logprobs(run.ref, samples, "ref_logprobs", run.cfg, run.pad_id)
     if run.critic is not None:
         compute_values(run.critic, samples, run.cfg, run.pad_id)
     values = [s.extras[k] for s in samples for k in ("old_logprobs", "ref_logprobs", "values") if k in s.extras]
@@ -413,6 +426,8 @@ def finish(run: Run, metrics: dict[str, float]) -> None:
         # again (seen on an H200 with the states kept on the GPU); offloading used to reset them.
         run.actor.empty_partition_cache()
         export_hf(run.actor.module, run.model_dir, run.run_dir / "hf", run.cfg.sync.bucket_bytes)
+        if is_lora(run.actor.module):
+            save_adapter(run.actor.module, run.run_dir / "adapter", run.rank == 0)
 
 
 def rollout_engine(cfg: Config) -> str:
@@ -468,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
 
-USER_ERRORS = (WriteError, CheckpointError, DatasetError, RunDirLocked, ExportTargetError)
+USER_ERRORS = (WriteError, CheckpointError, DatasetError, RunDirLocked, ExportTargetError, MemoryError)
 """Errors whose message says all a user needs: logged as one line, without a traceback."""
 
 

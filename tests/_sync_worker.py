@@ -168,7 +168,8 @@ def gradient_against_one_rank(cfg: Config, actor) -> dict:
     from transformers import AutoModelForCausalLM
 
     from dsrl.data import Prompt, Sample
-    from dsrl.zero.actor import compute_logprobs, global_denominators, micro_batch_loss, pack
+    from dsrl.zero.actor import compute_logprobs, global_denominators, micro_batch_loss, trainer_micro_batches
+    from dsrl.zero.batches import MicroBatch
 
     lengths, advantages = [1, 2, 7, 9], torch.tensor([1.0, -0.5, 0.3, -1.2])
     batch = [
@@ -186,13 +187,18 @@ def gradient_against_one_rank(cfg: Config, actor) -> dict:
         s.extras["advantages"] = torch.full((len(s.response_ids),), float(a))
     per_rank = len(batch) // world
     mine = batch[rank * per_rank : (rank + 1) * per_rank]
+    # A budget of 12 tokens: rank 0's two samples (4 + 5 tokens) fit one micro-batch, rank 1's (10 + 12) need
+    # two, so rank 0 splits its one to match: packed micro-batches of unequal counts, agreed over the ranks.
+    cfg.trainer.max_tokens_per_micro_batch = 12
     compute_logprobs(actor, mine, "old_logprobs", cfg, pad_id=0)  # ratio 1: the loss's gradient is -A grad(logp) / N
     num_tokens, num_seqs = global_denominators(mine)
-    mb = cfg.trainer.micro_batch_size
-    for i in range(0, len(mine), mb):
-        loss, _, _ = micro_batch_loss(actor, mine[i : i + mb], cfg, 0, num_tokens, num_seqs, kl_coef=0.0)
+    chunks = trainer_micro_batches(mine, cfg)
+    for i, chunk in enumerate(chunks):
+        actor.set_gradient_accumulation_boundary(i == len(chunks) - 1)
+        mb = MicroBatch.build(chunk, 0, actor.device, packed=True)
+        loss, _, _ = micro_batch_loss(actor, mb, cfg, num_tokens, num_seqs, kl_coef=0.0)
         actor.backward(loss, scale_wrt_gas=False)
-        if i + mb < len(mine):
+        if i + 1 < len(chunks):
             actor.step()  # not at the boundary: counts the micro-step; the optimizer runs at the last one
     grads = {name: deepspeed.utils.safe_get_full_grad(p) for name, p in named}  # every rank gathers
     with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
@@ -201,12 +207,22 @@ def gradient_against_one_rank(cfg: Config, actor) -> dict:
         return {}
     model = AutoModelForCausalLM.from_config(actor.module.config)
     model.load_state_dict(weights, strict=False)  # the tied lm_head follows the embedding
-    ids, attention, mask = pack(batch, 0, torch.device("cpu"))
+    seqs = [b.prompt.prompt_ids + b.response_ids for b in batch]  # right-padded rows, as the trainer once did
+    width = max(map(len, seqs))
+    ids, attention, mask = (
+        torch.zeros(len(seqs), width, dtype=torch.long),
+        torch.zeros(len(seqs), width),
+        torch.zeros(len(seqs), width - 1),
+    )
+    for i, (b, seq) in enumerate(zip(batch, seqs)):
+        ids[i, : len(seq)], attention[i, : len(seq)] = torch.tensor(seq), 1
+        mask[i, len(b.prompt.prompt_ids) - 1 : len(seq) - 1] = 1
     logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
     (-(advantages[:, None] * torch.exp(logp - logp.detach()) * mask).sum() / mask.sum()).backward()
     diff = max((grads[name] - p.grad).abs().max().item() for name, p in model.named_parameters() if name in grads)
-    return {"max_abs_diff": diff, "max_abs_grad": max(g.abs().max().item() for g in grads.values())}
+    return {"max_abs_diff": diff, "max_abs_grad": max(g.abs().max().item() for g in grads.values()),
+            "micro_batches": len(chunks)}  # fmt: skip
 
 
 def gather_to_all_padded(cfg: Config, run_dir: Path) -> dict:

@@ -20,7 +20,7 @@ from dsrl.rollout import Rewarder, RewardError, generate, parse_generation
 from dsrl.rollout_manager import PromptStream, RolloutManager
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import start_fleet
-from dsrl.zero.actor import pack
+from dsrl.zero.batches import MicroBatch
 from tests.conftest import ROOT
 
 CALC = ROOT / "examples/calculator"
@@ -104,9 +104,10 @@ def test_an_episode_is_the_servers_tokens_and_the_rendered_observations_token_fo
     assert s.response_ids == expected and s.loss_mask == mask and s.engine_logprobs == logprobs
     turn_starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
     assert s.extras["spans"] == [(start, 0) for start in turn_starts]  # one per model turn, each its version
-    input_ids, _, targets = pack([s], tokenizer.pad_token_id, torch.device("cpu"))
-    assert input_ids[0].tolist() == prompt.prompt_ids + s.response_ids
-    assert targets[0, len(prompt.prompt_ids) - 1 :].tolist() == mask
+    for packed in (False, True):  # what the trainer runs on: the same tokens, the loss on the model's alone
+        mb = MicroBatch.build([s], tokenizer.pad_token_id, torch.device("cpu"), packed)
+        assert mb.input_ids[0].tolist() == prompt.prompt_ids + s.response_ids
+        assert mb.mask[0].tolist() == mask and mb.targets.tolist() == s.response_ids
     record = s.extras["episode"]
     assert record["turns"] == 3 and record["tool_calls"] == 2 and record["tool_errors"] == 0
 

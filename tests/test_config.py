@@ -51,6 +51,7 @@ def test_all_cross_field_errors_reported_together():
     parser = build_parser()
     argv = [*TOY, "--rollout.n_samples", "1", "--rollout.top_p", "0", "--algorithm.reward_fn", "nocolon"]
     argv += ["--rollout.prompts_per_step", "3", "--sync.bucket_bytes", "0"]
+    argv += ["--trainer.max_tokens_per_micro_batch", "null"]  # micro_batch_size rows: they must divide the batch
     cfg = to_config(parser, parser.parse_args(argv))
     with pytest.raises(ConfigError) as info:
         validate(cfg)
@@ -89,9 +90,12 @@ def test_config_errors_exit_before_anything_starts(capsys):
 
 def test_batch_shape_must_split_into_micro_batches():
     parser = build_parser()
-    cfg = to_config(parser, parser.parse_args([*TOY, "--trainer.micro_batch_size", "7"]))
+    by_rows = ["--trainer.micro_batch_size", "7", "--trainer.max_tokens_per_micro_batch", "null"]
+    cfg = to_config(parser, parser.parse_args([*TOY, *by_rows]))
     with pytest.raises(ConfigError, match="trainer.micro_batch_size=7"):
         validate(cfg, world=2)
+    # by tokens (the default), micro_batch_size only sizes the budget: any value splits the batch
+    validate(to_config(parser, parser.parse_args([*TOY, "--trainer.micro_batch_size", "7"])), world=2)
 
 
 def test_config_module_imports_no_torch():

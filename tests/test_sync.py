@@ -120,3 +120,5 @@ def test_token_mean_gradient_over_ranks_equals_the_whole_batch_gradient(sync_res
     grad = sync_results["gradient"]
     assert grad["max_abs_grad"] > 1e-3, grad  # a gradient worth comparing
     assert grad["max_abs_diff"] < 1e-6, grad
+    # Packed by 12 tokens: 2 micro-batches on both ranks (rank 0 splits its one), 3 for all four samples on one.
+    assert grad["micro_batches"] == {2: 2, 1: 3}[sync_results["ranks"]], grad

@@ -9,7 +9,9 @@ environment answers with a short observation (a user turn, rendered by the chat 
 tokens of a row are therefore equal across rows; what differs is the number of requests, the observation
 tokens the server prefills, and the environment's turns. Prints episodes/s, model tokens/s, the ratio to
 single responses, and the mean latency of a model turn by its index (the per-turn cost must not grow with
-the turn number: observations are rendered in O(1), never by re-tokenising the conversation).
+the turn number: observations are rendered in O(1), never by re-tokenising the conversation). Each
+multi-turn row is followed by its floor ("raw"): the same requests from a bare loop with the observation's
+tokens rendered beforehand, i.e. what the server itself charges for that many turns.
 """
 
 import argparse
@@ -71,6 +73,27 @@ def run(client, runner, prompts: list[Prompt], sampling: dict) -> tuple[float, l
     return seconds, [statistics.mean(latencies[t]) for t in sorted(latencies)], sum(tokens)
 
 
+def run_raw(client, prompts: list[Prompt], turns: int, sampling: dict, observation: list[int]) -> tuple[float, int]:
+    """The same turn structure with no dsrl in it: a bare loop of requests, the observation's tokens
+    rendered once beforehand. What the server itself charges for the turns."""
+
+    async def one(prompt: Prompt) -> int:
+        context, tokens = list(prompt.prompt_ids), 0
+        for turn in range(turns):
+            body = {"input_ids": context, "sampling_params": sampling, "return_logprob": True}
+            out = await client.generate(body, route_key=prompt.index)
+            context += out["output_ids"] + (observation if turn < turns - 1 else [])
+            tokens += len(out["output_ids"])
+        return tokens
+
+    async def all_episodes():
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    start = time.perf_counter()
+    tokens = client.run(all_episodes())
+    return time.perf_counter() - start, sum(tokens)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="A model directory with a tokenizer (a chat template).")
@@ -110,6 +133,10 @@ def main() -> None:
             runner.close()
             seconds, latencies, tokens = best
             rows.append(("single" if single else turns, seconds, latencies, tokens))
+            if turns > 1:  # the floor: the same requests without dsrl's runner, environment or rendering
+                observation = runner.renderer.observation([{"role": "user", "content": "Go on."}], True)
+                raw = min(run_raw(client, prompts, turns, sampling, observation) for _ in range(args.repeats))
+                rows.append((f"{turns} raw", raw[0], [], raw[1]))
         client.close()
     base = rows[0][2] and rows[0][3] / rows[0][1]
     print(f"model tokens per episode {args.tokens}, {args.episodes} episodes at once, {args.engine}")
@@ -118,8 +145,9 @@ def main() -> None:
     )
     for turns, seconds, latencies, tokens in rows:
         shown = latencies if len(latencies) <= 4 else [*latencies[:2], latencies[len(latencies) // 2], latencies[-1]]
+        shown = shown or ["(a bare request loop: the server's own cost of these turns)"]
         print(f"{turns!s:>7} {args.episodes / seconds:11.2f} {tokens / seconds:12.0f} {tokens / seconds / base:10.3f}  "
-              + " ".join(f"{x:.3f}" for x in shown))  # fmt: skip
+              + " ".join(x if isinstance(x, str) else f"{x:.3f}" for x in shown))  # fmt: skip
 
 
 if __name__ == "__main__":

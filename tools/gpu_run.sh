@@ -11,6 +11,7 @@
 #   source .gpu/setup.sh; MODELS=1.5b bash tools/gpu_run.sh setup ppo                 # 1 GPU (PPO, critic)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup ray_fleet routes               # 2 GPUs, Ray importable
 #   source .gpu/setup.sh; MODELS="0.5b-chat" bash tools/gpu_run.sh setup agent_toy agent_calc bench_agent  # 1 GPU
+#   source .gpu/setup.sh; MODELS=3b bash tools/gpu_run.sh setup bench_trainer       # 1 GPU (tools/bench_trainer.py)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py;
 #                                                         ASYNC_EXTRA="--rollout.max_concurrency 768" passes flags on)
 # Pinning stages to GPUs with CUDA_VISIBLE_DEVICES holds for `dsrl train` stages (toy, colocate,
@@ -213,6 +214,13 @@ for s in "$@"; do
         --engine sglang --tokens ${BENCH_AGENT_TOKENS:-1024} --episodes ${BENCH_AGENT_EPISODES:-256} --repeats 2 \
         --server-args '{"attention_backend": "triton", "sampling_backend": "pytorch", "mem_fraction_static": 0.6}'
       grep -a -A8 "^model tokens per episode" "$OUT/bench_agent.log" | tee -a "$SUMMARY"
+      ;;
+    bench_trainer)  # 1 GPU: the trainer before/after micro-batches by tokens, packing and chunked log-probs
+      stage bench_trainer ${BENCH_TRAINER_LIMIT:-420} python3 tools/bench_trainer.py --model /tmp/models/${BENCH_TRAINER_MODEL:-3b} \
+        --samples ${BENCH_TRAINER_SAMPLES:-128} --max-len ${BENCH_TRAINER_MAX_LEN:-2048} --micro ${BENCH_TRAINER_MICRO:-8} \
+        --budget ${BENCH_TRAINER_BUDGET:-16384} --repeats ${BENCH_TRAINER_REPEATS:-1} ${BENCH_TRAINER_EXTRA:-}
+      grep -a -A8 "^model " "$OUT/bench_trainer.log" | tee -a "$SUMMARY"
+      grep -a "Error" "$OUT/bench_trainer.log" | tail -3 | tee -a "$SUMMARY"
       ;;
     *) note "unknown stage $s" ;;
   esac

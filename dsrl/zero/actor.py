@@ -1,4 +1,7 @@
-"""Trainer-side work on a rollout batch: logprobs (old, reference) and the PPO update of the actor."""
+"""Trainer-side work on a rollout batch: logprobs (old, reference) and the PPO update of the actor.
+
+Micro-batches are built by tokens and packed (`dsrl/zero/batches.py`); the model computes logits of the
+response positions only, and their fp32 log-softmax runs a chunk of positions at a time."""
 
 from collections import defaultdict
 
@@ -9,7 +12,6 @@ from dsrl.algorithms import (
     LOG_RATIO_LIMIT,
     POLICY_LOSSES,
     aggregate,
-    entropy_from_logits,
     importance_weights,
     kl_estimate,
     ppo_clip_loss,
@@ -17,50 +19,96 @@ from dsrl.algorithms import (
 from dsrl.collectives import reduce_device
 from dsrl.config import Config
 from dsrl.data import Sample
+from dsrl.zero.batches import MicroBatch, micro_batches
 
 
-def pack(samples: list[Sample], pad_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Right-padded prompt+response ids, attention mask, and a [B, T-1] mask of the targets the loss counts:
-    the model's response tokens (not an agent's observation tokens)."""
-    seqs = [s.prompt.prompt_ids + s.response_ids for s in samples]
-    width = max(map(len, seqs))
-    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(seqs), width), dtype=torch.long)
-    targets = torch.zeros((len(seqs), width - 1))
-    for i, (s, seq) in enumerate(zip(samples, seqs)):
-        input_ids[i, : len(seq)] = torch.tensor(seq)
-        attention[i, : len(seq)] = 1
-        if not s.extras.get("skip"):  # a sample whose reward failed (on_reward_error skip) has no loss
-            targets[i, len(s.prompt.prompt_ids) - 1 : len(seq) - 1] = torch.tensor(s.mask(), dtype=targets.dtype)
-    return input_ids.to(device), attention.to(device), targets.to(device)
-
-
-def per_token(samples: list[Sample], key: str, width: int, device: torch.device) -> torch.Tensor:
-    """Gather each sample's response-aligned `extras[key]` into a [B, width] tensor at target positions."""
-    out = torch.zeros((len(samples), width), device=device)
-    for i, s in enumerate(samples):
-        start = len(s.prompt.prompt_ids) - 1
-        out[i, start : start + len(s.response_ids)] = s.extras[key]
+def per_token(mb: MicroBatch, key: str) -> torch.Tensor:
+    """Each sample's response-aligned `extras[key]` as [samples, longest response] on the micro-batch's device."""
+    out = torch.zeros(mb.mask.shape, device=mb.mask.device)
+    for i, s in enumerate(mb.samples):
+        out[i, : len(s.response_ids)] = s.extras[key]
     return out
 
 
-def forward_logprobs(engine, input_ids, attention, temperature: float, with_entropy: bool = False):
-    logits = engine(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float() / temperature
-    logprobs = torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return logprobs, (entropy_from_logits(logits) if with_entropy else None)
+LOGPROB_CHUNK = 2048
+"""Positions whose fp32 log-softmax is computed at once: the fp32 [positions, vocabulary] tensor never exists
+whole (at 151,936 tokens of vocabulary a chunk is 1.2 GB; a micro-batch of 8k positions would be 5 GB)."""
+
+
+class TokenLogprobs(torch.autograd.Function):
+    """The sampled tokens' logprobs under softmax(logits / T), and the entropies, from [positions, vocabulary]
+    logits, LOGPROB_CHUNK positions at a time in fp32. Nothing of the size of the logits is kept but the
+    logits themselves: the backward pass recomputes each chunk's softmax from them and the saved log-sum-exp,
+    and writes the gradient, (onehot - p) g_logprob - p (x - E[x]) g_entropy, over T, into one buffer."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool = True):
+        lse = torch.empty(logits.shape[0], device=logits.device)
+        mean_x, logprobs = torch.zeros_like(lse), torch.empty_like(lse)
+        for i in range(0, logits.shape[0], LOGPROB_CHUNK):
+            x = logits[i : i + LOGPROB_CHUNK].float() / temperature
+            rows = slice(i, i + x.shape[0])
+            lse[rows] = torch.logsumexp(x, -1)
+            if with_entropy:
+                mean_x[rows] = (torch.softmax(x, -1) * x).sum(-1)
+            logprobs[rows] = x.gather(-1, targets[rows, None])[:, 0] - lse[rows]
+        ctx.save_for_backward(logits, targets, lse, mean_x)
+        ctx.temperature = temperature
+        return logprobs, (lse - mean_x if with_entropy else torch.zeros_like(lse))
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+        logits, targets, lse, mean_x = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        g_lp = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs.float()
+        g_h = torch.zeros_like(lse) if grad_entropy is None else grad_entropy.float()
+        for i in range(0, logits.shape[0], LOGPROB_CHUNK):
+            rows = slice(i, i + min(LOGPROB_CHUNK, logits.shape[0] - i))
+            x = logits[rows].float() / ctx.temperature
+            p = torch.exp(x - lse[rows, None])
+            g = -p * (g_lp[rows, None] + g_h[rows, None] * (x - mean_x[rows, None]))
+            g.scatter_add_(-1, targets[rows, None], g_lp[rows, None])
+            grad[rows] = (g / ctx.temperature).to(grad.dtype)
+        return grad, None, None, None
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool = True
+) -> tuple[torch.Tensor, ...]:
+    """(logprobs, entropies) of [positions, vocabulary] `logits` (`TokenLogprobs`; entropies 0 without)."""
+    return TokenLogprobs.apply(logits, targets, temperature, with_entropy)
+
+
+def forward_logprobs(
+    engine, mb: MicroBatch, temperature: float, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Response-aligned [samples, longest response] logprobs of the sampled tokens and entropies. The model
+    computes the logits of the response columns only (`logits_to_keep`), in its own dtype; their log-softmax
+    runs on them as they are (a flat view), and only the per-position results are gathered."""
+    logits = engine(**mb.model_inputs(), logits_to_keep=mb.columns).logits
+    flat = logits.reshape(-1, logits.shape[-1])
+    where = mb.keep_in_columns()
+    targets = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
+    targets[where] = mb.targets  # (the other positions' are 0: computed, then not read, their gradient 0)
+    logprobs, entropies = token_logprobs(flat, targets, temperature, with_entropy)
+    return mb.response_aligned(logprobs[where]), mb.response_aligned(entropies[where])
+
+
+def trainer_micro_batches(samples: list[Sample], cfg: Config, micro_batch_size: int | None = None) -> list:
+    t = cfg.trainer
+    return micro_batches(
+        samples, t.max_tokens_per_micro_batch, micro_batch_size or t.micro_batch_size, t.pack_sequences
+    )
 
 
 @torch.no_grad()
 def compute_logprobs(engine, samples: list[Sample], key: str, cfg: Config, pad_id: int) -> None:
-    """Store each sample's response-token logprobs under `extras[key]` (micro-batched, no grad)."""
-    mb = cfg.trainer.micro_batch_size
-    for i in range(0, len(samples), mb):
-        chunk = samples[i : i + mb]
-        input_ids, attention, _ = pack(chunk, pad_id, engine.device)
-        logprobs, _ = forward_logprobs(engine, input_ids, attention, cfg.rollout.temperature)
+    """Store each sample's response-token logprobs under `extras[key]` (micro-batched by tokens, no grad)."""
+    for chunk in trainer_micro_batches(samples, cfg):
+        mb = MicroBatch.build(chunk, pad_id, engine.device, cfg.trainer.pack_sequences)
+        logprobs, _ = forward_logprobs(engine, mb, cfg.rollout.temperature, with_entropy=False)
         for row, s in zip(logprobs, chunk):
-            start = len(s.prompt.prompt_ids) - 1
-            s.extras[key] = row[start : start + len(s.response_ids)].float().cpu()
+            s.extras[key] = row[: len(s.response_ids)].float().cpu()
 
 
 def logprob_mismatch(samples: list[Sample]) -> dict[str, float]:
@@ -93,21 +141,19 @@ def global_denominators(mini: list[Sample]) -> tuple[float, float]:
 
 
 def micro_batch_loss(
-    engine, chunk: list[Sample], cfg: Config, pad_id: int, num_tokens: float, num_seqs: float, kl_coef: float
+    engine, mb: MicroBatch, cfg: Config, num_tokens: float, num_seqs: float, kl_coef: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """The policy loss of one micro-batch as its share of the mini-batch loss (`global_denominators`),
-    its metrics, and its response mask. Advantages come per token from extras["advantages"]."""
-    a = cfg.algorithm
-    input_ids, attention, mask = pack(chunk, pad_id, engine.device)
-    width, device = mask.shape[1], engine.device
-    old = per_token(chunk, "old_logprobs", width, device)
-    advantages = per_token(chunk, "advantages", width, device)
-    logprobs, entropy = forward_logprobs(engine, input_ids, attention, cfg.rollout.temperature, True)
+    its metrics, and its loss mask. Advantages come per token from extras["advantages"]."""
+    a, mask = cfg.algorithm, mb.mask
+    old = per_token(mb, "old_logprobs")
+    advantages = per_token(mb, "advantages")
+    logprobs, entropy = forward_logprobs(engine, mb, cfg.rollout.temperature)
     agg = (a.loss_agg, num_tokens, num_seqs)
     if a.policy_loss == "ppo":
         weights = None
         if a.off_policy != "none":
-            behaviour = per_token(chunk, "engine_logprobs", width, device)
+            behaviour = per_token(mb, "engine_logprobs")
             weights = importance_weights(old, behaviour, a.off_policy, a.is_cap)
         loss, stats = ppo_clip_loss(
             logprobs, old, advantages, mask, a.clip_low, a.clip_high, *agg, weights, a.clip_ratio_c,
@@ -123,7 +169,7 @@ def micro_batch_loss(
     n = mask.sum().clamp(min=1)
     stats["pg_loss"] = loss.detach()
     if kl_coef > 0 and not a.kl_in_reward:
-        kl = kl_estimate(logprobs, per_token(chunk, "ref_logprobs", width, device), a.kl_estimator)
+        kl = kl_estimate(logprobs, per_token(mb, "ref_logprobs"), a.kl_estimator)
         loss = loss + kl_coef * aggregate(kl, mask, *agg, cfg.rollout.max_new_tokens)
         stats["kl"] = (kl.detach() * mask).sum() / n
     if a.entropy_coef > 0:
@@ -147,27 +193,38 @@ def update_actor(engine, samples: list[Sample], cfg: Config, pad_id: int, kl_coe
     for s in samples:
         s.extras["engine_logprobs"] = torch.tensor(s.engine_logprobs)
 
-    def loss(chunk, num_tokens, num_seqs):
-        return micro_batch_loss(engine, chunk, cfg, pad_id, num_tokens, num_seqs, kl_coef)
+    def loss(mb, num_tokens, num_seqs):
+        return micro_batch_loss(engine, mb, cfg, num_tokens, num_seqs, kl_coef)
 
-    return {f"actor/{k}": v for k, v in run_updates(engine, samples, cfg, cfg.trainer.micro_batch_size, loss).items()}
+    stats = run_updates(engine, samples, cfg, cfg.trainer.micro_batch_size, loss, pad_id)
+    return {f"actor/{k}": v for k, v in stats.items()}
 
 
-def run_updates(engine, samples: list[Sample], cfg: Config, micro_batch_size: int, loss_fn) -> dict[str, float]:
-    """`ppo_epochs` passes over the batch, each `updates_per_step` optimizer steps of micro-batched
-    gradient accumulation; `loss_fn(chunk, num_tokens, num_seqs)` -> (loss, metrics, mask) gives each
-    micro-batch's share of its mini-batch loss. Returns token-weighted means of the metrics."""
+def run_updates(
+    engine, samples: list[Sample], cfg: Config, micro_batch_size: int, loss_fn, pad_id: int
+) -> dict[str, float]:
+    """`ppo_epochs` passes over the batch, each `updates_per_step` optimizer steps of gradient accumulation
+    over micro-batches (by tokens: `trainer_micro_batches`, as many on every rank); `loss_fn(mb, num_tokens,
+    num_seqs)` -> (loss, metrics, mask) gives each micro-batch's share of its mini-batch loss. Their number
+    varies from step to step, so the last one of each mini-batch is marked as DeepSpeed's accumulation
+    boundary. Returns token-weighted means of the metrics (and `padded_frac`, the padding's share of the
+    tokens the model ran on)."""
     t = cfg.trainer
     mini_size = len(samples) // t.updates_per_step
     sums: dict[str, float] = defaultdict(float)
     maxima: dict[str, float] = {}
-    tokens_seen, grad_norms, lrs = 0.0, [], []
+    tokens_seen, grad_norms, lrs, ran, real = 0.0, [], [], 0, 0
     for _ in range(t.ppo_epochs):
         for m in range(0, len(samples), mini_size):
             mini = samples[m : m + mini_size]
             num_tokens, num_seqs = global_denominators(mini)
-            for i in range(0, len(mini), micro_batch_size):
-                loss, stats, mask = loss_fn(mini[i : i + micro_batch_size], num_tokens, num_seqs)
+            chunks = trainer_micro_batches(mini, cfg, micro_batch_size)
+            for i, chunk in enumerate(chunks):
+                mb = MicroBatch.build(chunk, pad_id, engine.device, t.pack_sequences)
+                ran += mb.input_ids.numel()
+                real += sum(len(s.prompt.prompt_ids) + len(s.response_ids) for s in chunk)
+                engine.set_gradient_accumulation_boundary(i == len(chunks) - 1)
+                loss, stats, mask = loss_fn(mb, num_tokens, num_seqs)
                 # The loss is already a share of the mini-batch mean: no extra 1/accumulation scaling.
                 engine.backward(loss, scale_wrt_gas=False)
                 engine.step()
@@ -182,6 +239,7 @@ def run_updates(engine, samples: list[Sample], cfg: Config, micro_batch_size: in
             lrs.append(engine.get_lr()[0])
     out = {k: v / max(tokens_seen, 1.0) for k, v in sums.items()}
     out.update(maxima)
+    out["padded_frac"] = 1 - real / max(ran, 1)
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["lr"] = lrs[-1]
     return out

@@ -5,12 +5,15 @@ Every trainer rank must iterate `gathered_buckets` in step: each bucket is one
 valid only until the next bucket is asked for, so a consumer that keeps them copies them out first.
 """
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import deepspeed
 import torch
 import torch.distributed as dist
+
+from dsrl.zero.lora import ServedWeights
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -36,12 +39,22 @@ def plan_buckets(named_params: list[tuple[str, torch.nn.Parameter]], bucket_byte
 
 
 def gathered_buckets(module: torch.nn.Module, bucket_bytes: int) -> Iterator[NamedTensors]:
-    """Yield [(name, full tensor), ...] per bucket, in `named_parameters()` order."""
-    named = list(module.named_parameters())
-    for bucket in plan_buckets(named, bucket_bytes):
-        params = [named[i][1] for i in bucket]
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            yield [(named[i][0], named[i][1].data) for i in bucket]
+    """Yield [(name, full tensor), ...] per bucket of the served weights (`ServedWeights`: a LoRA model's
+    base, adapters merged), in their order."""
+    served = ServedWeights(module)
+    named = served.named
+    with served.gathered_adapters() if served.deltas else contextlib.nullcontext():
+        for bucket in plan_buckets(named, bucket_bytes):
+            params = [named[i][1] for i in bucket]
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                out = []
+                for name, param in (named[i] for i in bucket):
+                    tensor = param.data
+                    if name in served.deltas:
+                        tensor = tensor.clone()
+                        served.merge_into(name, tensor)
+                    out.append((name, tensor))
+                yield out
 
 
 @dataclass
@@ -79,7 +92,8 @@ class FlatGatherer:
     SLOTS = 3  # see __iter__ for why three flat buffers are needed
 
     def __init__(self, module: torch.nn.Module, bucket_bytes: int, to_all: bool = False):
-        self.named = list(module.named_parameters())
+        self.served = ServedWeights(module)  # a LoRA model's base weights, adapters merged in once gathered
+        self.named = self.served.named
         self.bucket_bytes, self.plan = bucket_bytes, plan_buckets(self.named, bucket_bytes)
         self.sizes = [sum(param_bytes(self.named[j][1]) for j in bucket) for bucket in self.plan]
         self.world, self.rank, self.to_all = dist.get_world_size(), dist.get_rank(), to_all
@@ -114,7 +128,7 @@ class FlatGatherer:
         """With one rank, bucket i as a view of the memory its partitions already fill back to back
         (DeepSpeed keeps them in one flat buffer): sent from there, nothing is copied. None when
         they do not (another dtype, a sub-group boundary, or partitions moved separately)."""
-        if self.world != 1:
+        if self.world != 1 or any(self.named[j][0] in self.served.deltas for j in self.plan[i]):
             return None
         parts = [self.named[j][1].ds_tensor for j in self.plan[i]]
         first = parts[0]
@@ -171,12 +185,19 @@ class FlatGatherer:
                 if r == 0:
                     flat[offset : offset + n].copy_(p.ds_tensor.detach().view(torch.uint8)[:n])
 
-    def _finish(self, works: list) -> None:
+    def _finish(self, works: list, i: int) -> None:
         for work in works:
             work.wait()
         for gathered, place in self.unaligned:
             place.copy_(gathered)
         self.unaligned = []
+        flat = self._flat(i)
+        if flat is None or not self.served.deltas:
+            return
+        for j, (p, dst, full) in zip(self.plan[i], self._params(i)):
+            name = self.named[j][0]
+            if name in self.served.deltas:  # the gathered base weight, its adapter added in place
+                self.served.merge_into(name, flat[dst : dst + full].view(p.dtype).view(p.ds_shape))
 
     def __iter__(self) -> Iterator[FlatBucket]:
         # Bucket i+1's transfers are posted before bucket i is handed out, and rank 0's own pieces of
@@ -185,10 +206,14 @@ class FlatGatherer:
         # (i+1) % 3 is free.
         if not self.plan:
             return
+        with self.served.gathered_adapters() if self.served.deltas else contextlib.nullcontext():
+            yield from self._buckets()
+
+    def _buckets(self) -> Iterator[FlatBucket]:
         works = self._post_transfers(0)
         self._copy_own(0)
         for i, bucket in enumerate(self.plan):
-            self._finish(works)
+            self._finish(works, i)
             works = self._post_transfers(i + 1) if i + 1 < len(self.plan) else []
             params = [self.named[j] for j in bucket]
             yield FlatBucket(

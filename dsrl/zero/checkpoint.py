@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from dsrl.collectives import reduce_device
 from dsrl.rundir import WriteError, check_export_target, publish_export, staging_dir, write_error
 from dsrl.zero.buckets import gathered_buckets
+from dsrl.zero.lora import ADAPTER, is_lora
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ def save_checkpoint(engine, run_dir: Path, state: dict, rank_state: dict, keep_l
         torch.save({**rank_state, "rng": rng}, tmp / f"dsrl_rank{rank}.pt")
         if rank == 0:
             (tmp / "dsrl_state.json").write_text(json.dumps(state))
+            if is_lora(engine.module):  # what `dsrl export` needs to merge the adapter: its rank and alpha
+                engine.module.peft_config[ADAPTER].save_pretrained(str(tmp))
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as "basic_ios::clear: iostream error"
         raise write_error(tmp, e) from e
     dist.barrier()
@@ -297,9 +300,40 @@ def export_checkpoint(
     writer = ShardWriter(out, shard_bytes, overwrite, source=str(checkpoint))
     try:
         state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name, lazy_mode=True)
-        for name, tensor in state.items():
+        lora = checkpoint / "adapter_config.json"
+        tensors = (
+            merged_adapters(state, json.loads(lora.read_text()), writer.tmp / "adapter")
+            if lora.is_file()
+            else state.items()
+        )
+        for name, tensor in tensors:
             writer.add(name, tensor.contiguous().to(dtype))
         writer.close(model_dir, config)
     except BaseException:
         writer.abandon()
         raise
+
+
+def merged_adapters(state, adapter: dict, adapter_dir: Path):
+    """A LoRA checkpoint's fp32 state (PEFT's names) as the base model's weights with the adapters merged,
+    W + alpha / r * B @ A, under the base names; the adapter itself is written to `adapter_dir` as PEFT
+    saves it (loadable with `PeftModel.from_pretrained`)."""
+    from safetensors.torch import save_file
+
+    prefix, scale = "base_model.model.", adapter["lora_alpha"] / adapter["r"]
+    lora = {name: state[name].contiguous() for name in state.keys() if ".lora_" in name}  # (lazy: read them)
+    adapter_dir.mkdir(parents=True)
+    (adapter_dir / "adapter_config.json").write_text(json.dumps(adapter, indent=2))
+    peft_names = {name.replace(f".{ADAPTER}.", "."): tensor for name, tensor in lora.items()}
+    save_file(peft_names, adapter_dir / "adapter_model.safetensors")
+    for name in state.keys():
+        if name in lora:
+            continue
+        tensor = state[name].contiguous()
+        if ".base_layer." in name:
+            layer = name.split(".base_layer.")[0]
+            a, b = f"{layer}.lora_A.{ADAPTER}.weight", f"{layer}.lora_B.{ADAPTER}.weight"
+            if name.endswith(".weight") and a in lora:
+                tensor = tensor.float() + scale * lora[b].float() @ lora[a].float()
+            name = name.replace(".base_layer.", ".")
+        yield name.removeprefix(prefix), tensor

@@ -10,36 +10,33 @@ import torch
 from dsrl.algorithms import value_loss
 from dsrl.config import Config
 from dsrl.data import Sample
-from dsrl.zero.actor import pack, per_token, run_updates
+from dsrl.zero.actor import per_token, run_updates, trainer_micro_batches
+from dsrl.zero.batches import MicroBatch
 
 
-def forward_values(engine, input_ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-    return engine(input_ids=input_ids, attention_mask=attention).logits[:, :-1, 0].float()
+def forward_values(engine, mb: MicroBatch) -> torch.Tensor:
+    """Response-aligned [samples, longest response] values (the scalar head at the positions before each token)."""
+    return mb.response_aligned(mb.at_keep(engine(**mb.model_inputs()).logits[..., 0]).float())
 
 
 @torch.no_grad()
 def compute_values(engine, samples: list[Sample], cfg: Config, pad_id: int) -> None:
     """Each sample's values of its response positions, under extras["values"]."""
-    mb = cfg.critic.micro_batch_size or cfg.trainer.micro_batch_size
-    for i in range(0, len(samples), mb):
-        chunk = samples[i : i + mb]
-        input_ids, attention, _ = pack(chunk, pad_id, engine.device)
-        values = forward_values(engine, input_ids, attention)
+    for chunk in trainer_micro_batches(samples, cfg, cfg.critic.micro_batch_size):
+        values = forward_values(engine, MicroBatch.build(chunk, pad_id, engine.device, cfg.trainer.pack_sequences))
         for row, s in zip(values, chunk):
-            start = len(s.prompt.prompt_ids) - 1
-            s.extras["values"] = row[start : start + len(s.response_ids)].float().cpu()
+            s.extras["values"] = row[: len(s.response_ids)].float().cpu()
 
 
 def update_critic(engine, samples: list[Sample], cfg: Config, pad_id: int) -> dict[str, float]:
     """Regress the values on the GAE returns (extras["returns"]), with PPO's value clipping."""
     clip = cfg.critic.value_clip
 
-    def loss(chunk: list[Sample], num_tokens: float, num_seqs: float):
-        input_ids, attention, mask = pack(chunk, pad_id, engine.device)
-        width = mask.shape[1]
-        values = forward_values(engine, input_ids, attention)
-        old = per_token(chunk, "values", width, engine.device)
-        returns = per_token(chunk, "returns", width, engine.device)
+    def loss(mb: MicroBatch, num_tokens: float, num_seqs: float):
+        mask = mb.mask
+        values = forward_values(engine, mb)
+        old = per_token(mb, "values")
+        returns = per_token(mb, "returns")
         loss, stats = value_loss(values, old, returns, mask, clip, "token_mean", num_tokens, num_seqs)
         n = mask.sum().clamp(min=1)
         stats["value_loss"] = loss.detach()
@@ -47,5 +44,5 @@ def update_critic(engine, samples: list[Sample], cfg: Config, pad_id: int) -> di
         stats["returns_mean"] = (returns * mask).sum() / n
         return loss, stats, mask
 
-    mb = cfg.critic.micro_batch_size or cfg.trainer.micro_batch_size
-    return {f"critic/{k}": v for k, v in run_updates(engine, samples, cfg, mb, loss).items()}
+    size = cfg.critic.micro_batch_size or cfg.trainer.micro_batch_size
+    return {f"critic/{k}": v for k, v in run_updates(engine, samples, cfg, size, loss, pad_id).items()}

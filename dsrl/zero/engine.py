@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from transformers.integrations import HfDeepSpeedConfig
 
 from dsrl.config import Config
+from dsrl.zero.lora import add_adapters
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,11 @@ def param_dtype(cfg: Config) -> torch.dtype:
 def batch_shape(cfg: Config, world: int, micro_batch_size: int | None = None) -> tuple[int, int]:
     """(samples per rank per step, gradient-accumulation micro-batches per optimizer step)."""
     per_rank = cfg.rollout.prompts_per_step // world * cfg.rollout.n_samples
-    return per_rank, per_rank // cfg.trainer.updates_per_step // (micro_batch_size or cfg.trainer.micro_batch_size)
+    # With micro-batches by tokens their number varies: the trainer marks each mini-batch's last one as the
+    # accumulation boundary, and this count is DeepSpeed's nominal figure only.
+    return per_rank, max(
+        1, per_rank // cfg.trainer.updates_per_step // (micro_batch_size or cfg.trainer.micro_batch_size)
+    )
 
 
 def ds_config(
@@ -111,8 +116,18 @@ def load_engine(
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     model.config.use_cache = False
+    lora = train and not critic and cfg.model.lora_rank > 0
     if train and cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+        if lora:  # the frozen embeddings' output must carry a gradient into the checkpointed layers
+            model.enable_input_require_grads()
+    if lora:  # new adapter parameters: deepspeed.initialize partitions them with the rest
+        model = add_adapters(model, cfg.model)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        dtype = next(p.dtype for p in model.parameters() if p.requires_grad)
+        log.info("LoRA rank %d: %s trained parameters of %s (%.2f%%, %s), the base frozen", cfg.model.lora_rank,
+                 f"{trained:,}", f"{total:,}", 100 * trained / total, dtype)  # fmt: skip
     if train:
         engine, *_ = deepspeed.initialize(
             model=model,
@@ -177,6 +192,37 @@ def reload_states(engine) -> None:
     torch.cuda.synchronize()
 
 
+HOST_BYTES_PER_PARAM = 16
+"""ZeRO-Offload's host memory per trained parameter: the fp32 master copy, Adam's two moments, fp32 grads."""
+
+
+def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
+    """With --trainer.offload_optimizer the optimizer states live in this node's host memory (pinned on GPUs):
+    refuse to start, naming the numbers, when they cannot fit, rather than be killed by the kernel minutes in
+    (a rank's "return code = -9" said nothing). Counted from the config, before any weight is loaded."""
+    if not cfg.trainer.offload_optimizer:
+        return
+    import psutil
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    trainers = 2 if cfg.algorithm.advantage == "gae" else 1  # the critic is as large, and trained too
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    need = params * trainers * HOST_BYTES_PER_PARAM * local / world
+    memory = psutil.virtual_memory()
+    margin = 0.1 * memory.total + (8 << 30)  # the ranks' own processes, the servers' host side, the page cache
+    if need + margin > memory.available:
+        raise MemoryError(
+            f"--trainer.offload_optimizer: the optimizer states of {params * trainers / 1e9:.2f}B trained parameters "
+            f"need {need / 1e9:.1f} GB of this node's host memory ({HOST_BYTES_PER_PARAM} bytes each: fp32 weights, "
+            f"Adam's two moments, fp32 grads; {local} of {world} ranks here) + {margin / 1e9:.1f} GB margin, and "
+            f"{memory.available / 1e9:.1f} GB of {memory.total / 1e9:.1f} GB are available. Train on more nodes "
+            "(the states split over ranks), a smaller model, or keep the states on the GPUs"
+        )
+
+
 def decide_offload(cfg: Config, engines: list) -> bool:
     """Colocated on GPUs: whether the trainers' states must leave the GPU while the servers generate.
 
@@ -191,9 +237,13 @@ def decide_offload(cfg: Config, engines: list) -> bool:
         log.info("colocated memory: the trainers' states %s leave the GPU (--trainer.offload_states %s)",
                  "do" if choice == "always" else "do not", choice)  # fmt: skip
         return choice == "always"
-    params = sum(p.ds_tensor.numel() for engine in engines for p in engine.module.parameters())
+    params = [p for engine in engines for p in engine.module.parameters()]
+    weights = sum(p.ds_tensor.numel() for p in params)
+    trained = sum(p.ds_tensor.numel() for p in params if p.requires_grad)  # (LoRA: the adapters alone)
     width = 2 if param_dtype(cfg) == torch.bfloat16 else 4
-    states = params * (width + 4 + 8 + width)  # params, fp32 master, exp_avg + exp_avg_sq, grads
+    # the weights; the trained ones' grads and, unless ZeRO-Offload keeps them on the host, their fp32 master
+    # copy and Adam's moments
+    states = weights * width + trained * (width + (0 if cfg.trainer.offload_optimizer else 4 + 8))
     total = torch.cuda.mem_get_info()[1]
     servers = cfg.rollout.mem_fraction_static * total
     margin = 0.05 * total + (4 << 30)  # the servers' activations, CUDA graphs, the allocator's slack

@@ -1,0 +1,125 @@
+"""The trainer's batches: micro-batches by tokens, packed without padding, log-probs in chunks. Each is held
+to the computation it replaced (right-padded rows, the full fp32 log-softmax): values and gradients equal
+to fp32 rounding. The ZeRO-3 gradient over two ranks with unequal micro-batch counts is in test_sync.py."""
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dsrl import toy
+from dsrl.data import Prompt, Sample
+from dsrl.zero import actor
+from dsrl.zero.actor import forward_logprobs
+from dsrl.zero.batches import MICRO_BATCH_COST, MicroBatch, micro_batches, plan, plan_rows, split_to
+
+
+def samples(seed: int, n: int = 6) -> list[Sample]:
+    """Long-tail lengths: most responses short, a few long; prompts of 2-4 tokens (toy vocabulary)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(2, 13) for _ in range(rng.randint(2, 4))]
+        length = rng.choice([1, 2, 3, 3, 5, 20])
+        out.append(Sample(Prompt(i, prompt, "", None), [rng.randrange(2, 13) for _ in range(length)], [], "stop", 0))
+    return out
+
+
+def padded_reference(model, batch: list[Sample], temperature: float):
+    """The old computation: right-padded rows, the full fp32 log-softmax, response-aligned afterwards."""
+    seqs = [s.prompt.prompt_ids + s.response_ids for s in batch]
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    attention = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        ids[i, : len(seq)], attention[i, : len(seq)] = torch.tensor(seq), 1
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float() / temperature
+    logp = torch.log_softmax(logits, -1)
+    token = logp.gather(-1, ids[:, 1:, None])[..., 0]
+    entropy = -(logp.exp() * logp).sum(-1)
+    longest = max(len(s.response_ids) for s in batch)
+    out_lp, out_ent = torch.zeros(len(batch), longest), torch.zeros(len(batch), longest)
+    for i, s in enumerate(batch):
+        start, n = len(s.prompt.prompt_ids) - 1, len(s.response_ids)
+        out_lp[i, :n], out_ent[i, :n] = token[i, start : start + n], entropy[i, start : start + n]
+    return out_lp, out_ent
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(toy.build_model_config())
+    for p in m.parameters():  # logits with some spread: entropies and gradients worth comparing
+        p.data.normal_(std=0.3)
+    return m
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_chunked_logprobs_equal_the_full_log_softmax_values_and_gradients(model, monkeypatch, packed):
+    """Packed rows (positions restarting per sample) and only the response positions' logits, their fp32
+    log-softmax three positions at a time, recomputed in the backward pass: the same logprobs, entropies
+    and parameter gradients as the padded full [B, T, V] computation."""
+    monkeypatch.setattr(actor, "LOGPROB_CHUNK", 3)
+    batch, temperature = samples(0), 0.7
+    weights = torch.randn(len(batch), max(len(s.response_ids) for s in batch))
+    want_lp, want_ent = padded_reference(model, batch, temperature)
+    mask = torch.zeros_like(want_lp)
+    for i, s in enumerate(batch):
+        mask[i, : len(s.response_ids)] = 1
+    model.zero_grad()
+    ((want_lp * weights * mask).sum() + (want_ent * mask).sum()).backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    mb = MicroBatch.build(batch, 0, torch.device("cpu"), packed=packed)
+    assert torch.equal(mb.mask, mask)
+    if packed:
+        assert mb.input_ids.shape == (1, sum(len(s.prompt.prompt_ids) + len(s.response_ids) for s in batch))
+    model.zero_grad()
+    got_lp, got_ent = forward_logprobs(model, mb, temperature)
+    ((got_lp * weights * mask).sum() + (got_ent * mask).sum()).backward()
+    torch.testing.assert_close(got_lp * mask, want_lp * mask, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_ent * mask, want_ent * mask, atol=1e-5, rtol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_micro_batches_by_tokens_stay_within_the_budget_and_split_to_a_common_count():
+    rng = random.Random(1)
+    lengths = [int(min(4096, max(32, rng.lognormvariate(5.5, 1.0)))) for _ in range(64)]
+    bins = plan(lengths, 4096)
+    assert sorted(i for b in bins for i in b) == list(range(64))
+    assert all(sum(lengths[i] for i in b) <= 4096 or len(b) == 1 for b in bins)
+    assert len(bins) <= sum(lengths) // 4096 + 3, "first-fit decreasing packs nearly full bins"
+    rows = plan_rows(lengths, 4096)  # padded rows: each costs rows x its longest; sorted, little is padding
+    assert sorted(i for b in rows for i in b) == list(range(64))
+    assert all(len(b) * max(lengths[i] for i in b) <= 4096 or len(b) == 1 for b in rows)
+
+    def cost(runs):  # what plan_rows minimises: the tokens run on, padding included, and each run's fixed cost
+        return sum(len(b) * max(lengths[i] for i in b) for b in runs) + MICRO_BATCH_COST * 4096 * len(runs)
+
+    in_order, run = [], []  # the greedy alternative: batch order, a new run when the next would not fit
+    for i in range(64):
+        if run and (len(run) + 1) * max(lengths[j] for j in run + [i]) > 4096:
+            in_order.append(run)
+            run = []
+        run.append(i)
+    assert cost(rows) <= cost(in_order + [run]) and len(rows) <= len(in_order) + 1
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in rows)
+    assert 1 - sum(lengths) / padded < 0.2, "rows of similar lengths: little padding on a long tail"
+    more = split_to(bins, len(bins) + 5, lengths)
+    assert len(more) == len(bins) + 5 and sorted(i for b in more for i in b) == list(range(64))
+    assert split_to([[0, 1]], 2, [5, 7]) == [[0], [1]]
+
+
+def test_auto_budget_keeps_equal_lengths_as_micro_batch_size_rows_and_merges_a_long_tail():
+    def batch(lengths):
+        return [Sample(Prompt(i, [1, 2], "", None), [3] * n, [], "stop", 0) for i, n in enumerate(lengths)]
+
+    equal = micro_batches(batch([10] * 32), "auto", 8)  # 8 rows of the longest: what fits today, fits
+    assert [len(mb) for mb in equal] == [8, 8, 8, 8]
+    tail = [200] + [5] * 31
+    grouped = micro_batches(batch(tail), "auto", 8)
+    assert sorted(s.prompt.index for mb in grouped for s in mb) == list(range(32))
+    assert all(len(mb) * max(len(s.response_ids) + 2 for s in mb) <= 8 * 202 for mb in grouped)
+    assert len(grouped) == 2, "the long sample alone, the 31 short ones together: not 4 padded micro-batches"

@@ -1,0 +1,173 @@
+"""The trainer's log-prob pass and update on synthetic samples, before and after micro-batches by tokens,
+packing and chunked log-probs, in one run (one rank, DeepSpeed ZeRO-3).
+
+    python tools/bench_trainer.py --model /tmp/models/3b --samples 256 --dist longtail     # GPU
+    python tools/bench_trainer.py --model TOY_WEIGHTS --samples 32 --max-len 40 --prompt-len 8 --budget 400  # CPU
+
+Lengths: `longtail` = lognormal responses clipped to [32, max_len] (most short, a few at the limit, what
+async rollout produces), `uniform` = every response max_len/2. Prompts are --prompt-len tokens. Each mode runs the
+logprob pass and one update (the PPO loss, token_mean) `--repeats` times; the best is printed:
+
+  before  right-padded micro-batches of --micro rows, the full fp32 log-softmax of every position (an emulation
+          on today's code; --before-from runs an older dsrl/zero/actor.py itself instead, for an exact A/B:
+          `git show REV:dsrl/zero/actor.py > /tmp/actor_before.py`)
+  after   micro-batches of at most --budget tokens, padded rows of similar lengths, logits of response
+          positions only, their fp32 log-softmax a chunk of positions at a time (dsrl's trainer as it is)
+  packed  as after, every micro-batch one packed row (`trainer.pack_sequences`: for a varlen attention
+          kernel; with sdpa it is quadratic in the row)
+
+Figures: tokens/s (real tokens, no padding), MFU = (2 + 6) * params * tokens / seconds / --peak-tflops
+(forward of the logprob pass + forward and backward of the update), the padded fraction of the tokens the
+model ran on, and the update's peak memory.
+"""
+
+import argparse
+import importlib.util
+import os
+import random
+import time
+
+import torch
+
+from dsrl.config import Config, DataConfig, ModelConfig
+from dsrl.data import Prompt, Sample
+from dsrl.zero import actor
+from dsrl.zero.engine import init_distributed, load_engine
+
+
+def legacy_forward_logprobs(engine, mb, temperature: float):
+    """The computation before this change, for the "before" row: every position's logits, fp32, log-softmax,
+    and the entropy always."""
+    logits = engine(**mb.model_inputs()).logits.float() / temperature
+    logp = torch.log_softmax(logits, -1)
+    token = mb.at_keep(logp).gather(-1, mb.targets[:, None])[:, 0]
+    entropies = -(mb.at_keep(logp).exp() * mb.at_keep(logp)).sum(-1)
+    return mb.response_aligned(token), mb.response_aligned(entropies)
+
+
+def synthetic(n: int, dist: str, max_len: int, vocab: int, prompt_len: int, seed: int = 0) -> list[Sample]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if dist == "longtail":
+            length = int(min(max_len, max(32, rng.lognormvariate(5.3, 1.1))))
+        else:
+            length = max_len // 2
+        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+        s = Sample(
+            Prompt(i, prompt, "", None), [rng.randrange(vocab) for _ in range(length)], [0.0] * length, "stop", 0
+        )
+        s.extras["advantages"] = torch.full((length,), rng.choice([-1.0, 1.0]))
+        s.extras["engine_logprobs"] = torch.zeros(length)
+        out.append(s)
+    return out
+
+
+def load_actor(path: str):
+    """An older dsrl/zero/actor.py as a module of its own (it imports today's dsrl for everything else)."""
+    spec = importlib.util.spec_from_file_location("actor_before", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def profile(impl, engine, samples, cfg, rows: int = 12) -> None:
+    """One logprob pass and one update under torch.profiler: the ops that took the GPU's time, and the CPU's."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        impl.compute_logprobs(engine, samples, "old_logprobs", cfg, pad_id=0)
+        impl.update_actor(engine, samples, cfg, pad_id=0, kl_coef=0.0)
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+    events = prof.key_averages()
+    by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(events.table(sort_by=by, row_limit=rows, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
+
+
+def measure(impl, engine, samples, cfg, repeats: int) -> dict:
+    best = None
+    for _ in range(repeats):
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        start = time.perf_counter()
+        impl.compute_logprobs(engine, samples, "old_logprobs", cfg, pad_id=0)
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        logprobs_s = time.perf_counter() - start
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        stats = impl.update_actor(engine, samples, cfg, pad_id=0, kl_coef=0.0)
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        update_s = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan")
+        padded = stats.get("actor/padded_frac", float("nan"))
+        run = {"logprobs_s": logprobs_s, "update_s": update_s, "peak_gb": peak, "padded": padded}
+        if best is None or logprobs_s + update_s < best["logprobs_s"] + best["update_s"]:
+            best = run
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--dist", nargs="+", default=["longtail", "uniform"], choices=["longtail", "uniform"])
+    parser.add_argument("--max-len", type=int, default=4096, help="Longest response.")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--micro", type=int, default=16, help="before: rows per micro-batch.")
+    parser.add_argument("--budget", default="16384", help='after: tokens per micro-batch, or "auto".')
+    parser.add_argument("--before-from", help="before: run this older actor.py (see above), not the emulation.")
+    parser.add_argument("--profile", type=int, default=0, help="Also profile each mode on this many samples.")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="The GPU's dense bf16 peak (H100/H200 SXM).")
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (--model.lora_rank).")
+    parser.add_argument("--checkpointing", action="store_true", help="Gradient checkpointing (both modes).")
+    parser.add_argument("--modes", nargs="+", default=["before", "after"], choices=["before", "after", "packed"])
+    args = parser.parse_args()
+    budget = args.budget if args.budget == "auto" else int(args.budget)
+    before = load_actor(args.before_from) if args.before_from else None
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    model = ModelConfig(path=args.model, gradient_checkpointing=args.checkpointing, lora_rank=args.lora_rank)
+    cfg = Config(model=model, data=DataConfig(train_path="unused.jsonl"))
+    cfg.rollout.prompts_per_step, cfg.rollout.n_samples = args.samples, 1
+    cfg.trainer.lr, cfg.trainer.micro_batch_size = 1e-6, args.micro
+    init_distributed(cfg)
+    engine = load_engine(cfg, args.model, 1, train=True)
+    params = sum(p.ds_numel for p in engine.module.parameters())
+    vocab = engine.module.config.vocab_size
+    print(f"model {args.model}: {params / 1e9:.2f}B parameters, vocabulary {vocab}, {args.samples} samples")
+    header = f"{'lengths':>9} {'mode':>7} {'logprobs s':>11} {'update s':>9} {'tokens/s':>9} {'MFU':>6}"
+    print(header + f" {'padded':>7} {'peak GB':>8}")
+    for dist in args.dist:
+        samples = synthetic(args.samples, dist, args.max_len, vocab, args.prompt_len)
+        tokens = sum(len(s.prompt.prompt_ids) + len(s.response_ids) for s in samples)
+        for mode in args.modes:
+            legacy = mode == "before"
+            cfg.trainer.max_tokens_per_micro_batch = None if legacy else budget
+            cfg.trainer.pack_sequences = mode == "packed"
+            impl = before if legacy and before else actor
+            original = actor.forward_logprobs
+            if legacy and not before:
+                actor.forward_logprobs = legacy_forward_logprobs
+            try:
+                r = measure(impl, engine, samples, cfg, args.repeats)
+                if args.profile:
+                    print(f"== profile: {dist} {mode}, {args.profile} samples")
+                    profile(impl, engine, samples[: args.profile], cfg)
+            except torch.OutOfMemoryError as e:
+                print(f"{dist:>9} {mode:>7}  out of memory: {str(e).splitlines()[0][:160]}")
+                torch.cuda.empty_cache()
+                continue
+            finally:
+                actor.forward_logprobs = original
+            seconds = r["logprobs_s"] + r["update_s"]
+            mfu = 8 * params * tokens / seconds / (args.peak_tflops * 1e12)
+            print(f"{dist:>9} {mode:>7} {r['logprobs_s']:11.2f} {r['update_s']:9.2f} {tokens / seconds:9.0f} "
+                  f"{mfu:6.1%} {r['padded']:7.1%} {r['peak_gb']:8.1f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
