@@ -5,7 +5,6 @@ Every trainer rank must iterate `gathered_buckets` in step: each bucket is one
 valid only until the next bucket is asked for, so a consumer that keeps them copies them out first.
 """
 
-import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -43,7 +42,7 @@ def gathered_buckets(module: torch.nn.Module, bucket_bytes: int) -> Iterator[Nam
     base, adapters merged), in their order."""
     served = ServedWeights(module)
     named = served.named
-    with served.gathered_adapters() if served.deltas else contextlib.nullcontext():
+    with served.gathered_adapters():
         for bucket in plan_buckets(named, bucket_bytes):
             params = [named[i][1] for i in bucket]
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
@@ -206,7 +205,7 @@ class FlatGatherer:
         # (i+1) % 3 is free.
         if not self.plan:
             return
-        with self.served.gathered_adapters() if self.served.deltas else contextlib.nullcontext():
+        with self.served.gathered_adapters():
             yield from self._buckets()
 
     def _buckets(self) -> Iterator[FlatBucket]:

@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from dsrl.collectives import reduce_device
 from dsrl.rundir import WriteError, check_export_target, publish_export, staging_dir, write_error
 from dsrl.zero.buckets import gathered_buckets
-from dsrl.zero.lora import ADAPTER, is_lora
+from dsrl.zero.lora import ADAPTER, is_lora, merged
 
 log = logging.getLogger(__name__)
 
@@ -334,6 +334,6 @@ def merged_adapters(state, adapter: dict, adapter_dir: Path):
             layer = name.split(".base_layer.")[0]
             a, b = f"{layer}.lora_A.{ADAPTER}.weight", f"{layer}.lora_B.{ADAPTER}.weight"
             if name.endswith(".weight") and a in lora:
-                tensor = tensor.float() + scale * lora[b].float() @ lora[a].float()
+                tensor = merged(tensor, lora[a], lora[b], scale)
             name = name.replace(".base_layer.", ".")
         yield name.removeprefix(prefix), tensor

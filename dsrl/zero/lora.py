@@ -82,7 +82,11 @@ class ServedWeights:
 
     @contextlib.contextmanager
     def gathered_adapters(self):
-        """Every rank holds the full adapters (small: a collective, every rank joins) while inside."""
+        """Every rank holds the full adapters (small: a collective, every rank joins) while inside; nothing
+        to gather for a full model."""
+        if not self.deltas:
+            yield
+            return
         with deepspeed.zero.GatheredParameters(self.adapters(), modifier_rank=None):
             yield
 
@@ -90,8 +94,13 @@ class ServedWeights:
         """Add `name`'s adapter to its full base `weight` in place (inside `gathered_adapters`)."""
         d = self.deltas.get(name)
         if d is not None:
-            delta = d.scale * (d.b.data.float() @ d.a.data.float())
-            weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
+            weight.copy_(merged(weight, d.a.data, d.b.data, d.scale))
+
+
+def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + scale * B @ A, computed in fp32, in `weight`'s dtype and on its device."""
+    delta = scale * (b.float() @ a.float())
+    return (weight.float() + delta.to(weight.device)).to(weight.dtype)
 
 
 def adapter_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
