@@ -82,7 +82,8 @@ class Generation:
 
 def parse_generation(out: dict) -> Generation:
     meta = out["meta_info"]
-    version = meta.get("weight_version")
+    # A LoRA adapter served on its own generates all of a request's tokens, even past a later update
+    version = out.get("adapter_version", meta.get("weight_version"))
     return Generation(
         output_ids=list(out["output_ids"]),
         logprobs=[lp for lp, _, _ in meta.get("output_token_logprobs") or []],

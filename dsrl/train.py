@@ -54,7 +54,7 @@ from dsrl.zero.engine import (
     prepare_model_dir,
     use_cuda,
 )
-from dsrl.zero.lora import is_lora, reference_off, save_adapter
+from dsrl.zero.lora import is_lora, reference_off, save_adapter, target_modules
 
 log = logging.getLogger("dsrl")
 
@@ -186,11 +186,13 @@ def setup(cfg: Config) -> Run:
     offload = decide_offload(cfg, trainers)  # do they lend the GPU to the servers?
     for engine in trainers if offload else []:  # before any server starts: it sizes its KV cache from the
         offload_states(engine, params=False)  # memory it finds free
+    sync_cfg = resolve_sync(cfg)
+    if sync_cfg.lora == "adapter":  # the servers start with LoRA support for the actor's adapter
+        cfg = replace(cfg, rollout=replace(cfg.rollout, server_args=lora_server_args(cfg, actor.module)))
     fleet = start_rollout_fleet(cfg, model_dir, run_dir, rank)
     r = cfg.rollout
     client = RolloutClient(fleet.urls, r.max_concurrency, r.request_timeout_s, api_key=r.api_key, route=r.route)
     backend = "nccl" if use_cuda(cfg) else "gloo"
-    sync_cfg = resolve_sync(cfg)
     transport = make_checkpoint_engine(sync_cfg, client, run_dir, backend, r.tp_size)
     weights = WeightSync(cfg, actor, fleet, client, transport, offload, critic)
     control = None
@@ -449,10 +451,23 @@ def start_rollout_fleet(cfg: Config, model_dir: str, run_dir: Path, rank: int) -
 
 
 def resolve_sync(cfg: Config) -> SyncConfig:
-    if cfg.sync.type != "auto":
-        return cfg.sync
-    ipc = cfg.rollout.placement == "colocate" and use_cuda(cfg)
-    return replace(cfg.sync, type="ipc" if ipc else "broadcast")
+    """--sync.type and --sync.lora with 'auto' decided."""
+    s = cfg.sync
+    if s.type == "auto":
+        ipc = cfg.rollout.placement == "colocate" and use_cuda(cfg)
+        s = replace(s, type="ipc" if ipc else "broadcast")
+    if s.lora == "auto":
+        external = fleet_kind(cfg.rollout) == "external"  # started by someone else: dsrl cannot enable LoRA
+        remote = s.type == "broadcast" and (bool(cfg.trainer.hostfile) or fleet_kind(cfg.rollout) == "ray")
+        adapter = cfg.model.lora_rank > 0 and s.type != "ipc" and not external and not remote
+        s = replace(s, lora="adapter" if adapter else "merged")  # (docs/benchmarks.md "LoRA" has the figures)
+    return s
+
+
+def lora_server_args(cfg: Config, module: torch.nn.Module) -> dict:
+    """--rollout.server_args with the servers' LoRA support for `module`'s adapter (the user's keys win)."""
+    lora = {"enable_lora": True, "max_lora_rank": cfg.model.lora_rank, "lora_target_modules": target_modules(module)}
+    return lora | cfg.rollout.server_args
 
 
 def rollout_metrics(samples: list[Sample], trainer_version: int) -> dict[str, float]:

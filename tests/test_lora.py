@@ -1,5 +1,6 @@
 """LoRA (`--model.lora_rank`): adapters trained on the ZeRO-3 actor, the base frozen and the reference; the
-servers get the base with the adapters merged. Real DeepSpeed (2 ranks), the real embedded engine."""
+servers get the base once and then the adapter alone, which every request names (`--sync.lora adapter`),
+or the base with the adapters merged (`merged`). Real DeepSpeed (2 ranks), the real embedded engine."""
 
 import json
 import re
@@ -12,9 +13,12 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from dsrl.serving.client import RolloutClient, ServedAdapter
+from dsrl.serving.embedded import BadRequest, Engine
 from dsrl.toy import build_model_config, build_tokenizer
 from dsrl.zero.lora import ServedWeights, add_adapters, reference_off
 from tests.conftest import ROOT
+from tests.test_reliability import TIMING, run_and_kill, run_to_end, scalars, train_cmd
 
 STEPS = 60
 
@@ -60,6 +64,64 @@ def test_reference_is_the_base_and_served_weights_are_the_merged_model(tmp_path)
         torch.testing.assert_close(tensor, merged[name], msg=name)
 
 
+def test_the_embedded_engine_serves_an_adapter_to_the_requests_that_name_it_and_to_no_other(tmp_path):
+    """The engine applies a PEFT adapter unmerged, as PEFT does in the trainer; a request without the adapter's
+    name gets the base; once the client serves an adapter, every /generate it sends names it."""
+    base = lora_base(tmp_path / "base")
+    model = lora_model(base)
+    model.save_pretrained(tmp_path / "adapter")
+    engine = Engine(str(base), lora=(4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    engine.adapters.load("v1", str(tmp_path / "adapter"))
+    ids = torch.randint(2, 13, (9,)).tolist()
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1], -1).gather(
+            -1, torch.tensor(ids[1:])[:, None]
+        )
+        with reference_off(model):
+            base_lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1], -1)
+    got = [lp for lp, _, _ in engine.prompt_logprobs(ids, 1, engine.adapters.named("v1"))]
+    torch.testing.assert_close(torch.tensor(got), want[:, 0], atol=1e-6, rtol=0)
+    bare = [lp for lp, _, _ in engine.prompt_logprobs(ids, 1)]
+    torch.testing.assert_close(torch.tensor(bare), base_lp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0])
+    with pytest.raises(BadRequest, match="not loaded: v2"):
+        engine.adapters.named("v2")
+    engine.stop()
+
+    from aiohttp import web
+
+    from dsrl.serving.embedded import build_app
+    from dsrl.serving.servers import free_port
+
+    server = Engine(str(base), lora=(4, None))
+    server.adapters.load("dsrl-v1", str(tmp_path / "adapter"))
+    port, runner = free_port(), None
+    client = RolloutClient([f"http://127.0.0.1:{port}"])
+
+    async def start():
+        nonlocal runner
+        runner = web.AppRunner(build_app(server))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+
+    client.run(start())
+    try:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}, "return_logprob": True,
+                "logprob_start_len": 0}  # fmt: skip
+        plain = client.run(client.generate(body))
+        client.adapter = ServedAdapter("dsrl-v1", 1)
+        named = client.run(client.generate(body))
+        probe = client.run(client.all_servers("/generate", body))[0]
+    finally:
+        client.run(runner.cleanup())
+        client.close()
+        server.stop()
+    logprobs = [[lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]] for out in (plain, named, probe)]
+    torch.testing.assert_close(torch.tensor(logprobs[0]), torch.tensor(bare))
+    torch.testing.assert_close(torch.tensor(logprobs[1]), want[:, 0], atol=1e-6, rtol=0)
+    assert logprobs[2] == logprobs[1], "a control-path /generate (the probe) names the adapter too"
+    assert named["adapter_version"] == 1 and "adapter_version" not in plain
+
+
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
@@ -82,6 +144,8 @@ def test_lora_trains_only_the_adapters_and_the_servers_match_the_trainer(lora_ru
     final = json.loads((run_dir / "final_metrics.json").read_text())
     # After each sync the server's sampled-token logprobs are the trainer's with the adapters on:
     assert final["mismatch/logprob_max_abs_diff"] < 1e-4
+    assert final["sync/bytes"] == 4 * adapters, "an update sends the adapter alone (fp32: 4 bytes each)"
+    assert [p.name for p in (run_dir / "weights").iterdir()] == [f"dsrl-v{STEPS}"], "old adapters are unloaded"
     assert final["kl/old_ref_k1"] > 0, "the reference is the base: the trained adapters move away from it"
     rewards = [float(r) for r in re.findall(r"step \d+/\d+ \| reward ([\d.]+)", log)]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
@@ -110,3 +174,39 @@ def test_exported_adapter_loads_with_peft_and_equals_the_merged_exports(lora_run
         from_checkpoint = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out / "adapter")
         torch.testing.assert_close(exported, merged, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(from_checkpoint(ids).logits, merged, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["adapter", "merged"])
+def test_each_way_of_serving_lora_leaves_the_servers_with_the_trainers_weights(mode, tmp_path):
+    """--sync.verify weights compares every server weight with the trainer's after each sync (the base, or
+    the merged weights), and the probe the served policy: both pass, and the server's sampled-token
+    logprobs are the trainer's."""
+    base = lora_base(tmp_path / "base")
+    args = ["--model.path", str(base), "--model.init_from_config", "false", "--model.lora_rank", "4"]
+    args += ["--sync.lora", mode, "--sync.verify", "weights", "--trainer.lr", "1e-2", "--trainer.total_steps", "3"]
+    log = run_to_end(train_cmd("toy_cpu.yaml", tmp_path / "run", *args, "--eval.path", "null"))
+    a = scalars(tmp_path / "run")
+    assert max(a["mismatch/logprob_max_abs_diff"].values()) < 1e-4
+    full = sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(base).parameters())
+    adapter = sum(p.numel() * 4 for n, p in lora_model(base).named_parameters() if ".lora_" in n)
+    assert a["sync/bytes"][3] == (adapter if mode == "adapter" else full), (a["sync/bytes"][3], adapter, full)
+    assert "step 3/3" in log
+
+
+def test_lora_resumes_bit_for_bit(tmp_path):
+    """The adapters and their optimizer states come back: a run killed mid-way and resumed logs every metric
+    the uninterrupted run does; the servers get the base and then the resumed adapter."""
+    base = lora_base(tmp_path / "base")
+    args = ["--model.path", str(base), "--model.init_from_config", "false", "--model.lora_rank", "4"]
+    args += ["--trainer.lr", "1e-2", "--algorithm.kl_coef", "0.01", "--trainer.total_steps", "6"]
+    args += ["--logging.save_every", "3", "--eval.path", "null", "--rollout.prompts_per_step", "16"]
+    args += ["--rollout.server_args", '{"enable_deterministic_inference": true}']
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    run_to_end(train_cmd("toy_cpu.yaml", straight, *args))
+    run_and_kill(train_cmd("toy_cpu.yaml", killed, *args), at_step=4, total=6)
+    assert "step_3 at step 3" in run_to_end(train_cmd("toy_cpu.yaml", killed, *args))
+    a, b = scalars(straight), scalars(killed)
+    compared = [tag for tag in a if not tag.startswith(TIMING)]
+    assert {"reward/mean", "actor/pg_loss", "kl/old_ref_k1"} <= set(compared)
+    for tag in compared:
+        assert b[tag] == a[tag], f"{tag} differs after resume"

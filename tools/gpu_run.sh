@@ -12,6 +12,7 @@
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup ray_fleet routes               # 2 GPUs, Ray importable
 #   source .gpu/setup.sh; MODELS="0.5b-chat" bash tools/gpu_run.sh setup agent_toy agent_calc bench_agent  # 1 GPU
 #   source .gpu/setup.sh; MODELS=3b bash tools/gpu_run.sh setup bench_trainer       # 1 GPU (tools/bench_trainer.py)
+#   source .gpu/setup.sh; MODELS="1.5b 3b" bash tools/gpu_run.sh setup lora          # 1 GPU (LoRA: adapter/merged/full)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py;
 #                                                         ASYNC_EXTRA="--rollout.max_concurrency 768" passes flags on)
 # Pinning stages to GPUs with CUDA_VISIBLE_DEVICES holds for `dsrl train` stages (toy, colocate,
@@ -165,6 +166,23 @@ for s in "$@"; do
         --trainer.total_steps ${STEP_STEPS:-4} --logging.tensorboard $TB --logging.run_dir /tmp/runs/step ${STEP_EXTRA:-}
       grep -a "colocated memory\|\[dsrl\] step\|Error" "$OUT/step_${STEP_MODEL:-3b}.log" | sed 's/.*\[dsrl\]//' | tail -6 | tee -a "$SUMMARY"
       python3 tools/step_report.py /tmp/runs/step | tee -a "$SUMMARY"
+      ;;
+    lora)  # 1 GPU: LoRA colocated with SGLang, the adapter served on its own vs merged, and full fine-tuning
+      TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
+      for model in ${LORA_MODELS:-1.5b 3b}; do
+        for mode in ${LORA_MODES:-adapter merged full}; do
+          lora="--model.lora_rank ${LORA_RANK:-16} --trainer.lr 1e-5 --sync.lora $mode"
+          [ $mode = full ] && lora=""
+          rm -rf /tmp/runs/lora_$mode
+          stage lora_${model}_$mode ${LORA_LIMIT:-360} python3 -m dsrl.cli train --config configs/gpu_colocate.yaml \
+            --model.path /tmp/models/$model --rollout.prompts_per_step ${LORA_PROMPTS:-16} --rollout.n_samples 8 \
+            --rollout.max_new_tokens 256 --trainer.total_steps ${LORA_STEPS:-3} --logging.tensorboard $TB \
+            --logging.run_dir /tmp/runs/lora_$mode $lora ${LORA_EXTRA:-}
+          grep -a "LoRA rank\|Error" "$OUT/lora_${model}_$mode.log" | sed 's/.*\[dsrl\]//' | tail -3 | tee -a "$SUMMARY"
+          grep -a "final metrics" "$OUT/lora_${model}_$mode.log" | grep -o '"sync/bytes": [0-9.e-]*\|"sync/seconds": [0-9.e-]*\|"timing/sync": [0-9.e-]*\|"timing/step": [0-9.e-]*\|"timing/update": [0-9.e-]*\|"memory/[a-z_]*peak_gb": [0-9.e-]*\|"sync/probe_logprob_diff": [0-9.e-]*\|"mismatch/logprob_abs_diff": [0-9.e-]*\|"reward/mean": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
+          [ "$TB" = true ] && python3 tools/step_report.py /tmp/runs/lora_$mode 2>&1 | grep -a "sync\|step " | head -4 | tee -a "$SUMMARY"
+        done
+      done
       ;;
     offload)  # 1 GPU: colocated steps with the trainer's states kept on the GPU (auto's choice when they fit) vs moved
       TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)

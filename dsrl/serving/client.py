@@ -11,8 +11,9 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -32,6 +33,14 @@ IDEMPOTENT = {
     "/abort_request",
 }
 ABORTED_BEFORE_SENT = {"type": "abort", "message": "aborted while waiting for a concurrency slot; never sent"}
+
+
+@dataclass(frozen=True)
+class ServedAdapter:
+    """The LoRA adapter the servers hold for a weight version (`--sync.lora adapter`): every /generate names it."""
+
+    name: str
+    version: int
 
 
 class ServerError(RuntimeError):
@@ -70,6 +79,10 @@ class RolloutClient:
         self.waiting: set[str] = set()  # request ids waiting for a concurrency slot
         self.cancelled: set[str] = set()  # ... and aborted meanwhile: never sent
         self.down: list[str] = []  # servers that stopped answering; the trainer restarts or drops them
+        self.adapter: ServedAdapter | None = None
+        """Set by the weight sync when the servers serve a LoRA adapter: every /generate names it, so none can
+        be served by the bare base, and its tokens are of the adapter's version (`adapter_version` in a reply)."""
+        self.adapter_requests: Counter[str] = Counter()  # /generate requests in flight per adapter name
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-client", daemon=True)
         self.thread.start()
@@ -105,6 +118,8 @@ class RolloutClient:
         self, url: str, path: str, payload: Any = None, method: str = "POST", timeout_s: float | None = None
     ) -> Any:
         """One call to one server; JSON replies are decoded, others returned as text."""
+        if path == "/generate" and self.adapter is not None and "lora_path" not in payload:
+            payload = {**payload, "lora_path": self.adapter.name}
         attempts = self.retries + 1 if path in IDEMPOTENT else 1
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, sock_connect=30)
         for attempt in range(attempts):
@@ -143,6 +158,10 @@ class RolloutClient:
             await self.semaphore.acquire()
         finally:
             self.waiting.discard(rid)
+        adapter = self.adapter
+        if adapter is not None:
+            payload = {**payload, "lora_path": adapter.name}
+            self.adapter_requests[adapter.name] += 1
         try:
             if rid in self.cancelled:
                 self.cancelled.discard(rid)
@@ -154,6 +173,8 @@ class RolloutClient:
                     out = await self.request(url, "/generate", payload)
                     if isinstance(out, dict):
                         out["server"] = url  # which server answered (batched requests return a list)
+                        if adapter is not None:  # what generated it, whatever the server's version is now
+                            out["adapter_version"] = adapter.version
                     return out
                 except ServerError as e:
                     if not e.down:
@@ -163,6 +184,8 @@ class RolloutClient:
                     self.in_flight[url] -= 1
         finally:
             self.semaphore.release()
+            if adapter is not None:
+                self.adapter_requests[adapter.name] -= 1
 
     def _pick(self, route_key: object) -> str:
         live = [url for url in self.live_urls() if url not in self.held]

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from aiohttp import web
 
 from dsrl.serving.embedded_args import build_parser
@@ -64,6 +65,8 @@ class Request:
     abort_message: str | None = None
     priority: int = 0
     """Higher first, as SGLang's --enable-priority-scheduling; equal priorities keep arrival order."""
+    adapter: "Adapter | None" = None
+    """The LoRA adapter the request named (`lora_path`), fixed when it arrives, as SGLang fixes its lora_id."""
 
     def finish(self, finish_reason: dict, weight_version: str) -> None:
         meta = {
@@ -85,6 +88,78 @@ def _resolve(future: asyncio.Future, result: dict) -> None:
         future.set_result(result)
 
 
+@dataclass
+class Adapter:
+    """One loaded LoRA adapter: per adapted layer, (A, B, scale)."""
+
+    name: str
+    layers: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
+
+
+class Adapters:
+    """LoRA adapters served as SGLang serves them: loaded from a PEFT directory by name, applied unmerged to the
+    requests that name them, x W^T + (x A^T B^T) s, as PEFT computes it in the trainer, and to no other."""
+
+    def __init__(self, model: torch.nn.Module, max_rank: int | None, targets: list[str] | None):
+        self.max_rank, self.loaded, self.active = max_rank, {}, None
+        self.loaded: dict[str, Adapter]
+        self.active: Adapter | None  # the adapter of the group of requests being stepped (scheduler thread)
+        self.layers = set()
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and (not targets or name.rsplit(".", 1)[-1] in targets):
+                module.register_forward_hook(self._hook(name))
+                self.layers.add(name)
+
+    def _hook(self, name: str):
+        def add_adapter(module, args, out):
+            lora = self.active.layers.get(name) if self.active is not None else None
+            if lora is None:
+                return out
+            a, b, scale = lora
+            return out + F.linear(F.linear(args[0].to(a.dtype), a), b) * scale
+
+        return add_adapter
+
+    def load(self, name: str, path: str) -> None:
+        import json
+
+        from safetensors.torch import load_file
+
+        if name in self.loaded:
+            raise BadRequest(f"Failed to load LoRA adapter {name} because it is already loaded")
+        folder = Path(path)
+        try:
+            config = json.loads((folder / "adapter_config.json").read_text())
+            tensors = load_file(folder / "adapter_model.safetensors")
+        except (OSError, ValueError) as e:
+            raise BadRequest(f"cannot read the LoRA adapter at {path}: {e}") from e
+        rank, alpha = int(config["r"]), float(config["lora_alpha"])
+        if self.max_rank is not None and rank > self.max_rank:
+            raise BadRequest(f"LoRA adapter {name} with rank {rank} is incompatible: --max-lora-rank {self.max_rank}")
+        scale = alpha / rank**0.5 if config.get("use_rslora") else alpha / rank
+        layers = {}
+        for key, a in tensors.items():
+            if ".lora_A." not in key:
+                continue
+            layer = key.removeprefix("base_model.model.").split(".lora_A.")[0]
+            if layer not in self.layers:
+                raise BadRequest(f"LoRA adapter {name} adapts {layer!r}, which --lora-target-modules leaves out")
+            b = tensors[key.replace(".lora_A.", ".lora_B.")]
+            layers[layer] = (a.float(), b.float(), scale)
+        self.loaded[name] = Adapter(name, layers)
+
+    def unload(self, name: str) -> None:
+        if self.loaded.pop(name, None) is None:
+            raise BadRequest(f"LoRA with name {name} does not exist. Loaded LoRAs: {sorted(self.loaded)}")
+
+    def named(self, name: str | None) -> Adapter | None:
+        if name is None:
+            return None
+        if name not in self.loaded:
+            raise BadRequest(f"The following requested LoRA adapters are not loaded: {name}")
+        return self.loaded[name]
+
+
 class Engine:
     def __init__(
         self,
@@ -94,6 +169,7 @@ class Engine:
         decode_delay_ms: float = 0.0,
         deterministic: bool = False,
         crash_marker: str | None = None,
+        lora: tuple[int | None, list[str] | None] | None = None,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -107,6 +183,8 @@ class Engine:
         self.model.eval()
         self.params = dict(self.model.named_parameters())
         self.storage, self.offsets = _flatten_parameters(self.model)
+        self.adapters = Adapters(self.model, *lora) if lora is not None else None
+        """--enable-lora: (max rank, target layer names)."""
         self.context_len = getattr(config, "max_position_embeddings", 1 << 30)
         self.eos_ids = _as_set(config.eos_token_id)
         try:
@@ -159,7 +237,7 @@ class Engine:
                     steps = [self._step([req]) for req in batch]
                     next_ids, logprobs = [s[0][0] for s in steps], [s[1][0] for s in steps]
                 else:
-                    next_ids, logprobs = self._step(batch)
+                    next_ids, logprobs = self._step_by_adapter(batch)
             if self.decode_delay_s:
                 time.sleep(self.decode_delay_s)
             with self.cond:
@@ -173,8 +251,22 @@ class Engine:
                     elif len(req.output_ids) >= req.max_new_tokens:
                         self._finish(req, {"type": "length", "length": req.max_new_tokens})
 
+    def _step_by_adapter(self, batch: list[Request]) -> tuple[list[int], list[float]]:
+        """One decode step of `batch`: one forward per adapter its requests name (the base's included)."""
+        groups: dict[int, list[int]] = {}
+        for i, req in enumerate(batch):
+            groups.setdefault(id(req.adapter), []).append(i)
+        next_ids, logprobs = [0] * len(batch), [0.0] * len(batch)
+        for members in groups.values():
+            ids, lps = self._step([batch[i] for i in members])
+            for i, tok, lp in zip(members, ids, lps):
+                next_ids[i], logprobs[i] = tok, lp
+        return next_ids, logprobs
+
     @torch.no_grad()
     def _step(self, batch: list[Request]) -> tuple[list[int], list[float]]:
+        if self.adapters is not None:
+            self.adapters.active = batch[0].adapter  # one adapter per call (_step_by_adapter)
         seqs = [req.input_ids + req.output_ids for req in batch]
         width = max(map(len, seqs))
         ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
@@ -203,9 +295,11 @@ class Engine:
         req.finish(finish_reason, self.weight_version)
 
     @torch.no_grad()
-    def prompt_logprobs(self, input_ids: list[int], start: int) -> list[list]:
+    def prompt_logprobs(self, input_ids: list[int], start: int, adapter: Adapter | None = None) -> list[list]:
         """SGLang's input_token_logprobs: unscaled logprob of each prompt token given the ones before it."""
         with self.model_lock:
+            if self.adapters is not None:
+                self.adapters.active = adapter
             logits = self.model(input_ids=torch.tensor([input_ids])).logits[0, :-1].float()
         logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(input_ids[1:])[:, None])[:, 0].tolist()
         rows = [[None, input_ids[0], None]] + [[lp, tok, None] for lp, tok in zip(logprobs, input_ids[1:])]
@@ -220,7 +314,10 @@ class Engine:
                 self._finish(req, {"type": "abort", "message": message})
             return len(hits)
 
-    def make_request(self, input_ids: list[int], params: dict, rid: str, loop) -> Request:
+    def make_request(self, input_ids: list[int], params: dict, rid: str, loop, lora: str | None = None) -> Request:
+        if lora is not None and self.adapters is None:
+            raise BadRequest("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        adapter = self.adapters.named(lora) if lora is not None else None
         unknown = set(params) - SAMPLING_KEYS
         if unknown:
             raise BadRequest(f"unknown sampling_params {sorted(unknown)}; allowed: {sorted(SAMPLING_KEYS)}")
@@ -255,6 +352,7 @@ class Engine:
             generator=torch.Generator().manual_seed(seed) if seed is not None else None,
             done=loop.create_future(),
             loop=loop,
+            adapter=adapter,
         )
 
     # -- control ------------------------------------------------------------------------------
@@ -291,6 +389,9 @@ class Engine:
             if tags - self.released:
                 raise BadRequest(f"memory tags {sorted(tags - self.released)} were not released")
             self.released -= tags
+            if "weights" in tags:  # as SGLang's memory saver: released weights come back without their contents
+                with self.model_lock:
+                    self.storage.fill_(0xFF)  # NaN in every float dtype
             self.cond.notify_all()
 
     def check_weights_resident(self) -> None:
@@ -510,6 +611,8 @@ class Api:
             web.post("/update_weights_from_disk", self.update_weights_from_disk),
             web.post("/update_weight_version", self.update_weight_version),
             web.post("/get_weights_by_name", self.get_weights_by_name),
+            web.post("/load_lora_adapter", self.load_lora_adapter),
+            web.post("/unload_lora_adapter", self.unload_lora_adapter),
         ]
 
     async def generate(self, request: web.Request) -> web.Response:
@@ -531,7 +634,10 @@ class Api:
             self.served_a_request = True
             log.info("first /generate, under weight version %s", engine.weight_version)
         loop = asyncio.get_running_loop()
-        reqs = [engine.make_request(ids, p, r, loop) for ids, p, r in zip(batch, params, request_ids(body, len(batch)))]
+        loras = body.get("lora_path")
+        loras = loras if isinstance(loras, list) else [loras] * len(batch)
+        rids = request_ids(body, len(batch))
+        reqs = [engine.make_request(*args, loop, lora) for *args, lora in zip(batch, params, rids, loras)]
         for req in reqs:
             req.priority = int(body.get("priority") or 0)
             engine.submit(req)
@@ -541,12 +647,14 @@ class Api:
             for req in reqs:
                 engine.abort(req.rid)
             raise
-        for res, ids in zip(results, batch):
+        for res, ids, req in zip(results, batch, reqs):
             if not body.get("return_logprob"):
                 res["meta_info"].pop("output_token_logprobs")
             elif body.get("logprob_start_len", -1) not in (None, -1):
-                start = int(body["logprob_start_len"])
-                res["meta_info"]["input_token_logprobs"] = await asyncio.to_thread(engine.prompt_logprobs, ids, start)
+                start, prompt_logprobs = int(body["logprob_start_len"]), engine.prompt_logprobs
+                res["meta_info"]["input_token_logprobs"] = await asyncio.to_thread(
+                    prompt_logprobs, ids, start, req.adapter
+                )
         return web.json_response(results if batched else results[0])
 
     async def health(self, request: web.Request) -> web.Response:
@@ -636,6 +744,21 @@ class Api:
             rows = param.detach()[: int(body.get("truncate_size", 100))].tolist()
         return web.json_response(rows)
 
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        body, adapters = await body_of(request), self._adapters()
+        await asyncio.to_thread(adapters.load, body["lora_name"], body["lora_path"])
+        return web.json_response({"success": True, "loaded_adapters": {n: n for n in adapters.loaded}})
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        adapters = self._adapters()
+        adapters.unload((await body_of(request))["lora_name"])  # requests that named it keep its weights
+        return web.json_response({"success": True, "loaded_adapters": {n: n for n in adapters.loaded}})
+
+    def _adapters(self) -> Adapters:
+        if self.engine.adapters is None:
+            raise BadRequest("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        return self.engine.adapters
+
     def _weights_updated(self, body: dict, message: str, **extra) -> web.Response:
         if body.get("weight_version") is not None:
             self.engine.weight_version = str(body["weight_version"])
@@ -662,6 +785,7 @@ def main(argv: list[str] | None = None) -> None:
         args.decode_delay_ms,
         args.enable_deterministic_inference,
         args.crash_marker,
+        (args.max_lora_rank, args.lora_target_modules) if args.enable_lora else None,
     )
     log.info("embedded engine for %s on http://%s:%d (pid %d)", args.model_path, args.host, args.port, os.getpid())
     if os.environ.get("DSRL_PARENT_PID"):

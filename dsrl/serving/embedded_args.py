@@ -23,4 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="Fault injection for tests: exit during a weight update if this file exists (removing it first).",
     )
     parser.add_argument("--api-key", default=None, help="Refuse requests without `Authorization: Bearer <key>`.")
+    parser.add_argument("--enable-lora", action="store_true", help="Serve LoRA adapters (/load_lora_adapter).")
+    parser.add_argument("--max-lora-rank", type=int, default=None, help="The largest adapter rank accepted.")
+    parser.add_argument("--lora-target-modules", nargs="*", default=None, help="Layer names adapters may adapt.")
+    parser.add_argument("--max-loras-per-batch", type=int, default=8, help="Accepted as SGLang's; no slots here.")
     return parser

@@ -125,12 +125,15 @@ def check_server_args(cfg: RolloutConfig, engine: str) -> None:
 
 
 def as_flags(args: dict) -> list[str]:
-    """{mem_fraction_static: 0.5, enable_foo: true} -> ['--mem-fraction-static', '0.5', '--enable-foo']."""
+    """{mem_fraction_static: 0.5, enable_foo: true, bar: [a, b]} -> ['--mem-fraction-static', '0.5', '--enable-foo',
+    '--bar', 'a', 'b']."""
     flags = []
     for key, value in args.items():
         flag = f"--{key.replace('_', '-')}"
         if value is True:
             flags.append(flag)
+        elif isinstance(value, (list, tuple)):
+            flags += [flag, *map(str, value)]
         elif value not in (False, None):
             flags += [flag, str(value)]
     return flags

@@ -1,11 +1,13 @@
 """The checkpoint engine's transports: one small interface, one transport per file, chosen by --sync.type.
 
 A transport moves the trainer's parameters into every server, bucket by bucket, and makes
-`weight_version` live with the last bucket. Every trainer rank runs `send` (the parameters are
-gathered from every rank's ZeRO-3 partitions); only trainer rank 0 talks to the servers. The
-rest of an update (pause, version check, verification, memory) is `WeightSync`'s.
+`weight_version` live with the last bucket; with a LoRA adapter served on its own (`--sync.lora
+adapter`) those are the base's, and `load_adapter` moves the adapter. Every trainer rank runs both
+(the parameters are gathered from every rank's ZeRO-3 partitions); only trainer rank 0 talks to the
+servers. The rest of an update (pause, version check, verification, memory) is `WeightSync`'s.
 """
 
+import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import torch.distributed as dist
 
 from dsrl.config import SyncConfig
 from dsrl.serving.client import RolloutClient
+from dsrl.zero.lora import gathered_adapter, write_adapter
 
 
 class SyncError(RuntimeError):
@@ -21,8 +24,11 @@ class SyncError(RuntimeError):
 
 
 class CheckpointEngine(ABC):
-    def __init__(self, cfg: SyncConfig, client: RolloutClient):
-        self.cfg, self.client = cfg, client
+    def __init__(self, cfg: SyncConfig, client: RolloutClient, root: Path):
+        self.cfg, self.client, self.root = cfg, client, root
+        """`root`: where files for the servers go (--sync.disk_dir, default <run_dir>/weights)."""
+        self.merge = cfg.lora != "adapter"
+        """A LoRA model's adapters merged into the weights `send` sends (else the base alone)."""
         self.rank0 = dist.get_rank() == 0
         """Only trainer rank 0 sends requests to the servers; the other ranks take part in the gathers."""
         self.profile: dict[str, float] = {}
@@ -33,6 +39,22 @@ class CheckpointEngine(ABC):
         """Send every parameter; `weight_version` goes live with the last bucket. Returns bytes sent (rank 0).
 
         A failure on rank 0 must still let the other ranks finish their part (collectives), then raise."""
+
+    def load_adapter(self, module: torch.nn.Module, name: str) -> int:
+        """Every server loads `module`'s LoRA adapter under `name`; returns its bytes (rank 0). Here: rank 0
+        writes it as PEFT does into <root>/<name> and the servers read it (/load_lora_adapter); the CUDA IPC
+        transport hands them the tensors instead."""
+        with gathered_adapter(module) as state:
+            sent = write_adapter(module, state, self.root / name) if self.rank0 else 0
+        if self.rank0:
+            self.client.call_all(
+                "/load_lora_adapter", {"lora_name": name, "lora_path": str((self.root / name).resolve())}
+            )
+        return sent
+
+    def forget_adapter(self, name: str) -> None:
+        """The servers have unloaded adapter `name`: what was kept for it goes (rank 0)."""
+        shutil.rmtree(self.root / name, ignore_errors=True)
 
     def release(self) -> None:
         """Free what the transport keeps between updates (colocated: the server needs the memory)."""
@@ -45,16 +67,17 @@ def make_checkpoint_engine(
     cfg: SyncConfig, client: RolloutClient, run_dir: Path, backend: str, tp_size: int = 1
 ) -> CheckpointEngine:
     """The transport named by --sync.type ('auto' must be resolved by the caller)."""
+    root = Path(cfg.disk_dir or run_dir / "weights")
     if cfg.type == "ipc":
         from dsrl.sync.ipc import IpcEngine
 
-        return IpcEngine(cfg, client, tp_size)
+        return IpcEngine(cfg, client, root, tp_size)
     if cfg.type == "broadcast":
         from dsrl.sync.broadcast import BroadcastEngine
 
-        return BroadcastEngine(cfg, client, backend)
+        return BroadcastEngine(cfg, client, root, backend)
     if cfg.type == "disk":
         from dsrl.sync.disk import DiskEngine
 
-        return DiskEngine(cfg, client, Path(cfg.disk_dir or run_dir / "weights"))
+        return DiskEngine(cfg, client, root)
     raise ValueError(f"--sync.type={cfg.type!r}: expected ipc, broadcast or disk")

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import Future
+from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
@@ -28,8 +29,8 @@ log = logging.getLogger(__name__)
 
 
 class BroadcastEngine(CheckpointEngine):
-    def __init__(self, cfg: SyncConfig, client: RolloutClient, backend: str):
-        super().__init__(cfg, client)
+    def __init__(self, cfg: SyncConfig, client: RolloutClient, root: Path, backend: str):
+        super().__init__(cfg, client, root)
         self.backend = backend
         self.group: dist.ProcessGroup | None = None
         self.group_name = ""
@@ -80,7 +81,7 @@ class BroadcastEngine(CheckpointEngine):
 
     def send(self, module: torch.nn.Module, weight_version: int, flush_cache: bool) -> int:
         if self.gatherer is None or self.gatherer.bucket_bytes != self.cfg.bucket_bytes:
-            self.gatherer = FlatGatherer(module, self.cfg.bucket_bytes)
+            self.gatherer = FlatGatherer(module, self.cfg.bucket_bytes, merge=self.merge)
         if not self.rank0:
             for _ in self.gatherer:  # join each bucket's gather onto rank 0
                 pass

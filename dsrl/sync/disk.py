@@ -19,13 +19,12 @@ from dsrl.zero.buckets import gathered_buckets
 
 class DiskEngine(CheckpointEngine):
     def __init__(self, cfg: SyncConfig, client: RolloutClient, root: Path):
-        super().__init__(cfg, client)
-        self.root = root
+        super().__init__(cfg, client, root)
         self.previous: Path | None = None
 
     def send(self, module: torch.nn.Module, weight_version: int, flush_cache: bool) -> int:
         if not self.rank0:
-            for _ in gathered_buckets(module, self.cfg.bucket_bytes):  # join the gathers
+            for _ in gathered_buckets(module, self.cfg.bucket_bytes, self.merge):  # join the gathers
                 pass
             return 0
         out = self.root / f"version_{weight_version}"
@@ -33,7 +32,7 @@ class DiskEngine(CheckpointEngine):
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         sent, index = 0, {}
-        for i, bucket in enumerate(gathered_buckets(module, self.cfg.bucket_bytes)):
+        for i, bucket in enumerate(gathered_buckets(module, self.cfg.bucket_bytes, self.merge)):
             file = f"model-{i:05d}.safetensors"
             tensors = {name: t.detach().contiguous().cpu() for name, t in bucket}
             save_file(tensors, tmp / file, metadata={"format": "pt"})

@@ -15,6 +15,7 @@ import io
 import logging
 from concurrent.futures import Future
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from dsrl.metrics import Timer
 from dsrl.serving.client import RolloutClient
 from dsrl.sync.base import CheckpointEngine
 from dsrl.zero.buckets import FlatBucket, FlatGatherer
+from dsrl.zero.lora import adapter_config, gathered_adapter
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +38,8 @@ def serialize(obj) -> str:
 
 
 class IpcEngine(CheckpointEngine):
-    def __init__(self, cfg: SyncConfig, client: RolloutClient, tp_size: int):
-        super().__init__(cfg, client)
+    def __init__(self, cfg: SyncConfig, client: RolloutClient, root: Path, tp_size: int):
+        super().__init__(cfg, client, root)
         self.tp_size = tp_size
         self.gatherer: FlatGatherer | None = None
         # SGLang's unpickler only accepts its own metadata class, and CUDA handles must carry the
@@ -64,7 +66,7 @@ class IpcEngine(CheckpointEngine):
         # whole vs 39 ms in 1 GB buckets).
         bucket_bytes = self.cfg.bucket_bytes if world > 1 else 1 << 62
         if self.gatherer is None or self.gatherer.bucket_bytes != bucket_bytes:
-            self.gatherer = FlatGatherer(module, bucket_bytes, to_all=True)
+            self.gatherer = FlatGatherer(module, bucket_bytes, to_all=True, merge=self.merge)
         sent, pending, clock = 0, None, Timer()
         for bucket in clock.each(self.gatherer, "gather"):
             with clock("handles"):
@@ -77,13 +79,39 @@ class IpcEngine(CheckpointEngine):
             with clock("server_load"):
                 self._wait_loaded(pending)  # bucket i-1; its buffer is gathered into two buckets later
             if self.rank0:
-                weight_version_now = str(weight_version) if bucket.last else None
-                pending = self._post(handles, weight_version_now, flush_cache and bucket.last)
+                body = {
+                    "load_format": "flattened_bucket",
+                    "flush_cache": flush_cache and bucket.last,
+                    "weight_version": str(weight_version) if bucket.last else None,
+                }
+                pending = self._post("/update_weights_from_tensor", handles, body)
             sent += bucket.flat.numel()
         with clock("server_load"):
             self._wait_loaded(pending)
         self.profile = clock.seconds
         return sent if self.rank0 else 0
+
+    def load_adapter(self, module: torch.nn.Module, name: str) -> int:
+        """The LoRA adapter as one flat bucket on each rank's GPU, its CUDA IPC handle posted to the servers
+        (/load_lora_adapter_from_tensors): nothing touches the disk or the host."""
+        with gathered_adapter(module) as state:
+            names = list(state)
+            tensors = [state[n].detach().contiguous() for n in names]
+            flat = torch.cat([t.view(-1).view(torch.uint8) for t in tensors])
+            dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
+            bucket = FlatBucket(names, dtypes, [list(t.shape) for t in tensors], flat, last=True)
+            torch.cuda.current_stream().synchronize()
+            handle = self._handle(bucket)
+            handles = [handle]
+            if dist.get_world_size() > 1:
+                handles = [None] * dist.get_world_size() if self.rank0 else None
+                dist.gather_object(handle, handles, dst=0)
+            pending = None
+            if self.rank0:
+                body = {"lora_name": name, "config_dict": adapter_config(module), "load_format": "flattened_bucket"}
+                pending = self._post("/load_lora_adapter_from_tensors", handles, body)
+            self._wait_loaded(pending)  # the servers have copied it before the buffer goes
+        return flat.numel() if self.rank0 else 0
 
     def release(self) -> None:
         """Colocated: give the flat buffers back before the server's KV cache returns."""
@@ -91,20 +119,18 @@ class IpcEngine(CheckpointEngine):
             self.gatherer.release()
         torch.cuda.ipc_collect()  # buffers the server has let go of
 
-    def _post(self, handles: list[str], weight_version: str | None, flush_cache: bool) -> Future:
-        # Server s covers GPUs [s * tp, (s + 1) * tp); trainer rank g sits on GPU g.
+    def _post(self, path: str, handles: list[str], body: dict) -> Future:
+        """`body` to every server with its own handles: server s covers GPUs [s * tp, (s + 1) * tp), and
+        trainer rank g sits on GPU g."""
+        tp = self.tp_size
+
         async def post_all():
             return await asyncio.gather(
                 *(
                     self.client.request(
                         url,
-                        "/update_weights_from_tensor",
-                        {
-                            "serialized_named_tensors": handles[s * self.tp_size : (s + 1) * self.tp_size],
-                            "load_format": "flattened_bucket",
-                            "flush_cache": flush_cache,
-                            "weight_version": weight_version,
-                        },
+                        path,
+                        {**body, "serialized_named_tensors": handles[s * tp : (s + 1) * tp]},
                         timeout_s=self.cfg.timeout_s,
                     )
                     for s, url in enumerate(self.client.urls)

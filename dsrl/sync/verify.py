@@ -13,14 +13,18 @@ from dsrl.sync.base import SyncError
 from dsrl.zero.buckets import gathered_buckets
 
 
-def verify_weights(module: torch.nn.Module, client: RolloutClient, bucket_bytes: int, rank0: bool) -> None:
+def verify_weights(
+    module: torch.nn.Module, client: RolloutClient, bucket_bytes: int, rank0: bool, merge: bool = True
+) -> None:
     """Compare every server parameter with the trainer's gathered one; raise naming the first that differs.
+    A LoRA model's adapters are merged into its weights unless served on their own (`merge` False: the probe
+    checks those).
 
     Call on every rank; only rank 0 (`rank0`) asks the servers. Rank 0 raises only once every bucket
     has been gathered: the other ranks are in those all-gathers too.
     """
     problem: Exception | None = None
-    for bucket in gathered_buckets(module, bucket_bytes):
+    for bucket in gathered_buckets(module, bucket_bytes, merge):
         for name, tensor in bucket if rank0 and problem is None else []:
             try:
                 _check_parameter(client, name, tensor.detach().float().cpu())

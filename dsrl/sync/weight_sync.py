@@ -35,9 +35,11 @@ from dsrl.config import Config
 from dsrl.metrics import Timer
 from dsrl.serving.client import RolloutClient, ServerError
 from dsrl.serving.servers import ServerFleet
+from dsrl.sync.adapter import AdapterServing
 from dsrl.sync.base import CheckpointEngine, SyncError
 from dsrl.sync.verify import probe_reference, probe_servers, verify_weights
 from dsrl.zero.engine import free_cached_memory, offload_states, reload_states
+from dsrl.zero.lora import is_lora
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,11 @@ class WeightSync:
         """(rank 0) the last update's probe of the servers, running beside the rollout's requests."""
         self.probed: dict[str, float] = {}
         """(rank 0) the figures of the probe awaited last, until `check_probe` hands them on."""
+        self.adapters = AdapterServing(transport, client) if is_lora(actor.module) and not transport.merge else None
+        """A LoRA actor whose adapter the servers serve on their own (`--sync.lora adapter`)."""
+        self.sleep_tags = MEMORY_TAGS if self.adapters is None else ("kv_cache",)
+        """What the servers release while the trainer trains (colocated). Serving an adapter, they keep the base:
+        SGLang drops released weights' contents, and the base is only sent once."""
 
     def update(self, version: int) -> dict[str, float]:
         """Bring every server to weight `version`; returns the sync metrics (rank 0's are the real ones)."""
@@ -95,7 +102,8 @@ class WeightSync:
                         with timer("pause"):
                             self._call("/pause_generation", {"mode": self.pause})
                     with timer("send"):  # paused requests stay on the servers, which then refuse a cache flush
-                        sent = self.transport.send(self.actor.module, version, flush_cache=self.pause is None)
+                        sender = self.adapters or self.transport
+                        sent = sender.send(self.actor.module, version, flush_cache=self.pause is None)
                     if self.pause is not None:
                         with timer("resume"):
                             self._call("/continue_generation", {})
@@ -105,13 +113,17 @@ class WeightSync:
                 self.client.release_held()  # servers that joined hold this version now
                 break
             except SERVER_ERRORS as e:
+                if self.adapters is not None:
+                    self.adapters.reset()  # the retry sends the base again, on every rank
                 if attempt == 2:
                     raise SyncError(f"weight sync to version {version} failed twice") from e
                 self._find_dead_servers(version, e)
         reference, verify = None, self._verifies(version)
         if verify == "weights":
             with timer("verify"), agreed(f"the weight check of version {version}", SERVER_ERRORS):
-                verify_weights(self.actor.module, self.client, self.cfg.sync.bucket_bytes, self.rank0)
+                verify_weights(
+                    self.actor.module, self.client, self.cfg.sync.bucket_bytes, self.rank0, self.transport.merge
+                )
         if verify == "probe":  # the trainer's side now, while its params are still on the GPU
             with timer("verify"):
                 reference = probe_reference(self.actor, self.actor.module.config.vocab_size)
@@ -127,7 +139,8 @@ class WeightSync:
         if reference is not None:
             self._probe(*reference)
         metrics |= {"sync/bytes": sent, "sync/seconds": seconds, "sync/gb_per_s": sent / max(seconds, 1e-9) / 1e9}
-        transport = {f"timing/sync_{part}": seconds for part, seconds in self.transport.profile.items()}
+        profile = self.adapters.profile if self.adapters is not None else self.transport.profile
+        transport = {f"timing/sync_{part}": seconds for part, seconds in profile.items()}
         return metrics | timer.metrics("timing/sync_") | transport
 
     def _verifies(self, version: int) -> str:
@@ -143,8 +156,8 @@ class WeightSync:
         the run before it trains on what the servers generated."""
         self._await_probe()
         if self.rank0:
-            self.client.call_all("/release_memory_occupation", {"tags": list(MEMORY_TAGS)})
-            self.released = {url: set(MEMORY_TAGS) for url in self.client.live_urls()}
+            self.client.call_all("/release_memory_occupation", {"tags": list(self.sleep_tags)})
+            self.released = {url: set(self.sleep_tags) for url in self.client.live_urls()}
         if self.offload:
             self.reload_trainers()
 
@@ -161,6 +174,8 @@ class WeightSync:
         """The last update's probe, awaited if it still runs; a mismatch stops the run on every rank. Returns
         its figures once (rank 0's; empty elsewhere)."""
         self._await_probe()
+        if self.adapters is not None and self.rank0:
+            self.adapters.settle()
         out, self.probed = self.probed, {}
         return out
 
@@ -192,6 +207,8 @@ class WeightSync:
         if change[0] is not None:
             self.client.set_urls(change[0].urls, held=change[0].joined)
             self.transport.reset()
+            if self.adapters is not None:
+                self.adapters.reset()
             self.released = {url: tags for url, tags in self.released.items() if url in change[0].urls}
         if self.rank0:
             for url in change[0].leaving if change[0] else []:

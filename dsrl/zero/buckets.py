@@ -37,10 +37,10 @@ def plan_buckets(named_params: list[tuple[str, torch.nn.Parameter]], bucket_byte
     return buckets
 
 
-def gathered_buckets(module: torch.nn.Module, bucket_bytes: int) -> Iterator[NamedTensors]:
+def gathered_buckets(module: torch.nn.Module, bucket_bytes: int, merge: bool = True) -> Iterator[NamedTensors]:
     """Yield [(name, full tensor), ...] per bucket of the served weights (`ServedWeights`: a LoRA model's
-    base, adapters merged), in their order."""
-    served = ServedWeights(module)
+    base, its adapters merged unless `merge` is False), in their order."""
+    served = ServedWeights(module, merge)
     named = served.named
     with served.gathered_adapters():
         for bucket in plan_buckets(named, bucket_bytes):
@@ -90,8 +90,8 @@ class FlatGatherer:
 
     SLOTS = 3  # see __iter__ for why three flat buffers are needed
 
-    def __init__(self, module: torch.nn.Module, bucket_bytes: int, to_all: bool = False):
-        self.served = ServedWeights(module)  # a LoRA model's base weights, adapters merged in once gathered
+    def __init__(self, module: torch.nn.Module, bucket_bytes: int, to_all: bool = False, merge: bool = True):
+        self.served = ServedWeights(module, merge)  # a LoRA model's base weights, adapters merged in (merge)
         self.named = self.served.named
         self.bucket_bytes, self.plan = bucket_bytes, plan_buckets(self.named, bucket_bytes)
         self.sizes = [sum(param_bytes(self.named[j][1]) for j in bucket) for bucket in self.plan]

@@ -1,14 +1,24 @@
-"""LoRA adapters on the ZeRO-3 actor (`--model.lora_rank`), and the merged weights the servers get.
+"""LoRA adapters on the ZeRO-3 actor (`--model.lora_rank`), and what the servers get of them.
 
 The actor is a PEFT model: the base frozen (no gradients, no optimizer states), the adapters trained. The
-reference policy is the same engine with the adapters off (`reference_off`). The servers serve the base
-model's architecture and names: a sync sends every base weight with its adapter merged in, W + s B A,
-computed into the transport's buffer in fp32 (`ServedWeights`); the trainer's own base weights are never
-modified, so they cannot drift by bf16 rounding from merge to unmerge.
+reference policy is the same engine with the adapters off (`reference_off`). Two ways to serve it
+(`--sync.lora`):
+
+    adapter  the base once (and to every server that joins), then the adapter alone at each update,
+             under PEFT's names (`gathered_adapter`, `adapter_config`); the servers apply it as the
+             trainer does, unmerged, to the requests that name it (the client names it in every one)
+    merged   every base weight with its adapter merged in, W + s B A, computed into the transport's
+             buffer in fp32 (`ServedWeights`): any engine, any layer
+
+Either way the trainer's own base weights are never modified, so they cannot drift by bf16 rounding
+from merge to unmerge.
 """
 
 import contextlib
+import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import deepspeed
 import torch
@@ -58,9 +68,9 @@ class Delta:
 class ServedWeights:
     """The weights as the servers name and hold them: for a full model its parameters; for a LoRA model
     the base model's parameters under their base names ("...q_proj.weight", not "...q_proj.base_layer.weight"),
-    each with its adapter's `Delta` to merge in."""
+    each with its adapter's `Delta` to merge in, or (`merge=False`: the adapter is served on its own) none."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, merge: bool = True):
         if not is_lora(module):
             self.named, self.deltas = list(module.named_parameters()), {}
             return
@@ -72,7 +82,7 @@ class ServedWeights:
             if ".lora_" not in name:
                 self.named.append((name.replace(".base_layer.", "."), param))
         for prefix, layer in base.named_modules():
-            if isinstance(layer, LoraLayer) and ADAPTER in layer.lora_A:
+            if merge and isinstance(layer, LoraLayer) and ADAPTER in layer.lora_A:
                 self.deltas[f"{prefix}.weight"] = Delta(
                     layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight, layer.scaling[ADAPTER]
                 )
@@ -103,24 +113,56 @@ def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float)
     return (weight.float() + delta.to(weight.device)).to(weight.dtype)
 
 
-def adapter_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' full tensors under PEFT's saved names (every rank joins; a CPU copy on each)."""
+@contextlib.contextmanager
+def gathered_adapter(module: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """The adapter's full tensors under PEFT's file names ("base_model.model....q_proj.lora_A.weight"), on
+    their device, valid inside (every rank joins the gather)."""
     from peft.utils import get_peft_model_state_dict
 
     served = ServedWeights(module)
     with served.gathered_adapters():
         names = {id(p): n for n, p in module.named_parameters()}
-        state = {names[id(p)]: p.data.detach().cpu().clone() for p in served.adapters()}
-    return get_peft_model_state_dict(module, state_dict=state)
+        yield get_peft_model_state_dict(module, state_dict={names[id(p)]: p.data for p in served.adapters()})
 
 
-def save_adapter(module: torch.nn.Module, out_dir, rank0: bool) -> None:
+def adapter_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's full tensors under PEFT's file names, a CPU copy on every rank (every rank joins)."""
+    with gathered_adapter(module) as state:
+        return {name: t.detach().cpu().clone() for name, t in state.items()}
+
+
+def adapter_config(module: torch.nn.Module) -> dict:
+    """The adapter's adapter_config.json as a dict (what SGLang's load_lora_adapter_from_tensors takes)."""
+    config = module.peft_config[ADAPTER].to_dict()
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+
+
+def target_modules(module: torch.nn.Module) -> list[str]:
+    """The adapted layers' names, as the servers' launch flags want them: "q_proj", ... (PEFT resolves
+    'all-linear' to every such layer's full path)."""
+    return sorted({name.rsplit(".", 1)[-1] for name in module.peft_config[ADAPTER].target_modules})
+
+
+def save_adapter(module: torch.nn.Module, out_dir: Path, rank0: bool) -> int:
     """The adapter as PEFT writes it (adapter_config.json, adapter_model.safetensors): loadable with
-    `PeftModel.from_pretrained(base, out_dir)`. Every rank joins."""
+    `PeftModel.from_pretrained(base, out_dir)`, and by SGLang's /load_lora_adapter. Every rank joins;
+    returns the tensors' bytes (rank 0)."""
+    with gathered_adapter(module) as state:
+        if not rank0:
+            return 0
+        return write_adapter(module, state, out_dir)
+
+
+def write_adapter(module: torch.nn.Module, state: dict[str, torch.Tensor], out_dir: Path) -> int:
+    """Write `state` (`gathered_adapter`'s) with `module`'s adapter config into `out_dir`, whole or not at all."""
     from safetensors.torch import save_file
 
-    state = adapter_state(module)
-    if rank0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        module.peft_config[ADAPTER].save_pretrained(str(out_dir))
-        save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "adapter_model.safetensors"))
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    module.peft_config[ADAPTER].save_pretrained(str(tmp))
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    save_file(tensors, str(tmp / "adapter_model.safetensors"))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
