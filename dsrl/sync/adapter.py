@@ -22,12 +22,10 @@ import torch.distributed as dist
 
 from dsrl.collectives import agreed
 from dsrl.metrics import Timer
-from dsrl.serving.client import RolloutClient, ServedAdapter, ServerError
-from dsrl.sync.base import CheckpointEngine, SyncError
+from dsrl.serving.client import RolloutClient, ServedAdapter
+from dsrl.sync.base import SERVER_ERRORS, CheckpointEngine
 
 log = logging.getLogger(__name__)
-
-SERVER_ERRORS = (SyncError, ServerError)
 
 
 def adapter_name(version: int) -> str:
@@ -42,8 +40,6 @@ class AdapterServing:
         """Some server lacks the trainer's base weights (the same on every rank: a collective follows)."""
         self.loaded: list[str] = []
         """(rank 0) the adapter names the servers hold, oldest first."""
-        self.sent_base = 0
-        """Bytes of the last update's base send (0 when only the adapter went)."""
         self.unloading: Future | None = None
         """(rank 0) the last update's unloads, running beside the rollout."""
         self.profile: dict[str, float] = {}
@@ -56,10 +52,10 @@ class AdapterServing:
     def send(self, module: torch.nn.Module, version: int, flush_cache: bool) -> int:
         """Bring every server to `version`: the base if needed, then the adapter; returns the bytes sent. Each
         part fails on every rank or on none (`agreed`): the next part's collectives need them all."""
-        clock, self.sent_base = Timer(), 0
+        clock, base = Timer(), 0
         if self.needs_base:
             with clock("base"), agreed(f"the base weights for version {version}", SERVER_ERRORS):
-                self.sent_base = self.transport.send(module, version, flush_cache)
+                base = self.transport.send(module, version, flush_cache)
             self.needs_base = False
         name = adapter_name(version)
         with agreed(f"the adapter {name}", SERVER_ERRORS):
@@ -79,7 +75,7 @@ class AdapterServing:
         self.client.adapter = ServedAdapter(name, version)
         self._unload_unused()
         self.profile = clock.seconds
-        return self.sent_base + sent
+        return base + sent
 
     def _unload_unused(self) -> None:
         """Start unloading the adapters older than the current one that no rank's request uses any more."""

@@ -15,12 +15,16 @@ import torch
 import torch.distributed as dist
 
 from dsrl.config import SyncConfig
-from dsrl.serving.client import RolloutClient
+from dsrl.serving.client import RolloutClient, ServerError
 from dsrl.zero.lora import gathered_adapter, write_adapter
 
 
 class SyncError(RuntimeError):
     """A weight update that did not complete, or left a server with other weights than the trainer's."""
+
+
+SERVER_ERRORS = (SyncError, ServerError)
+"""What a server can make an update fail with; anything else is a bug and propagates as it is."""
 
 
 class CheckpointEngine(ABC):

@@ -59,6 +59,16 @@ class IpcEngine(CheckpointEngine):
             offset += n
         return serialize({"flattened_tensor": bucket.flat, "metadata": metadata})
 
+    def _handles(self, bucket: FlatBucket) -> list[str] | None:
+        """Every rank's handle to its copy of `bucket`, on rank 0 in rank order (None elsewhere)."""
+        torch.cuda.current_stream().synchronize()  # the server reads it from another process
+        handle = self._handle(bucket)
+        if dist.get_world_size() == 1:
+            return [handle]
+        handles = [None] * dist.get_world_size() if self.rank0 else None
+        dist.gather_object(handle, handles, dst=0)
+        return handles
+
     def send(self, module: torch.nn.Module, weight_version: int, flush_cache: bool) -> int:
         world = dist.get_world_size()
         # With one rank the buckets are views of the parameters' own memory (nothing is allocated), and
@@ -70,12 +80,7 @@ class IpcEngine(CheckpointEngine):
         sent, pending, clock = 0, None, Timer()
         for bucket in clock.each(self.gatherer, "gather"):
             with clock("handles"):
-                torch.cuda.current_stream().synchronize()  # the server reads it from another process
-                handle = self._handle(bucket)
-                handles = [handle]
-                if world > 1:
-                    handles = [None] * world if self.rank0 else None
-                    dist.gather_object(handle, handles, dst=0)
+                handles = self._handles(bucket)
             with clock("server_load"):
                 self._wait_loaded(pending)  # bucket i-1; its buffer is gathered into two buckets later
             if self.rank0:
@@ -100,12 +105,7 @@ class IpcEngine(CheckpointEngine):
             flat = torch.cat([t.view(-1).view(torch.uint8) for t in tensors])
             dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
             bucket = FlatBucket(names, dtypes, [list(t.shape) for t in tensors], flat, last=True)
-            torch.cuda.current_stream().synchronize()
-            handle = self._handle(bucket)
-            handles = [handle]
-            if dist.get_world_size() > 1:
-                handles = [None] * dist.get_world_size() if self.rank0 else None
-                dist.gather_object(handle, handles, dst=0)
+            handles = self._handles(bucket)
             pending = None
             if self.rank0:
                 body = {"lora_name": name, "config_dict": adapter_config(module), "load_format": "flattened_bucket"}

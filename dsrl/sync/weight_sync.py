@@ -33,18 +33,16 @@ import torch.distributed as dist
 from dsrl.collectives import agreed
 from dsrl.config import Config
 from dsrl.metrics import Timer
-from dsrl.serving.client import RolloutClient, ServerError
+from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import ServerFleet
 from dsrl.sync.adapter import AdapterServing
-from dsrl.sync.base import CheckpointEngine, SyncError
+from dsrl.sync.base import SERVER_ERRORS, CheckpointEngine, SyncError
 from dsrl.sync.verify import probe_reference, probe_servers, verify_weights
 from dsrl.zero.engine import free_cached_memory, offload_states, reload_states
 from dsrl.zero.lora import is_lora
 
 log = logging.getLogger(__name__)
 
-SERVER_ERRORS = (SyncError, ServerError)
-"""What a server can make an update fail with; anything else is a bug and propagates as it is."""
 MEMORY_TAGS = ("weights", "kv_cache")
 
 
