@@ -342,11 +342,14 @@ class AlgorithmConfig:
 class CriticConfig:
     path: str | None = None
     """Weights of the value model (a Hugging Face directory of the policy's architecture); default: the
-    policy's (model.path), with a fresh scalar head."""
+    policy's (model.path), with a fresh scalar head. With --model.lora_rank there is no second model: the
+    critic is a second adapter and a fresh scalar head on the actor's frozen base, in the actor's engine."""
     lr: float = 1e-5
-    """The critic's peak learning rate."""
+    """The critic's peak learning rate (with LoRA its adapter's and head's: as for the actor, ~10x full
+    fine-tuning's)."""
     micro_batch_size: int | None = None
-    """Sequences per forward/backward of the critic on one rank; default trainer.micro_batch_size."""
+    """Sequences per forward/backward of the critic on one rank; default trainer.micro_batch_size (with LoRA
+    always: the critic's loss joins the actor's in one backward pass)."""
     warmup_steps: int = 0
     """Steps at the start in which only the critic is trained (the actor waits for sensible values)."""
     value_clip: float | None = 0.2
@@ -578,6 +581,15 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     check(c.value_clip is None or c.value_clip > 0, "critic.value_clip", c.value_clip, "must be > 0 or null")
     check(c.micro_batch_size is None or c.micro_batch_size >= 1, "critic.micro_batch_size", c.micro_batch_size,
           "must be >= 1")  # fmt: skip
+    shared = a.advantage == "gae" and cfg.model.lora_rank > 0  # the critic: an adapter on the actor's base
+    check(
+        not shared or c.path is None,
+        "critic.path",
+        c.path,
+        "must be unset with --model.lora_rank: the critic is a second adapter and a value head on the actor's base",
+    )
+    check(not shared or c.micro_batch_size is None, "critic.micro_batch_size", c.micro_batch_size,
+          "must be unset with --model.lora_rank: the critic shares the actor's micro-batches (one engine)")  # fmt: skip
     if check_paths and c.path:
         check((Path(c.path) / "config.json").is_file(), "critic.path", c.path, "must be a directory with config.json")
     check(a.is_cap >= 1, "algorithm.is_cap", a.is_cap, "must be >= 1")

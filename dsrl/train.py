@@ -44,7 +44,7 @@ from dsrl.sync.base import make_checkpoint_engine
 from dsrl.sync.weight_sync import WeightSync
 from dsrl.zero.actor import compute_logprobs, logprob_mismatch, update_actor
 from dsrl.zero.checkpoint import CheckpointError, export_hf, find_checkpoint, load_checkpoint, save_checkpoint
-from dsrl.zero.critic import compute_values, update_critic
+from dsrl.zero.critic import compute_values, has_values, update_actor_and_critic, update_critic
 from dsrl.zero.engine import (
     check_host_memory,
     decide_offload,
@@ -119,7 +119,7 @@ class Run:
     actor: object
     ref: object | None
     critic: object | None
-    """With --algorithm.advantage gae."""
+    """With --algorithm.advantage gae, the critic's own engine; None with LoRA, where the actor is the critic too."""
     kl: KlController
     fleet: ServerFleet
     client: RolloutClient
@@ -180,7 +180,9 @@ def setup(cfg: Config) -> Run:
     ref = None  # the reference policy; with LoRA the actor itself, its adapters off (`reference_off`)
     if cfg.algorithm.kl_coef > 0:
         ref = actor if cfg.model.lora_rank > 0 else load_engine(cfg, model_dir, world, train=False)
-    critic = load_engine(cfg, model_dir, world, train=True, critic=True) if cfg.algorithm.advantage == "gae" else None
+    critic = None  # its own engine; with LoRA the actor's (`PolicyAndValue`: an adapter and a head on its base)
+    if cfg.algorithm.advantage == "gae" and cfg.model.lora_rank == 0:
+        critic = load_engine(cfg, model_dir, world, train=True, critic=True)
     start_step, rank_state, kl = resume(cfg, run_dir, actor, critic, rank)
     trainers = [e for e in (actor, critic) if e is not None]
     offload = decide_offload(cfg, trainers)  # do they lend the GPU to the servers?
@@ -295,8 +297,8 @@ def compute_all_logprobs(run: Run, samples: list[Sample]) -> bool:
     if run.ref is not None:
         with reference_off(run.ref.module):
             compute_logprobs(run.ref, samples, "ref_logprobs", run.cfg, run.pad_id)
-    if run.critic is not None:
-        compute_values(run.critic, samples, run.cfg, run.pad_id)
+    if run.critic is not None or has_values(run.actor):
+        compute_values(run.critic or run.actor, samples, run.cfg, run.pad_id)
     values = [s.extras[k] for s in samples for k in ("old_logprobs", "ref_logprobs", "values") if k in s.extras]
     return all_ranks(all(torch.isfinite(v).all() for v in values))
 
@@ -308,10 +310,14 @@ def update(run: Run, step: int, samples: list[Sample], finite: bool) -> dict[str
     advantages = [s.extras["advantages"] for s in samples] if finite else []
     if finite and all_ranks(all(torch.isfinite(a).all() for a in advantages)):
         run.bad_steps = 0
-        if run.critic is not None:
-            stats |= update_critic(run.critic, samples, run.cfg, run.pad_id)
-        if step >= run.cfg.critic.warmup_steps or run.critic is None:
-            stats |= update_actor(run.actor, samples, run.cfg, run.pad_id, run.kl.value)
+        train_actor = step >= run.cfg.critic.warmup_steps or run.cfg.algorithm.advantage != "gae"
+        if has_values(run.actor):
+            stats |= update_actor_and_critic(run.actor, samples, run.cfg, run.pad_id, run.kl.value, train_actor)
+        else:
+            if run.critic is not None:
+                stats |= update_critic(run.critic, samples, run.cfg, run.pad_id)
+            if train_actor:
+                stats |= update_actor(run.actor, samples, run.cfg, run.pad_id, run.kl.value)
         stats |= kl_in_batch(run, samples)
         return {**stats, "train/skipped_step": 0.0}
     run.bad_steps += 1

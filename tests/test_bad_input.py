@@ -91,6 +91,15 @@ def test_bad_input_conflicting_options():
     assert any(e.startswith("--sync.type='ipc': ipc needs --rollout.placement colocate") for e in errors)
 
 
+def test_bad_input_a_lora_critic_has_no_model_of_its_own():
+    lora_ppo = ["--model.lora_rank", "8", "--algorithm.advantage", "gae"]
+    errors = cross_field_errors(*lora_ppo, "--critic.path", str(ROOT / "examples/toy/model"))
+    assert any(e.startswith("--critic.path=") and "a second adapter and a value head on the actor's base" in e
+               for e in errors), errors  # fmt: skip
+    errors = cross_field_errors(*lora_ppo, "--critic.micro_batch_size", "4")
+    assert any(e.startswith("--critic.micro_batch_size=4: must be unset with --model.lora_rank") for e in errors)
+
+
 def test_bad_input_missing_model_path():
     assert "--model.path='/no/such/model': must be a directory with config.json" in cross_field_errors(
         "--model.path", "/no/such/model"

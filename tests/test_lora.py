@@ -210,3 +210,91 @@ def test_lora_resumes_bit_for_bit(tmp_path):
     assert {"reward/mean", "actor/pg_loss", "kl/old_ref_k1"} <= set(compared)
     for tag in compared:
         assert b[tag] == a[tag], f"{tag} differs after resume"
+
+
+def policy_and_value(base: Path, checkpointing: bool):
+    from dsrl.config import ModelConfig
+    from dsrl.zero.engine import add_lora
+
+    torch.manual_seed(1)
+    m = ModelConfig(path=str(base), lora_rank=4, gradient_checkpointing=checkpointing)
+    model = add_lora(AutoModelForCausalLM.from_pretrained(base), m, critic=True)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.2)
+    return model.train()
+
+
+def test_the_critic_is_a_second_adapter_and_a_head_on_the_actors_base(tmp_path):
+    """PPO with LoRA has one base: the policy is the base with the actor's adapter, the values the base with
+    the critic's adapter and a scalar head, the reference the base alone. Each loss trains its own adapter
+    alone, and gradient checkpointing (which recomputes each layer during the backward pass, when the
+    actor's adapter is on again) gives the same gradients."""
+    from dsrl.zero.critic import CRITIC
+
+    base = lora_base(tmp_path / "base")
+    model, plain = policy_and_value(base, False), AutoModelForCausalLM.from_pretrained(base)
+    ids = torch.randint(2, 13, (3, 7))
+
+    def adapter_alone(name: str):  # one of the two adapters as a PEFT model of its own
+        alone, weights = lora_model(base), dict(model.named_parameters())
+        for n, p in alone.named_parameters():
+            if ".lora_" in n:
+                p.data.copy_(weights[n.replace(".default.", f".{name}.")])
+        return alone
+
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, adapter_alone("default")(ids).logits)
+        with reference_off(model):
+            torch.testing.assert_close(model(ids).logits, plain(ids).logits)
+        critic_only = adapter_alone(CRITIC)
+        hidden = critic_only.get_base_model().model(ids).last_hidden_state
+        torch.testing.assert_close(model(ids, values=True).logits, model.value_head(hidden))
+
+    def grads(model, which: str) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        loss = model(ids).logits.logsumexp(-1).mean() if which != "critic" else 0
+        if which != "actor":
+            loss = loss + model(ids, values=True).logits.square().mean()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    joint = grads(model, "both")
+    assert {n for n in joint if ".lora_" in n} == {n for n, p in model.named_parameters() if ".lora_" in n}
+    actor, critic = grads(model, "actor"), grads(model, "critic")
+    assert all(".default." in n for n in actor) and all(".default." not in n for n in critic)
+    for name, g in joint.items():
+        torch.testing.assert_close(g, (actor | critic)[name], msg=name)
+    checkpointed = grads(policy_and_value(base, True), "both")
+    assert checkpointed.keys() == joint.keys()
+    for name, g in checkpointed.items():
+        torch.testing.assert_close(g, joint[name], msg=name)
+
+
+def test_ppo_with_critic_adapters_on_one_base_learns(tmp_path):
+    """PPO with a critic, all LoRA: the actor's adapter, the critic's adapter and value head, and the reference
+    share one frozen base in one engine. The toy task learns (0.03 -> 0.30, first/last five steps), the critic
+    tracks the returns, and what is exported is the actor's adapter alone."""
+    base, run_dir = lora_base(tmp_path / "base"), tmp_path / "run"
+    args = ["--model.path", str(base), "--model.init_from_config", "false", "--model.lora_rank", "8"]
+    args += ["--trainer.lr", "1e-2", "--critic.lr", "2e-2", "--trainer.total_steps", "40", "--eval.path", "null"]
+    args += ["--logging.save_every", "40", "--logging.export_hf", "true"]
+    log = run_to_end(train_cmd("toy_cpu_ppo.yaml", run_dir, *args))
+    assert "the critic is a second LoRA adapter and a value head on the actor's base" in log
+    a = scalars(run_dir)
+    reward, value_loss = list(a["reward/mean"].values()), list(a["critic/value_loss"].values())
+    assert sum(reward[-5:]) / 5 > sum(reward[:5]) / 5 + 0.1, reward
+    assert sum(value_loss[:3]) / 3 > 2 * sum(value_loss[8:16]) / 8, value_loss
+    assert (a["actor/lr"][40], a["critic/lr"][40]) == pytest.approx((1e-2, 2e-2)), "one engine, two learning rates"
+    out = tmp_path / "exported"  # from the checkpoint, which holds both adapters and the head
+    subprocess.run([sys.executable, "-m", "dsrl.cli", "export", "--checkpoint", str(run_dir / "checkpoints/step_40"),
+                    "--out", str(out)], cwd=ROOT, check=True, capture_output=True)  # fmt: skip
+    actor = sum(p.numel() for n, p in lora_model(base, rank=8).named_parameters() if ".lora_" in n)
+    ids = torch.randint(2, 13, (4, 6))
+    for adapter in (run_dir / "adapter", out / "adapter"):
+        assert sum(t.numel() for t in load_adapter(adapter).values()) == actor, "the actor's adapter alone"
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(run_dir / "hf")(ids).logits
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out)(ids).logits, merged, atol=1e-5, rtol=0)
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out / "adapter")(ids).logits
+        torch.testing.assert_close(peft, merged, atol=1e-4, rtol=1e-4)

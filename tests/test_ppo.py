@@ -3,6 +3,8 @@ mid-way resumes bit for bit; reward functions that hang, crash or return garbage
 
 import re
 
+import pytest
+
 from tests.test_reliability import TIMING, run_and_kill, run_to_end, scalars, train_cmd
 
 
@@ -17,10 +19,13 @@ def test_ppo_with_a_critic_learns_the_toy_task(tmp_path):
     assert "critic/explained_variance" in a and "actor/pg_loss" not in {k for k, s in a.items() if 1 in s}  # warm-up
 
 
-def test_ppo_resumes_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_ppo_resumes_bit_for_bit(lora, tmp_path):
     """Critic states, its optimizer and the KL coefficient come back with the actor's: the resumed run's
-    every metric equals the uninterrupted run's."""
-    args = ["--trainer.total_steps", "6", "--logging.save_every", "3", "--eval.path", "null"]
+    every metric equals the uninterrupted run's. With LoRA the critic is an adapter on the actor's base, its
+    states in the actor's engine's checkpoint."""
+    args = ["--model.lora_rank", "4"] if lora else []
+    args += ["--trainer.total_steps", "6", "--logging.save_every", "3", "--eval.path", "null"]
     args += ["--rollout.prompts_per_step", "8", "--trainer.micro_batch_size", "32", "--critic.warmup_steps", "1"]
     args += ["--algorithm.kl_coef", "0.01", "--algorithm.kl_target", "0.001"]  # an adaptive coefficient to restore
     args += ["--rollout.server_args", '{"enable_deterministic_inference": true}']

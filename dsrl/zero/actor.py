@@ -190,14 +190,19 @@ def importance_stats(old, behaviour, weights, mask, cap: float) -> dict[str, tor
 
 def update_actor(engine, samples: list[Sample], cfg: Config, pad_id: int, kl_coef: float) -> dict[str, float]:
     """The policy update: `ppo_epochs` passes of `updates_per_step` optimizer steps, micro-batched."""
-    for s in samples:
-        s.extras["engine_logprobs"] = torch.tensor(s.engine_logprobs)
+    stash_engine_logprobs(samples)
 
     def loss(mb, num_tokens, num_seqs):
         return micro_batch_loss(engine, mb, cfg, num_tokens, num_seqs, kl_coef)
 
     stats = run_updates(engine, samples, cfg, cfg.trainer.micro_batch_size, loss, pad_id)
     return {f"actor/{k}": v for k, v in stats.items()}
+
+
+def stash_engine_logprobs(samples: list[Sample]) -> None:
+    """The servers' sampling logprobs as extras["engine_logprobs"], for `per_token` (decoupled PPO's weights)."""
+    for s in samples:
+        s.extras["engine_logprobs"] = torch.tensor(s.engine_logprobs)
 
 
 def run_updates(

@@ -321,13 +321,14 @@ def merged_adapters(state, adapter: dict, adapter_dir: Path):
     from safetensors.torch import save_file
 
     prefix, scale = "base_model.model.", adapter["lora_alpha"] / adapter["r"]
-    lora = {name: state[name].contiguous() for name in state.keys() if ".lora_" in name}  # (lazy: read them)
+    # (lazy: read them) the actor's adapter; a critic's adapter and value head (`PolicyAndValue`) are not exported
+    lora = {name: state[name].contiguous() for name in state.keys() if ".lora_" in name and f".{ADAPTER}." in name}
     adapter_dir.mkdir(parents=True)
     (adapter_dir / "adapter_config.json").write_text(json.dumps(adapter, indent=2))
     peft_names = {name.replace(f".{ADAPTER}.", "."): tensor for name, tensor in lora.items()}
     save_file(peft_names, adapter_dir / "adapter_model.safetensors")
     for name in state.keys():
-        if name in lora:
+        if name in lora or ".lora_" in name or not name.startswith(prefix):
             continue
         tensor = state[name].contiguous()
         if ".base_layer." in name:

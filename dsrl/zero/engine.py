@@ -11,8 +11,9 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
-from dsrl.config import Config
-from dsrl.zero.lora import add_adapters
+from dsrl.config import Config, ModelConfig
+from dsrl.zero.critic import PolicyAndValue
+from dsrl.zero.lora import add_adapters, lora_config
 
 log = logging.getLogger(__name__)
 
@@ -122,23 +123,36 @@ def load_engine(
         if lora:  # the frozen embeddings' output must carry a gradient into the checkpointed layers
             model.enable_input_require_grads()
     if lora:  # new adapter parameters: deepspeed.initialize partitions them with the rest
-        model = add_adapters(model, cfg.model)
+        model = add_lora(model, cfg.model, critic=cfg.algorithm.advantage == "gae")
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         dtype = next(p.dtype for p in model.parameters() if p.requires_grad)
         log.info("LoRA rank %d: %s trained parameters of %s (%.2f%%, %s), the base frozen", cfg.model.lora_rank,
                  f"{trained:,}", f"{total:,}", 100 * trained / total, dtype)  # fmt: skip
     if train:
+        trained = [p for p in model.parameters() if p.requires_grad]
         engine, *_ = deepspeed.initialize(
             model=model,
             config=conf,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            model_parameters=model.param_groups(c.lr) if isinstance(model, PolicyAndValue) else trained,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
         )
     else:
         engine, *_ = deepspeed.initialize(model=model, config=conf)
         engine.eval()
     return engine
+
+
+def add_lora(model: torch.nn.Module, m: ModelConfig, critic: bool) -> torch.nn.Module:
+    """The actor's adapters; with a `critic` (gae) the critic's adapter and value head beside them, on the one base."""
+    if not critic:
+        return add_adapters(model, m)
+    model = PolicyAndValue(model, lora_config(m))
+    if m.gradient_checkpointing:  # recomputed layers run under the adapter of their forward
+        kwargs = {"use_reentrant": False, "context_fn": model.replay_adapter}
+        model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    log.info("the critic is a second LoRA adapter and a value head on the actor's base: one engine, no second model")
+    return model
 
 
 def init_distributed(cfg: Config) -> None:
@@ -208,7 +222,8 @@ def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
     with init_empty_weights():
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    trainers = 2 if cfg.algorithm.advantage == "gae" else 1  # the critic is as large, and trained too
+    # the critic is as large, and trained too (with LoRA it is an adapter on the actor's base)
+    trainers = 2 if cfg.algorithm.advantage == "gae" and cfg.model.lora_rank == 0 else 1
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     need = params * trainers * HOST_BYTES_PER_PARAM * local / world
     memory = psutil.virtual_memory()

@@ -34,9 +34,16 @@ def add_adapters(model: torch.nn.Module, m: ModelConfig) -> torch.nn.Module:
     their fp32 master copy as it does the base's. (Marking each adapted layer a ZeRO-3 leaf, to run one set of
     hooks instead of one per submodule, breaks the backward pass in DeepSpeed 0.19.8: the adapters read back
     empty.)"""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    config = LoraConfig(
+    return get_peft_model(model, lora_config(m), autocast_adapter_dtype=False)
+
+
+def lora_config(m: ModelConfig):
+    """PEFT's LoraConfig from --model.lora_*."""
+    from peft import LoraConfig
+
+    return LoraConfig(
         r=m.lora_rank,
         lora_alpha=m.lora_alpha or 2 * m.lora_rank,
         target_modules=m.lora_target_modules,
@@ -44,7 +51,6 @@ def add_adapters(model: torch.nn.Module, m: ModelConfig) -> torch.nn.Module:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config, autocast_adapter_dtype=False)
 
 
 def is_lora(module: torch.nn.Module) -> bool:
