@@ -100,6 +100,11 @@ def test_bad_input_a_lora_critic_has_no_model_of_its_own():
     assert any(e.startswith("--critic.micro_batch_size=4: must be unset with --model.lora_rank") for e in errors)
 
 
+def test_bad_input_offload_share_out_of_range():
+    errors = cross_field_errors("--trainer.offload_optimizer_ratio", "0")
+    assert "--trainer.offload_optimizer_ratio=0.0: must be in (0, 1]" in errors
+
+
 def test_bad_input_missing_model_path():
     assert "--model.path='/no/such/model': must be a directory with config.json" in cross_field_errors(
         "--model.path", "/no/such/model"

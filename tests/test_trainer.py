@@ -3,6 +3,7 @@ to the computation it replaced (right-padded rows, the full fp32 log-softmax): v
 to fp32 rounding. The ZeRO-3 gradient over two ranks with unequal micro-batch counts is in test_sync.py."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from dsrl.data import Prompt, Sample
 from dsrl.zero import actor
 from dsrl.zero.actor import forward_logprobs
 from dsrl.zero.batches import MICRO_BATCH_COST, MicroBatch, micro_batches, plan, plan_rows, split_to
+from tests.conftest import ROOT
 
 
 def samples(seed: int, n: int = 6) -> list[Sample]:
@@ -123,3 +125,31 @@ def test_auto_budget_keeps_equal_lengths_as_micro_batch_size_rows_and_merges_a_l
     assert sorted(s.prompt.index for mb in grouped for s in mb) == list(range(32))
     assert all(len(mb) * max(len(s.response_ids) + 2 for s in mb) <= 8 * 202 for mb in grouped)
     assert len(grouped) == 2, "the long sample alone, the 31 short ones together: not 4 padded micro-batches"
+
+
+def test_zero_offload_preflight_names_the_host_share_that_fits(monkeypatch):
+    """--trainer.offload_optimizer on a host too small for all the optimizer states: refused before any weight is
+    loaded, naming the numbers and the --trainer.offload_optimizer_ratio that fits; which then starts."""
+    import psutil
+    from accelerate import init_empty_weights
+
+    from dsrl.config import Config, DataConfig, ModelConfig
+    from dsrl.zero.engine import HOST_BYTES_PER_PARAM, check_host_memory
+
+    path = str(ROOT / "examples/toy/model")
+    with init_empty_weights():
+        whole = sum(p.numel() for p in AutoModelForCausalLM.from_config(toy.build_model_config()).parameters())
+    whole *= HOST_BYTES_PER_PARAM
+    total = 10 << 30
+    margin = 0.1 * total + (8 << 30)
+    memory = SimpleNamespace(total=total, available=margin + 0.42 * whole)  # a host of this size (named a fake)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    cfg = Config(model=ModelConfig(path=path), data=DataConfig(train_path="unused.jsonl"))
+    cfg.trainer.offload_optimizer = True
+    with pytest.raises(
+        MemoryError, match=r"100% of the optimizer states .* Fits: --trainer.offload_optimizer_ratio 0.40"
+    ):
+        check_host_memory(cfg, path, world=1)
+    cfg.trainer.offload_optimizer_ratio = 0.4
+    check_host_memory(cfg, path, world=1)

@@ -123,6 +123,12 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="The GPU's dense bf16 peak (H100/H200 SXM).")
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (--model.lora_rank).")
     parser.add_argument("--checkpointing", action="store_true", help="Gradient checkpointing (both modes).")
+    parser.add_argument(
+        "--gather",
+        default="layer",
+        choices=["layer", "module"],
+        help="ZeRO-3 gathers per decoder layer (--trainer.gather_per_layer) or per module.",
+    )
     parser.add_argument("--modes", nargs="+", default=["before", "after"], choices=["before", "after", "packed"])
     args = parser.parse_args()
     budget = args.budget if args.budget == "auto" else int(args.budget)
@@ -134,11 +140,15 @@ def main() -> None:
     cfg = Config(model=model, data=DataConfig(train_path="unused.jsonl"))
     cfg.rollout.prompts_per_step, cfg.rollout.n_samples = args.samples, 1
     cfg.trainer.lr, cfg.trainer.micro_batch_size = 1e-6, args.micro
+    cfg.trainer.gather_per_layer = args.gather == "layer"
     init_distributed(cfg)
     engine = load_engine(cfg, args.model, 1, train=True)
     params = sum(p.ds_numel for p in engine.module.parameters())
     vocab = engine.module.config.vocab_size
-    print(f"model {args.model}: {params / 1e9:.2f}B parameters, vocabulary {vocab}, {args.samples} samples")
+    print(
+        f"model {args.model}: {params / 1e9:.2f}B parameters, vocabulary {vocab}, {args.samples} samples, "
+        f"ZeRO-3 gathers per {args.gather}{', checkpointing' if args.checkpointing else ''}"
+    )
     header = f"{'lengths':>9} {'mode':>7} {'logprobs s':>11} {'update s':>9} {'tokens/s':>9} {'MFU':>6}"
     print(header + f" {'padded':>7} {'peak GB':>8}")
     for dist in args.dist:

@@ -122,7 +122,7 @@ for s in "$@"; do
       TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
       stage ppo ${PPO_LIMIT:-420} python3 -m dsrl.cli train --config configs/gpu_colocate.yaml \
         --model.path /tmp/models/${PPO_MODEL:-1.5b} --algorithm.advantage gae --algorithm.kl_coef 0.01 \
-        --critic.lr 1e-6 --trainer.total_steps ${PPO_STEPS:-4} --logging.tensorboard $TB --logging.run_dir /tmp/runs/ppo
+        --critic.lr 1e-6 --trainer.total_steps ${PPO_STEPS:-4} --logging.tensorboard $TB --logging.run_dir /tmp/runs/ppo ${PPO_EXTRA:-}
       grep -a "\[dsrl\] step\|Error" "$OUT/ppo.log" | sed 's/.*\[dsrl\]//' | tail -5 | tee -a "$SUMMARY"
       grep -a "final metrics" "$OUT/ppo.log" | grep -o '"memory/[a-z_]*": [0-9.e-]*\|"timing/[a-z]*": [0-9.e-]*\|"critic/[a-z_]*": [0-9.e-]*\|"sync/probe_logprob_diff": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
       ;;

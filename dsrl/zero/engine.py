@@ -46,7 +46,7 @@ def ds_config(
     micro_batch_size = micro_batch_size or t.micro_batch_size
     zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}
     if train and t.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": use_cuda(cfg)}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": use_cuda(cfg), "ratio": t.offload_optimizer_ratio}
     conf = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": batch_shape(cfg, world, micro_batch_size)[1],
@@ -129,6 +129,8 @@ def load_engine(
         dtype = next(p.dtype for p in model.parameters() if p.requires_grad)
         log.info("LoRA rank %d: %s trained parameters of %s (%.2f%%, %s), the base frozen", cfg.model.lora_rank,
                  f"{trained:,}", f"{total:,}", 100 * trained / total, dtype)  # fmt: skip
+    if cfg.trainer.gather_per_layer and not lora:  # (with LoRA, DeepSpeed 0.19.8's backward reads the adapters empty)
+        gather_per_layer(model)
     if train:
         trained = [p for p in model.parameters() if p.requires_grad]
         engine, *_ = deepspeed.initialize(
@@ -141,6 +143,16 @@ def load_engine(
         engine, *_ = deepspeed.initialize(model=model, config=conf)
         engine.eval()
     return engine
+
+
+def gather_per_layer(model: torch.nn.Module) -> None:
+    """Mark the decoder layers (HF's `_no_split_modules`) as ZeRO-3 leaf modules: DeepSpeed gathers a layer's
+    parameters once for its forward and once for its backward, not each submodule's, with one set of hooks."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    classes = list(getattr(model, "_no_split_modules", None) or [])
+    leaves = set_z3_leaf_modules(model, classes, raise_if_not_found=False) if classes else []
+    log.info("ZeRO-3 gathers %d layers (%s) whole", len(leaves), ", ".join(classes) or "none named by the model")
 
 
 def add_lora(model: torch.nn.Module, m: ModelConfig, critic: bool) -> torch.nn.Module:
@@ -225,17 +237,22 @@ def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
     # the critic is as large, and trained too (with LoRA it is an adapter on the actor's base)
     trainers = 2 if cfg.algorithm.advantage == "gae" and cfg.model.lora_rank == 0 else 1
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    need = params * trainers * HOST_BYTES_PER_PARAM * local / world
+    whole = params * trainers * HOST_BYTES_PER_PARAM * local / world
+    ratio = cfg.trainer.offload_optimizer_ratio
     memory = psutil.virtual_memory()
     margin = 0.1 * memory.total + (8 << 30)  # the ranks' own processes, the servers' host side, the page cache
-    if need + margin > memory.available:
+    if whole * ratio + margin > memory.available:
+        fits = int(max(0.0, memory.available - margin) / whole * 20) / 20  # rounded down to 0.05
+        hint = f"--trainer.offload_optimizer_ratio {fits:.2f} (the rest on the GPUs)" if fits > 0 else "more nodes"
         raise MemoryError(
-            f"--trainer.offload_optimizer: the optimizer states of {params * trainers / 1e9:.2f}B trained parameters "
-            f"need {need / 1e9:.1f} GB of this node's host memory ({HOST_BYTES_PER_PARAM} bytes each: fp32 weights, "
-            f"Adam's two moments, fp32 grads; {local} of {world} ranks here) + {margin / 1e9:.1f} GB margin, and "
-            f"{memory.available / 1e9:.1f} GB of {memory.total / 1e9:.1f} GB are available. Train on more nodes "
-            "(the states split over ranks), a smaller model, or keep the states on the GPUs"
+            f"--trainer.offload_optimizer: {ratio:.0%} of the optimizer states of {params * trainers / 1e9:.2f}B "
+            f"trained parameters need {whole * ratio / 1e9:.1f} GB of this node's host memory ({HOST_BYTES_PER_PARAM} "
+            f"bytes each: fp32 weights, Adam's two moments, fp32 grads; {local} of {world} ranks here) + "
+            f"{margin / 1e9:.1f} GB margin, and {memory.available / 1e9:.1f} GB of {memory.total / 1e9:.1f} GB are "
+            f"available. Fits: {hint}; or train on more nodes (the states split over ranks), or a smaller model"
         )
+    log.info("ZeRO-Offload: %.1f GB of optimizer states on the host (%.0f%%), %.1f GB available",
+             whole * ratio / 1e9, 100 * ratio, memory.available / 1e9)  # fmt: skip
 
 
 def decide_offload(cfg: Config, engines: list) -> bool:
@@ -258,11 +275,18 @@ def decide_offload(cfg: Config, engines: list) -> bool:
     width = 2 if param_dtype(cfg) == torch.bfloat16 else 4
     # the weights; the trained ones' grads and, unless ZeRO-Offload keeps them on the host, their fp32 master
     # copy and Adam's moments
-    states = weights * width + trained * (width + (0 if cfg.trainer.offload_optimizer else 4 + 8))
+    on_gpu = 1 - cfg.trainer.offload_optimizer_ratio if cfg.trainer.offload_optimizer else 1
+    states = weights * width + trained * (width + on_gpu * (4 + 8))
     total = torch.cuda.mem_get_info()[1]
     servers = cfg.rollout.mem_fraction_static * total
     margin = 0.05 * total + (4 << 30)  # the servers' activations, CUDA graphs, the allocator's slack
     keep = states + servers + margin < total
+    if cfg.trainer.offload_optimizer:  # DeepSpeed moves states between phases for FusedAdam only, not CPU Adam
+        log.info("colocated memory: trainers' GPU states %.1f GB + servers %.1f GB + margin %.1f GB %s the GPU's "
+                 "%.1f GB; with ZeRO-Offload they stay on the GPU%s", states / 1e9, servers / 1e9, margin / 1e9,
+                 "fit in" if keep else "exceed", total / 1e9,
+                 "" if keep else ": raise --trainer.offload_optimizer_ratio or lower mem_fraction_static")  # fmt: skip
+        return False
     log.info(
         "colocated memory: trainers' states %.1f GB + servers %.1f GB (mem_fraction_static %.2f) + margin %.1f GB "
         "%s the GPU's %.1f GB: the states %s (--trainer.offload_states auto)",
