@@ -35,7 +35,7 @@ from dsrl.zero import actor
 from dsrl.zero.engine import init_distributed, load_engine
 
 
-def legacy_forward_logprobs(engine, mb, temperature: float):
+def legacy_forward_logprobs(engine, mb, temperature: float, with_entropy: bool = True):
     """The computation before this change, for the "before" row: every position's logits, fp32, log-softmax,
     and the entropy always."""
     logits = engine(**mb.model_inputs()).logits.float() / temperature
