@@ -132,11 +132,11 @@ def load_engine(
     if cfg.trainer.gather_per_layer and not lora:  # (with LoRA, DeepSpeed 0.19.8's backward reads the adapters empty)
         gather_per_layer(model)
     if train:
-        trained = [p for p in model.parameters() if p.requires_grad]
+        groups = model.param_groups(c.lr) if isinstance(model, PolicyAndValue) else None  # (two learning rates)
         engine, *_ = deepspeed.initialize(
             model=model,
             config=conf,
-            model_parameters=model.param_groups(c.lr) if isinstance(model, PolicyAndValue) else trained,
+            model_parameters=groups or [p for p in model.parameters() if p.requires_grad],
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
         )
     else:
