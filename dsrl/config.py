@@ -479,6 +479,11 @@ def eval_rollout(cfg: Config) -> RolloutConfig:
     )
 
 
+def critic_on_actor_base(cfg: Config) -> bool:
+    """PPO with LoRA: the critic is a second adapter and a value head on the actor's base, not a model of its own."""
+    return cfg.algorithm.advantage == "gae" and cfg.model.lora_rank > 0
+
+
 def world_size(cfg: Config) -> int | None:
     """Trainer ranks the launcher will start, when known before launch."""
     if cfg.trainer.hostfile:
@@ -594,7 +599,7 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     check(c.value_clip is None or c.value_clip > 0, "critic.value_clip", c.value_clip, "must be > 0 or null")
     check(c.micro_batch_size is None or c.micro_batch_size >= 1, "critic.micro_batch_size", c.micro_batch_size,
           "must be >= 1")  # fmt: skip
-    shared = a.advantage == "gae" and cfg.model.lora_rank > 0  # the critic: an adapter on the actor's base
+    shared = critic_on_actor_base(cfg)
     check(
         not shared or c.path is None,
         "critic.path",

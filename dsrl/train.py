@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from dsrl.advantages import KlController, compute_advantages
 from dsrl.collectives import agreed, all_ranks
-from dsrl.config import Config, SyncConfig, dump_config, fleet_kind, parse_config, validate
+from dsrl.config import Config, SyncConfig, critic_on_actor_base, dump_config, fleet_kind, parse_config, validate
 from dsrl.data import DatasetError, Sample, check_datasets, server_context
 from dsrl.episode import EpisodeRunner, episode_metrics, episode_row
 from dsrl.evaluate import Evaluator
@@ -181,7 +181,7 @@ def setup(cfg: Config) -> Run:
     if cfg.algorithm.kl_coef > 0:
         ref = actor if cfg.model.lora_rank > 0 else load_engine(cfg, model_dir, world, train=False)
     critic = None  # its own engine; with LoRA the actor's (`PolicyAndValue`: an adapter and a head on its base)
-    if cfg.algorithm.advantage == "gae" and cfg.model.lora_rank == 0:
+    if cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg):
         critic = load_engine(cfg, model_dir, world, train=True, critic=True)
     start_step, rank_state, kl = resume(cfg, run_dir, actor, critic, rank)
     trainers = [e for e in (actor, critic) if e is not None]

@@ -328,7 +328,7 @@ def merged_adapters(state, adapter: dict, adapter_dir: Path):
     peft_names = {name.replace(f".{ADAPTER}.", "."): tensor for name, tensor in lora.items()}
     save_file(peft_names, adapter_dir / "adapter_model.safetensors")
     for name in state.keys():
-        if name in lora or ".lora_" in name or not name.startswith(prefix):
+        if ".lora_" in name or not name.startswith(prefix):  # adapters (written above), a critic's value head
             continue
         tensor = state[name].contiguous()
         if ".base_layer." in name:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
-from dsrl.config import Config, ModelConfig
+from dsrl.config import Config, ModelConfig, critic_on_actor_base
 from dsrl.zero.critic import PolicyAndValue
 from dsrl.zero.lora import add_adapters, lora_config
 
@@ -123,7 +123,7 @@ def load_engine(
         if lora:  # the frozen embeddings' output must carry a gradient into the checkpointed layers
             model.enable_input_require_grads()
     if lora:  # new adapter parameters: deepspeed.initialize partitions them with the rest
-        model = add_lora(model, cfg.model, critic=cfg.algorithm.advantage == "gae")
+        model = add_lora(model, cfg.model, critic=critic_on_actor_base(cfg))
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         dtype = next(p.dtype for p in model.parameters() if p.requires_grad)
@@ -235,7 +235,7 @@ def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     # the critic is as large, and trained too (with LoRA it is an adapter on the actor's base)
-    trainers = 2 if cfg.algorithm.advantage == "gae" and cfg.model.lora_rank == 0 else 1
+    trainers = 2 if cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg) else 1
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     whole = params * trainers * HOST_BYTES_PER_PARAM * local / world
     ratio = cfg.trainer.offload_optimizer_ratio
