@@ -26,6 +26,10 @@ class ModelConfig:
     """Passed to transformers when loading the model and tokenizer."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    liger_kernel: bool = False
+    """Run the trainer's RMSNorm, SwiGLU MLP and rotary embedding as liger-kernel's fused Triton kernels (`pip
+    install liger-kernel`; CUDA; the model types liger patches: Llama, Qwen2/3, Mistral, Gemma, ...): fewer
+    passes over the activations. The servers and the weights are unchanged."""
     lora_rank: int = 0
     """LoRA adapters of this rank on the actor (0: train every weight). The base is frozen: no gradients or
     optimizer states for it, the reference model is the base with the adapters off (no second engine), and
@@ -198,10 +202,11 @@ class TrainerConfig:
     (equal lengths give the same micro-batches; a long-tail batch, far fewer and little padding). Null:
     `micro_batch_size` rows each, in batch order. Fewer, larger micro-batches are faster (ZeRO-3 gathers every
     parameter for each one); memory grows with the tokens (3B: ~5 GB per 1,000 tokens without checkpointing)."""
-    pack_sequences: bool = False
-    """Pack a micro-batch's samples into one row, positions restarting per sample: no padding at all. Only with a
-    varlen attention kernel (flash-attention 2): with sdpa transformers builds a dense mask over the whole row
-    and attention becomes quadratic in its length."""
+    pack_sequences: bool | Literal["auto"] = "auto"
+    """Pack a micro-batch's samples into one row, positions restarting per sample: no padding at all. The model's
+    attention is then dsrl's (`dsrl/zero/varlen.py`): torch's flash-attention varlen kernel on CUDA in bf16, each
+    sequence alone through sdpa elsewhere; not for sliding-window or soft-capped attention. auto: on CUDA, not on
+    CPU. false: right-padded rows of similar lengths (`max_tokens_per_micro_batch`), the model's own attention."""
     micro_batch_size: int = 8
     """Sequences per forward/backward pass on one rank when max_tokens_per_micro_batch is null."""
     updates_per_step: int = 1
@@ -515,6 +520,11 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     m = cfg.model
     check(0 < t.offload_optimizer_ratio <= 1, "trainer.offload_optimizer_ratio", t.offload_optimizer_ratio,
           "must be in (0, 1]")  # fmt: skip
+    if m.liger_kernel:
+        from importlib.util import find_spec
+
+        check(find_spec("liger_kernel") is not None, "model.liger_kernel", True, "liger-kernel is not installed")
+        check(t.device != "cpu", "model.liger_kernel", True, "its kernels run on CUDA (--trainer.device cpu)")
     check(m.lora_rank >= 0, "model.lora_rank", m.lora_rank, "must be >= 0 (0: no adapters)")
     check(0 <= m.lora_dropout < 1, "model.lora_dropout", m.lora_dropout, "must be in [0, 1)")
     check(m.lora_alpha is None or m.lora_alpha > 0, "model.lora_alpha", m.lora_alpha, "must be > 0")

@@ -142,3 +142,16 @@ def test_the_config_reference_is_current():
 
     render = runpy.run_path(str(ROOT / "tools/config_reference.py"))["render"]
     assert (ROOT / "docs/config.md").read_text() == render(), "run python tools/config_reference.py"
+
+
+def test_liger_kernel_is_checked_before_anything_loads(monkeypatch):
+    """--model.liger_kernel needs the package, and CUDA: each lack is named before a weight is loaded."""
+    import importlib.util
+
+    parser = build_parser()
+    cfg = to_config(parser, parser.parse_args([*TOY, "--model.liger_kernel", "true", "--trainer.device", "cpu"]))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world=2)
+    assert "--model.liger_kernel=True: liger-kernel is not installed" in str(info.value)
+    assert "--model.liger_kernel=True: its kernels run on CUDA (--trainer.device cpu)" in str(info.value)

@@ -274,13 +274,14 @@ def test_the_critic_is_a_second_adapter_and_a_head_on_the_actors_base(tmp_path):
 def test_ppo_with_critic_adapters_on_one_base_learns(tmp_path):
     """PPO with a critic, all LoRA: the actor's adapter, the critic's adapter and value head, and the reference
     share one frozen base in one engine. The toy task learns (0.03 -> 0.30, first/last five steps), the critic
-    tracks the returns, and what is exported is the actor's adapter alone."""
+    tracks the returns, and what is exported is the actor's adapter alone. Packed micro-batches."""
     base, run_dir = lora_base(tmp_path / "base"), tmp_path / "run"
     args = ["--model.path", str(base), "--model.init_from_config", "false", "--model.lora_rank", "8"]
     args += ["--trainer.lr", "1e-2", "--critic.lr", "2e-2", "--trainer.total_steps", "40", "--eval.path", "null"]
-    args += ["--logging.save_every", "40", "--logging.export_hf", "true"]
+    args += ["--logging.save_every", "40", "--logging.export_hf", "true", "--trainer.pack_sequences", "true"]
     log = run_to_end(train_cmd("toy_cpu_ppo.yaml", run_dir, *args))
     assert "the critic is a second LoRA adapter and a value head on the actor's base" in log
+    assert "packed micro-batches, no padding" in log  # (the values' forward passes the boundaries through PEFT)
     a = scalars(run_dir)
     reward, value_loss = list(a["reward/mean"].values()), list(a["critic/value_loss"].values())
     assert sum(reward[-5:]) / 5 > sum(reward[:5]) / 5 + 0.1, reward

@@ -9,9 +9,14 @@ from tests.test_reliability import TIMING, run_and_kill, run_to_end, scalars, tr
 
 
 def test_ppo_with_a_critic_learns_the_toy_task(tmp_path):
+    """Packed micro-batches (the default on GPUs; on CPU each sequence's attention alone): the actor, the
+    reference and the token-classification critic all run on rows of several sequences without padding."""
     run_dir = tmp_path / "ppo"
-    run_to_end(train_cmd("toy_cpu_ppo.yaml", run_dir, "--trainer.total_steps", "40", "--eval.path", "null"))
+    args = ["--trainer.total_steps", "40", "--eval.path", "null", "--trainer.pack_sequences", "true"]
+    log = run_to_end(train_cmd("toy_cpu_ppo.yaml", run_dir, *args))
+    assert "packed micro-batches, no padding: attention by sdpa, one call per sequence" in log
     a = scalars(run_dir)
+    assert set(a["actor/padded_frac"].values()) == {0.0}
     reward, value_loss = list(a["reward/mean"].values()), list(a["critic/value_loss"].values())
     assert sum(reward[-5:]) / 5 > sum(reward[:5]) / 5 + 0.05, reward
     # the fresh value head's first steps are far off; then the critic tracks the returns

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from dsrl import toy
 from dsrl.data import Prompt, Sample
-from dsrl.zero import actor
+from dsrl.zero import actor, varlen
 from dsrl.zero.actor import forward_logprobs
 from dsrl.zero.batches import MICRO_BATCH_COST, MicroBatch, micro_batches, plan, plan_rows, split_to
 from tests.conftest import ROOT
@@ -57,12 +57,16 @@ def model():
     return m
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
-def test_chunked_logprobs_equal_the_full_log_softmax_values_and_gradients(model, monkeypatch, packed):
+@pytest.mark.parametrize("layout", ["varlen", "packed", "padded", "padded-varlen"])
+def test_chunked_logprobs_equal_the_full_log_softmax_values_and_gradients(model, monkeypatch, layout):
     """Packed rows (positions restarting per sample) and only the response positions' logits, their fp32
     log-softmax three positions at a time, recomputed in the backward pass: the same logprobs, entropies
-    and parameter gradients as the padded full [B, T, V] computation."""
+    and parameter gradients as the padded full [B, T, V] computation. varlen: packed under dsrl's attention
+    (`dsrl/zero/varlen.py`), the sequences' boundaries passed down, no mask: on CPU each sequence through sdpa
+    alone, one call per sequence and layer; packed: under sdpa, with transformers' block-causal mask;
+    padded-varlen: right-padded rows under dsrl's attention, causal with no padding mask (the sync's probe)."""
     monkeypatch.setattr(actor, "LOGPROB_CHUNK", 3)
+    packed = not layout.startswith("padded")
     batch, temperature = samples(0), 0.7
     weights = torch.randn(len(batch), max(len(s.response_ids) for s in batch))
     want_lp, want_ent = padded_reference(model, batch, temperature)
@@ -78,7 +82,16 @@ def test_chunked_logprobs_equal_the_full_log_softmax_values_and_gradients(model,
     if packed:
         assert mb.input_ids.shape == (1, sum(len(s.prompt.prompt_ids) + len(s.response_ids) for s in batch))
     model.zero_grad()
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(
+        torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k)
+    )
+    if layout.endswith("varlen"):
+        monkeypatch.setattr(model.config, "_attn_implementation", varlen.NAME)
     got_lp, got_ent = forward_logprobs(model, mb, temperature)
+    per_call = len(batch) if layout == "varlen" else 1
+    assert len(calls) == model.config.num_hidden_layers * per_call
     ((got_lp * weights * mask).sum() + (got_ent * mask).sum()).backward()
     torch.testing.assert_close(got_lp * mask, want_lp * mask, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_ent * mask, want_ent * mask, atol=1e-5, rtol=1e-5)

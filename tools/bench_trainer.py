@@ -13,15 +13,17 @@ logprob pass and one update (the PPO loss, token_mean) `--repeats` times; the be
           `git show REV:dsrl/zero/actor.py > /tmp/actor_before.py`)
   after   micro-batches of at most --budget tokens, padded rows of similar lengths, logits of response
           positions only, their fp32 log-softmax a chunk of positions at a time (dsrl's trainer as it is)
-  packed  as after, every micro-batch one packed row (`trainer.pack_sequences`: for a varlen attention
-          kernel; with sdpa it is quadratic in the row)
+  packed  as after, every micro-batch one packed row under dsrl's attention (`trainer.pack_sequences`,
+          `dsrl/zero/varlen.py`: torch's flash varlen kernel on CUDA), no padding; the default on CUDA
 
 Figures: tokens/s (real tokens, no padding), MFU = (2 + 6) * params * tokens / seconds / --peak-tflops
 (forward of the logprob pass + forward and backward of the update), the padded fraction of the tokens the
-model ran on, and the update's peak memory.
+model ran on, and the update's peak memory; and how far each mode's logprobs are from the first mode's (mean
+and max |difference| over the response tokens: the layouts agree to the precision's rounding).
 """
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import random
@@ -31,7 +33,7 @@ import torch
 
 from dsrl.config import Config, DataConfig, ModelConfig
 from dsrl.data import Prompt, Sample
-from dsrl.zero import actor
+from dsrl.zero import actor, varlen
 from dsrl.zero.engine import init_distributed, load_engine
 
 
@@ -123,6 +125,7 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="The GPU's dense bf16 peak (H100/H200 SXM).")
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (--model.lora_rank).")
     parser.add_argument("--checkpointing", action="store_true", help="Gradient checkpointing (both modes).")
+    parser.add_argument("--liger", action="store_true", help="liger-kernel's fused kernels (--model.liger_kernel).")
     parser.add_argument(
         "--gather",
         default="layer",
@@ -137,6 +140,7 @@ def main() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     model = ModelConfig(path=args.model, gradient_checkpointing=args.checkpointing, lora_rank=args.lora_rank)
+    model.liger_kernel = args.liger
     cfg = Config(model=model, data=DataConfig(train_path="unused.jsonl"))
     cfg.rollout.prompts_per_step, cfg.rollout.n_samples = args.samples, 1
     cfg.trainer.lr, cfg.trainer.micro_batch_size = 1e-6, args.micro
@@ -148,35 +152,52 @@ def main() -> None:
     print(
         f"model {args.model}: {params / 1e9:.2f}B parameters, vocabulary {vocab}, {args.samples} samples, "
         f"ZeRO-3 gathers per {args.gather}{', checkpointing' if args.checkpointing else ''}"
+        f"{', liger-kernel' if args.liger else ''}; packed rows' attention: "
+        f"{varlen.describe(next(engine.module.parameters()).dtype, torch.cuda.is_available())}"
     )
     header = f"{'lengths':>9} {'mode':>7} {'logprobs s':>11} {'update s':>9} {'tokens/s':>9} {'MFU':>6}"
-    print(header + f" {'padded':>7} {'peak GB':>8}")
+    print(header + f" {'padded':>7} {'peak GB':>8} {'|dlogp| mean/max vs first':>26}")
     for dist in args.dist:
         samples = synthetic(args.samples, dist, args.max_len, vocab, args.prompt_len)
         tokens = sum(len(s.prompt.prompt_ids) + len(s.response_ids) for s in samples)
+        agreement = {}  # each mode's logprobs, before any update moves the weights
         for mode in args.modes:
-            legacy = mode == "before"
-            cfg.trainer.max_tokens_per_micro_batch = None if legacy else budget
-            cfg.trainer.pack_sequences = mode == "packed"
-            impl = before if legacy and before else actor
-            original = actor.forward_logprobs
-            if legacy and not before:
-                actor.forward_logprobs = legacy_forward_logprobs
+            with mode_of(mode, cfg, engine, budget, before) as impl:
+                impl.compute_logprobs(engine, samples, "old_logprobs", cfg, pad_id=0)
+            agreement[mode] = torch.cat([s.extras["old_logprobs"] for s in samples])
+        for mode in args.modes:
             try:
-                r = measure(impl, engine, samples, cfg, args.repeats)
-                if args.profile:
-                    print(f"== profile: {dist} {mode}, {args.profile} samples")
-                    profile(impl, engine, samples[: args.profile], cfg)
+                with mode_of(mode, cfg, engine, budget, before) as impl:
+                    r = measure(impl, engine, samples, cfg, args.repeats)
+                    if args.profile:
+                        print(f"== profile: {dist} {mode}, {args.profile} samples")
+                        profile(impl, engine, samples[: args.profile], cfg)
             except torch.OutOfMemoryError as e:
                 print(f"{dist:>9} {mode:>7}  out of memory: {str(e).splitlines()[0][:160]}")
                 torch.cuda.empty_cache()
                 continue
-            finally:
-                actor.forward_logprobs = original
+            diff = (agreement[mode] - agreement[args.modes[0]]).abs()
+            agree = f"{diff.mean():12.2e} /{diff.max():9.2e}"
             seconds = r["logprobs_s"] + r["update_s"]
             mfu = 8 * params * tokens / seconds / (args.peak_tflops * 1e12)
             print(f"{dist:>9} {mode:>7} {r['logprobs_s']:11.2f} {r['update_s']:9.2f} {tokens / seconds:9.0f} "
-                  f"{mfu:6.1%} {r['padded']:7.1%} {r['peak_gb']:8.1f}")  # fmt: skip
+                  f"{mfu:6.1%} {r['padded']:7.1%} {r['peak_gb']:8.1f} {agree}")  # fmt: skip
+
+
+@contextlib.contextmanager
+def mode_of(mode: str, cfg, engine, budget, before):
+    """The trainer as `mode` runs it (its micro-batches, layout and attention); yields the actor module to call."""
+    legacy = mode == "before"
+    cfg.trainer.max_tokens_per_micro_batch = None if legacy else budget
+    cfg.trainer.pack_sequences = mode == "packed"
+    engine.module.config._attn_implementation = varlen.NAME if mode == "packed" else "sdpa"
+    original = actor.forward_logprobs
+    if legacy and not before:
+        actor.forward_logprobs = legacy_forward_logprobs
+    try:
+        yield before if legacy and before else actor
+    finally:
+        actor.forward_logprobs = original
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Trainer-side work on a rollout batch: logprobs (old, reference) and the PPO update of the actor.
 
-Micro-batches are built by tokens and packed (`dsrl/zero/batches.py`); the model computes logits of the
+Micro-batches are built by tokens, packed on CUDA (`dsrl/zero/batches.py`); the model computes logits of the
 response positions only, and their fp32 log-softmax runs a chunk of positions at a time."""
 
 from collections import defaultdict
@@ -19,7 +19,7 @@ from dsrl.algorithms import (
 from dsrl.collectives import reduce_device
 from dsrl.config import Config
 from dsrl.data import Sample
-from dsrl.zero.batches import MicroBatch, micro_batches
+from dsrl.zero.batches import MicroBatch, micro_batches, packs
 
 
 def per_token(mb: MicroBatch, key: str) -> torch.Tensor:
@@ -96,16 +96,14 @@ def forward_logprobs(
 
 def trainer_micro_batches(samples: list[Sample], cfg: Config, micro_batch_size: int | None = None) -> list:
     t = cfg.trainer
-    return micro_batches(
-        samples, t.max_tokens_per_micro_batch, micro_batch_size or t.micro_batch_size, t.pack_sequences
-    )
+    return micro_batches(samples, t.max_tokens_per_micro_batch, micro_batch_size or t.micro_batch_size, packs(cfg))
 
 
 @torch.no_grad()
 def compute_logprobs(engine, samples: list[Sample], key: str, cfg: Config, pad_id: int) -> None:
     """Store each sample's response-token logprobs under `extras[key]` (micro-batched by tokens, no grad)."""
     for chunk in trainer_micro_batches(samples, cfg):
-        mb = MicroBatch.build(chunk, pad_id, engine.device, cfg.trainer.pack_sequences)
+        mb = MicroBatch.build(chunk, pad_id, engine.device, packs(cfg))
         logprobs, _ = forward_logprobs(engine, mb, cfg.rollout.temperature, with_entropy=False)
         for row, s in zip(logprobs, chunk):
             s.extras[key] = row[: len(s.response_ids)].float().cpu()
@@ -225,7 +223,7 @@ def run_updates(
             num_tokens, num_seqs = global_denominators(mini)
             chunks = trainer_micro_batches(mini, cfg, micro_batch_size)
             for i, chunk in enumerate(chunks):
-                mb = MicroBatch.build(chunk, pad_id, engine.device, t.pack_sequences)
+                mb = MicroBatch.build(chunk, pad_id, engine.device, packs(cfg))
                 ran += mb.input_ids.numel()
                 real += sum(len(s.prompt.prompt_ids) + len(s.response_ids) for s in chunk)
                 engine.set_gradient_accumulation_boundary(i == len(chunks) - 1)

@@ -9,10 +9,11 @@ until it has as many.
 - rows (the default): right-padded rows, the samples of a micro-batch of similar lengths (they are taken in
   order of length, and a micro-batch costs rows x its longest sample), so a long-tail batch is mostly not
   padding, and attention runs on sdpa's efficient kernels.
-- packed (`trainer.pack_sequences`): every sample one after the other in a single row, positions restarting
-  at each one, no padding at all. Only worth it with a varlen attention kernel (flash-attention 2:
-  `attn_implementation`); with sdpa transformers builds a dense block-causal mask over the whole row, whose
-  attention is quadratic in the row's length (seen on an H200: a 3B model at 14% MFU, and out of memory).
+- packed (`trainer.pack_sequences`, by default on CUDA): every sample one after the other in a single row,
+  positions restarting at each one, no padding at all. The sequences' boundaries go to the model as
+  `cu_seq_lens_q`, which its attention (`dsrl/zero/varlen.py`: torch's flash varlen kernel on CUDA) reads:
+  no mask. (With sdpa, transformers would build a dense block-causal mask over the whole row, quadratic in
+  its length: seen on an H200, a 3B model at 14% MFU, and out of memory.)
 Either way only the positions whose next token is a response token get logits; per-token results come back
 response-aligned, [samples, longest response], the layout of the losses and estimators.
 """
@@ -23,12 +24,19 @@ import torch
 import torch.distributed as dist
 
 from dsrl.collectives import reduce_device
+from dsrl.config import Config
 from dsrl.data import Sample
 
 MICRO_BATCH_COST = 0.5
 """A micro-batch's fixed cost (ZeRO-3 gathers every parameter for it, its hooks run, the kernels launch), in
 budgets: padding is worth adding where it saves a micro-batch, up to half a budget of tokens. Measured on one
 H200 at 3B: 0.14 s a forward pass, as long as a forward of ~13k tokens (docs/benchmarks.md, Trainer)."""
+
+
+def packs(cfg: Config) -> bool:
+    """`trainer.pack_sequences` decided: auto packs where the trainer runs on CUDA, rows on CPU."""
+    p, device = cfg.trainer.pack_sequences, cfg.trainer.device
+    return p if isinstance(p, bool) else device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
 def plan_rows(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -118,6 +126,10 @@ class MicroBatch:
     columns any row needs (a 1-D index applies to every row in transformers 5.12)."""
     targets: torch.Tensor
     """The response token each `keep` position predicts."""
+    bounds: torch.Tensor | None
+    """Packed: where each sequence starts in the row, and the row's end (int32, `cu_seq_lens_q`)."""
+    max_length: int
+    """Packed: the longest sequence's tokens (`max_length_q`)."""
     slots: tuple[torch.Tensor, torch.Tensor]
     """(sample, response position) of each `keep` position, to scatter results response-aligned."""
     mask: torch.Tensor
@@ -143,11 +155,12 @@ class MicroBatch:
             input_ids = torch.tensor([[t for seq in seqs for t in seq]], dtype=torch.long)
             position_ids = torch.cat([torch.arange(len(seq)) for seq in seqs])[None]
             attention_mask = None
+            bounds = torch.tensor([0] + [len(seq) for seq in seqs]).cumsum(0).to(torch.int32)
         else:
             longest = max(map(len, seqs))
             input_ids = torch.full((len(seqs), longest), pad_id, dtype=torch.long)
             attention_mask = torch.zeros((len(seqs), longest), dtype=torch.long)
-            position_ids = None
+            position_ids = bounds = None
         offset = 0
         for i, (s, seq) in enumerate(zip(samples, seqs)):
             start = offset if packed else i * input_ids.shape[1]
@@ -177,6 +190,8 @@ class MicroBatch:
             torch.tensor(keep, **as_long),
             columns,
             torch.tensor(targets, **as_long),
+            None if bounds is None else bounds.to(device),
+            max(map(len, seqs)),
             (torch.tensor(rows, **as_long), torch.tensor(cols, **as_long)),
             mask.to(device),
         )
@@ -184,8 +199,9 @@ class MicroBatch:
     def model_inputs(self) -> dict:
         # No cache: transformers reads packed positions only without one (and training needs none).
         inputs = {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "use_cache": False}
-        if self.position_ids is not None:
-            inputs["position_ids"] = self.position_ids
+        if self.packed:  # the sequences' boundaries, for a varlen attention (transformers' FlashAttentionKwargs)
+            inputs |= {"position_ids": self.position_ids, "cu_seq_lens_q": self.bounds, "cu_seq_lens_k": self.bounds}
+            inputs |= {"max_length_q": self.max_length, "max_length_k": self.max_length}
         return inputs
 
     def at_keep(self, per_position: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from transformers.integrations import HfDeepSpeedConfig
 
 from dsrl.config import Config, ModelConfig, critic_on_actor_base
+from dsrl.zero import varlen
+from dsrl.zero.batches import packs
 from dsrl.zero.critic import PolicyAndValue
 from dsrl.zero.lora import add_adapters, lora_config
 
@@ -109,7 +111,12 @@ def load_engine(
     # While this object lives, from_pretrained builds the model under zero.Init: each rank only
     # ever holds its partition, and HF's own weight init still runs.
     hf_ds = HfDeepSpeedConfig(conf)  # noqa: F841
+    if cfg.model.liger_kernel:
+        apply_liger(AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code).model_type)
     kwargs = {"dtype": param_dtype(cfg), "trust_remote_code": cfg.model.trust_remote_code}
+    if packs(cfg):  # packed rows: attention within each sequence, no mask (`dsrl/zero/varlen.py`)
+        kwargs["attn_implementation"] = varlen.NAME
+        log.info("packed micro-batches, no padding: attention by %s", varlen.describe(kwargs["dtype"], use_cuda(cfg)))
     if critic:
         config = AutoConfig.from_pretrained(c.path or model_dir, trust_remote_code=cfg.model.trust_remote_code)
         config.num_labels, config.classifier_dropout = 1, 0.0  # no dropout before the head (HF's default: 0.1)
@@ -143,6 +150,19 @@ def load_engine(
         engine, *_ = deepspeed.initialize(model=model, config=conf)
         engine.eval()
     return engine
+
+
+def apply_liger(model_type: str) -> None:
+    """liger-kernel's RMSNorm, SwiGLU and RoPE in transformers' modelling code for `model_type`, before the model is
+    built (not its fused linear cross-entropy: dsrl computes its own log-probs, `dsrl/zero/actor.py`)."""
+    from liger_kernel.transformers import _apply_liger_kernel
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise ValueError(f"--model.liger_kernel: liger-kernel has no kernels for model type {model_type!r}")
+    kernels = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
+    _apply_liger_kernel(model_type, **kernels)
+    log.info("liger-kernel: fused RMSNorm, SwiGLU and RoPE for %s", model_type)
 
 
 def gather_per_layer(model: torch.nn.Module) -> None:
