@@ -24,8 +24,11 @@ class ModelConfig:
     """Start from random weights built from the config in `path` (from-scratch runs, tests); no weights needed."""
     trust_remote_code: bool = False
     """Passed to transformers when loading the model and tokenizer."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory."""
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
+    """Recompute each decoder layer's activations in the backward pass: memory for one more forward pass. auto:
+    on a GPU when the activations of the largest micro-batch (`trainer.max_tokens_per_micro_batch`; auto,
+    micro_batch_size x the longest possible sample) would not fit beside the trainers' states; the decision and
+    its numbers are logged. Off on CPU."""
     liger_kernel: bool = False
     """Run the trainer's RMSNorm, SwiGLU MLP and rotary embedding as liger-kernel's fused Triton kernels (`pip
     install liger-kernel`; CUDA; the model types liger patches: Llama, Qwen2/3, Mistral, Gemma, ...): fewer

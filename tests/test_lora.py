@@ -218,7 +218,7 @@ def policy_and_value(base: Path, checkpointing: bool):
 
     torch.manual_seed(1)
     m = ModelConfig(path=str(base), lora_rank=4, gradient_checkpointing=checkpointing)
-    model = add_lora(AutoModelForCausalLM.from_pretrained(base), m, critic=True)
+    model = add_lora(AutoModelForCausalLM.from_pretrained(base), m, critic=True, checkpointing=checkpointing)
     for name, p in model.named_parameters():
         if "lora_B" in name:
             p.data.normal_(0, 0.2)

@@ -166,3 +166,41 @@ def test_zero_offload_preflight_names_the_host_share_that_fits(monkeypatch):
         check_host_memory(cfg, path, world=1)
     cfg.trainer.offload_optimizer_ratio = 0.4
     check_host_memory(cfg, path, world=1)
+
+
+def test_gradient_checkpointing_auto_turns_on_when_a_micro_batch_would_not_fit(monkeypatch, caplog):
+    """--model.gradient_checkpointing auto on a GPU (here a fake one: use_cuda and its memory, named so): off while
+    the states and one micro-batch's activations fit, on when the budget grows past that; off on CPU. The
+    activation estimate is held to the figure it was fitted on (3B packed, 8,192 tokens, one H200: the update's
+    peak 103.2 GB, states 49.4 GB)."""
+    import logging
+
+    from accelerate import init_empty_weights
+
+    from dsrl.config import Config, DataConfig, ModelConfig
+    from dsrl.zero import engine
+
+    config = toy.build_model_config()
+    config.update({"hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "vocab_size": 151936})
+    states = 3.09e9 * 16
+    assert states + engine.activation_bytes(config, 8192, False) == pytest.approx(103.2e9, rel=0.03)
+    assert (
+        engine.activation_bytes(config, 8192, True) < engine.activation_bytes(config, 8192, False) / 4
+    )  # (logits stay)
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(toy.build_model_config())
+    cfg = Config(model=ModelConfig(path="unused"), data=DataConfig(train_path="unused.jsonl"))
+    assert not engine.wants_checkpointing(cfg, model, critic=False), "auto is off on CPU"
+    monkeypatch.setattr(engine, "use_cuda", lambda cfg: True)
+    monkeypatch.setattr(engine.torch.cuda, "mem_get_info", lambda: (0, 10 << 30))  # a 10 GiB GPU (fake)
+    per_token = engine.activation_bytes(model.config, 1, False)
+    fits = int((10 << 30) * 0.95 - (4 << 30) - 1e6) // int(per_token)  # tokens that fit beside ~1 MB of states
+    cfg.trainer.max_tokens_per_micro_batch = fits // 2
+    with caplog.at_level(logging.INFO, logger="dsrl.zero.engine"):
+        assert not engine.wants_checkpointing(cfg, model, critic=False)
+        cfg.trainer.max_tokens_per_micro_batch = fits * 2
+        assert engine.wants_checkpointing(cfg, model, critic=False)
+    assert f"gradient checkpointing on: states 0.0 GB + activations of {fits * 2} tokens" in caplog.text
+    cfg.model.gradient_checkpointing = False
+    assert not engine.wants_checkpointing(cfg, model, critic=False), "an explicit choice stands"

@@ -125,12 +125,13 @@ def load_engine(
         model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     model.config.use_cache = False
     lora = train and not critic and cfg.model.lora_rank > 0
-    if train and cfg.model.gradient_checkpointing:
+    checkpointing = train and wants_checkpointing(cfg, model, critic)
+    if checkpointing:
         model.gradient_checkpointing_enable()
         if lora:  # the frozen embeddings' output must carry a gradient into the checkpointed layers
             model.enable_input_require_grads()
     if lora:  # new adapter parameters: deepspeed.initialize partitions them with the rest
-        model = add_lora(model, cfg.model, critic=critic_on_actor_base(cfg))
+        model = add_lora(model, cfg.model, critic_on_actor_base(cfg), checkpointing)
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         dtype = next(p.dtype for p in model.parameters() if p.requires_grad)
@@ -175,12 +176,12 @@ def gather_per_layer(model: torch.nn.Module) -> None:
     log.info("ZeRO-3 gathers %d layers (%s) whole", len(leaves), ", ".join(classes) or "none named by the model")
 
 
-def add_lora(model: torch.nn.Module, m: ModelConfig, critic: bool) -> torch.nn.Module:
+def add_lora(model: torch.nn.Module, m: ModelConfig, critic: bool, checkpointing: bool) -> torch.nn.Module:
     """The actor's adapters; with a `critic` (gae) the critic's adapter and value head beside them, on the one base."""
     if not critic:
         return add_adapters(model, m)
     model = PolicyAndValue(model, lora_config(m))
-    if m.gradient_checkpointing:  # recomputed layers run under the adapter of their forward
+    if checkpointing:  # recomputed layers run under the adapter of their forward
         kwargs = {"use_reentrant": False, "context_fn": model.replay_adapter}
         model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     log.info("the critic is a second LoRA adapter and a value head on the actor's base: one engine, no second model")
@@ -273,6 +274,60 @@ def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
         )
     log.info("ZeRO-Offload: %.1f GB of optimizer states on the host (%.0f%%), %.1f GB available",
              whole * ratio / 1e9, 100 * ratio, memory.available / 1e9)  # fmt: skip
+
+
+ACTIVATION_BYTES = 12
+"""Bytes a decoder layer keeps for its backward pass per token and per unit of its width (hidden + intermediate
+size), bf16, without checkpointing. Fitted on one H200, 3B packed at 8192 tokens: update peak 103.2 GB = states
+49.4 + logits 7.5 (6 bytes per token and vocabulary entry: bf16 logits, their gradient, an fp32 chunk) + 46.3."""
+
+
+def activation_bytes(config, tokens: int, checkpointing: bool) -> float:
+    """What a forward and backward pass of `tokens` tokens keeps on the GPU beyond the states: every layer's
+    activations, or with checkpointing each layer's input and one layer's activations at a time; and the logits."""
+    layer = ACTIVATION_BYTES * (config.hidden_size + config.intermediate_size)
+    per_token = (
+        2 * config.hidden_size * config.num_hidden_layers + layer if checkpointing else layer * config.num_hidden_layers
+    )
+    return tokens * (per_token + 6 * config.vocab_size)
+
+
+def micro_batch_tokens(cfg: Config) -> int:
+    """The most tokens a micro-batch can hold: the budget, or for auto micro_batch_size x the longest sample."""
+    t, budget = cfg.trainer, cfg.trainer.max_tokens_per_micro_batch
+    if isinstance(budget, int):
+        return budget
+    after_prompt = cfg.agent.max_episode_tokens if cfg.rollout.env else cfg.rollout.max_new_tokens
+    return t.micro_batch_size * (cfg.data.max_prompt_tokens + after_prompt)
+
+
+def wants_checkpointing(cfg: Config, model: torch.nn.Module, critic: bool) -> bool:
+    """--model.gradient_checkpointing decided for a trained engine being built. auto: on a GPU, on when the
+    trainers' states (every engine's, counted from this one: the reference's weights, a critic as large) and a
+    micro-batch's activations (`activation_bytes`) would not fit in its memory with a margin."""
+    choice = cfg.model.gradient_checkpointing
+    if choice != "auto":
+        return choice
+    if not use_cuda(cfg):
+        return False
+    weights = sum(getattr(p, "ds_tensor", p).numel() for p in model.parameters())  # (this rank's ZeRO-3 partitions)
+    width = 2 if param_dtype(cfg) == torch.bfloat16 else 4
+    on_gpu = 1 - cfg.trainer.offload_optimizer_ratio if cfg.trainer.offload_optimizer else 1
+    trained = 0 if cfg.model.lora_rank > 0 and not critic else weights
+    states = weights * width + trained * (width + on_gpu * (4 + 8))
+    if cfg.algorithm.kl_coef > 0 and cfg.model.lora_rank == 0:
+        states += weights * width  # the reference model
+    if cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg):
+        states *= 2  # the actor and the critic, as large, both trained
+    tokens = micro_batch_tokens(cfg)
+    total = torch.cuda.mem_get_info()[1]
+    margin = 0.05 * total + (4 << 30)  # the sleeping servers' remains, the allocator's slack
+    acts = activation_bytes(model.config, tokens, checkpointing=False)
+    on = states + acts + margin > total
+    log.info("gradient checkpointing %s: states %.1f GB + activations of %d tokens %.1f GB + margin %.1f GB %s the "
+             "GPU's %.1f GB (--model.gradient_checkpointing auto)", "on" if on else "off", states / 1e9, tokens,
+             acts / 1e9, margin / 1e9, "exceed" if on else "fit in", total / 1e9)  # fmt: skip
+    return on
 
 
 def decide_offload(cfg: Config, engines: list) -> bool:
