@@ -95,6 +95,9 @@ def main(model_dir: str, train_path: str, out: str) -> None:
         results["sequences"] = update_sequences(cfg, actor, fleet, client, run_dir)
         results["failure_on_rank0"] = failure_on_rank0(cfg, actor, fleet, client, run_dir)
         results["gradient"] = gradient_against_one_rank(cfg, actor)
+        checkpointed = replace(cfg, model=replace(cfg.model, gradient_checkpointing=True))
+        engine = load_engine(checkpointed, model_dir, dist.get_world_size(), train=True)
+        results["gradient_checkpointed"] = gradient_against_one_rank(checkpointed, engine)
     finally:
         client.close()
         fleet.stop()
@@ -164,7 +167,9 @@ def failure_on_rank0(cfg: Config, actor, fleet, client: RecordingClient, run_dir
 def gradient_against_one_rank(cfg: Config, actor) -> dict:
     """The ZeRO-3 gradient of the token_mean PPO loss, the batch split over the ranks with unequal token
     totals (rank 0: 3 response tokens, rank 1: 16), against plain torch's gradient of the whole batch on
-    one process. Each rank dividing by its own token count gave the mean of per-rank means instead."""
+    one process. Each rank dividing by its own token count gave the mean of per-rank means instead.
+    The loss runs as `run_updates` runs it, the engine in training mode; `layer_forwards` counts the first
+    decoder layer's forward passes then (with gradient checkpointing, twice per micro-batch)."""
     from transformers import AutoModelForCausalLM
 
     from dsrl.data import Prompt, Sample
@@ -193,6 +198,9 @@ def gradient_against_one_rank(cfg: Config, actor) -> dict:
     compute_logprobs(actor, mine, "old_logprobs", cfg, pad_id=0)  # ratio 1: the loss's gradient is -A grad(logp) / N
     num_tokens, num_seqs = global_denominators(mine)
     chunks = trainer_micro_batches(mine, cfg)
+    forwards = []
+    hook = actor.module.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: forwards.append(1))
+    actor.train()
     for i, chunk in enumerate(chunks):
         actor.set_gradient_accumulation_boundary(i == len(chunks) - 1)
         mb = MicroBatch.build(chunk, 0, actor.device, packed=True)
@@ -200,6 +208,8 @@ def gradient_against_one_rank(cfg: Config, actor) -> dict:
         actor.backward(loss, scale_wrt_gas=False)
         if i + 1 < len(chunks):
             actor.step()  # not at the boundary: counts the micro-step; the optimizer runs at the last one
+    actor.eval()
+    hook.remove()
     grads = {name: deepspeed.utils.safe_get_full_grad(p) for name, p in named}  # every rank gathers
     with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
         weights = {name: p.detach().clone() for name, p in named}
@@ -222,7 +232,7 @@ def gradient_against_one_rank(cfg: Config, actor) -> dict:
     (-(advantages[:, None] * torch.exp(logp - logp.detach()) * mask).sum() / mask.sum()).backward()
     diff = max((grads[name] - p.grad).abs().max().item() for name, p in model.named_parameters() if name in grads)
     return {"max_abs_diff": diff, "max_abs_grad": max(g.abs().max().item() for g in grads.values()),
-            "micro_batches": len(chunks)}  # fmt: skip
+            "micro_batches": len(chunks), "layer_forwards": len(forwards)}  # fmt: skip
 
 
 def gather_to_all_padded(cfg: Config, run_dir: Path) -> dict:

@@ -122,3 +122,14 @@ def test_token_mean_gradient_over_ranks_equals_the_whole_batch_gradient(sync_res
     assert grad["max_abs_diff"] < 1e-6, grad
     # Packed by 12 tokens: 2 micro-batches on both ranks (rank 0 splits its one), 3 for all four samples on one.
     assert grad["micro_batches"] == {2: 2, 1: 3}[sync_results["ranks"]], grad
+    assert grad["layer_forwards"] == grad["micro_batches"]
+
+
+def test_gradient_checkpointing_recomputes_each_layer_and_keeps_the_gradient(sync_results):
+    """--model.gradient_checkpointing true under ZeRO-3: in training mode (as `run_updates` puts the engine) each
+    decoder layer runs twice per micro-batch, its forward recomputed in the backward pass, and the gradient
+    is the same. (It once did nothing: from_pretrained leaves a model in eval mode, where transformers skips
+    checkpointing, and nothing switched the engine to training mode.)"""
+    grad = sync_results["gradient_checkpointed"]
+    assert grad["max_abs_diff"] < 1e-6 and grad["max_abs_grad"] > 1e-3, grad
+    assert grad["layer_forwards"] == 2 * grad["micro_batches"], grad

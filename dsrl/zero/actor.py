@@ -212,6 +212,14 @@ def run_updates(
     varies from step to step, so the last one of each mini-batch is marked as DeepSpeed's accumulation
     boundary. Returns token-weighted means of the metrics (and `padded_frac`, the padding's share of the
     tokens the model ran on)."""
+    engine.train()  # (transformers checkpoints layers in training mode only; the log-prob passes run in eval mode)
+    try:
+        return _run_updates(engine, samples, cfg, micro_batch_size, loss_fn, pad_id)
+    finally:
+        engine.eval()
+
+
+def _run_updates(engine, samples: list[Sample], cfg: Config, micro_batch_size: int, loss_fn, pad_id: int) -> dict:
     t = cfg.trainer
     mini_size = len(samples) // t.updates_per_step
     sums: dict[str, float] = defaultdict(float)
