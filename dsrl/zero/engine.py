@@ -285,11 +285,9 @@ size), bf16, without checkpointing. Fitted on one H200, 3B packed at 8192 tokens
 def activation_bytes(config, tokens: int, checkpointing: bool) -> float:
     """What a forward and backward pass of `tokens` tokens keeps on the GPU beyond the states: every layer's
     activations, or with checkpointing each layer's input and one layer's activations at a time; and the logits."""
-    layer = ACTIVATION_BYTES * (config.hidden_size + config.intermediate_size)
-    per_token = (
-        2 * config.hidden_size * config.num_hidden_layers + layer if checkpointing else layer * config.num_hidden_layers
-    )
-    return tokens * (per_token + 6 * config.vocab_size)
+    layer, layers = ACTIVATION_BYTES * (config.hidden_size + config.intermediate_size), config.num_hidden_layers
+    kept = layers * 2 * config.hidden_size + layer if checkpointing else layers * layer
+    return tokens * (kept + 6 * config.vocab_size)
 
 
 def micro_batch_tokens(cfg: Config) -> int:
@@ -299,6 +297,14 @@ def micro_batch_tokens(cfg: Config) -> int:
         return budget
     after_prompt = cfg.agent.max_episode_tokens if cfg.rollout.env else cfg.rollout.max_new_tokens
     return t.micro_batch_size * (cfg.data.max_prompt_tokens + after_prompt)
+
+
+def state_bytes(cfg: Config, weights: int, trained: int) -> float:
+    """GPU bytes of an engine's states: its weights; the trained ones' grads and, unless ZeRO-Offload keeps them on
+    the host, their fp32 master copy and Adam's two moments."""
+    width = 2 if param_dtype(cfg) == torch.bfloat16 else 4
+    on_gpu = 1 - cfg.trainer.offload_optimizer_ratio if cfg.trainer.offload_optimizer else 1
+    return weights * width + trained * (width + on_gpu * (4 + 8))
 
 
 def wants_checkpointing(cfg: Config, model: torch.nn.Module, critic: bool) -> bool:
@@ -311,12 +317,9 @@ def wants_checkpointing(cfg: Config, model: torch.nn.Module, critic: bool) -> bo
     if not use_cuda(cfg):
         return False
     weights = sum(getattr(p, "ds_tensor", p).numel() for p in model.parameters())  # (this rank's ZeRO-3 partitions)
-    width = 2 if param_dtype(cfg) == torch.bfloat16 else 4
-    on_gpu = 1 - cfg.trainer.offload_optimizer_ratio if cfg.trainer.offload_optimizer else 1
-    trained = 0 if cfg.model.lora_rank > 0 and not critic else weights
-    states = weights * width + trained * (width + on_gpu * (4 + 8))
+    states = state_bytes(cfg, weights, trained=0 if cfg.model.lora_rank > 0 and not critic else weights)
     if cfg.algorithm.kl_coef > 0 and cfg.model.lora_rank == 0:
-        states += weights * width  # the reference model
+        states += state_bytes(cfg, weights, trained=0)  # the reference model
     if cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg):
         states *= 2  # the actor and the critic, as large, both trained
     tokens = micro_batch_tokens(cfg)
@@ -347,11 +350,7 @@ def decide_offload(cfg: Config, engines: list) -> bool:
     params = [p for engine in engines for p in engine.module.parameters()]
     weights = sum(p.ds_tensor.numel() for p in params)
     trained = sum(p.ds_tensor.numel() for p in params if p.requires_grad)  # (LoRA: the adapters alone)
-    width = 2 if param_dtype(cfg) == torch.bfloat16 else 4
-    # the weights; the trained ones' grads and, unless ZeRO-Offload keeps them on the host, their fp32 master
-    # copy and Adam's moments
-    on_gpu = 1 - cfg.trainer.offload_optimizer_ratio if cfg.trainer.offload_optimizer else 1
-    states = weights * width + trained * (width + on_gpu * (4 + 8))
+    states = state_bytes(cfg, weights, trained)
     total = torch.cuda.mem_get_info()[1]
     servers = cfg.rollout.mem_fraction_static * total
     margin = 0.05 * total + (4 << 30)  # the servers' activations, CUDA graphs, the allocator's slack

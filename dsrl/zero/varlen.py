@@ -17,13 +17,10 @@ forward passes down to every attention call.
 """
 
 import inspect
-import logging
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-
-log = logging.getLogger(__name__)
 
 NAME = "dsrl_varlen"
 """The attention implementation's name (`attn_implementation=NAME` in `from_pretrained`)."""
@@ -55,9 +52,9 @@ def use_flash(query: torch.Tensor, scale: float) -> bool:
     return varlen_attn is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and scaled
 
 
-def describe(cfg_dtype: torch.dtype, cuda: bool) -> str:
+def describe(dtype: torch.dtype, cuda: bool) -> str:
     """Which kernel packed rows run on, for the start-up log."""
-    if varlen_attn is not None and cuda and cfg_dtype in (torch.bfloat16, torch.float16):
+    if varlen_attn is not None and cuda and dtype in (torch.bfloat16, torch.float16):
         return "torch's flash-attention varlen kernel"
     return "sdpa, one call per sequence (no flash varlen kernel " + ("in this torch)" if cuda else "on CPU)")
 
