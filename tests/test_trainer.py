@@ -204,3 +204,37 @@ def test_gradient_checkpointing_auto_turns_on_when_a_micro_batch_would_not_fit(m
     assert f"gradient checkpointing on: states 0.0 GB + activations of {fits * 2} tokens" in caplog.text
     cfg.model.gradient_checkpointing = False
     assert not engine.wants_checkpointing(cfg, model, critic=False), "an explicit choice stands"
+
+
+def test_colocated_planner_keeps_the_states_on_the_gpu_only_when_they_fit(monkeypatch, caplog):
+    """--trainer.offload_states auto on a GPU (a fake one, named so: use_cuda and its memory): the states (16 bytes
+    per trained bf16 parameter) stay when they, the servers' share and the margin fit; else they leave while the
+    servers generate. With ZeRO-Offload they always stay (DeepSpeed moves CPU Adam's states between phases for
+    no one), and the message says which knob to turn."""
+    import logging
+
+    from accelerate import init_empty_weights
+
+    from dsrl.config import Config, DataConfig, ModelConfig
+    from dsrl.zero import engine
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(toy.build_model_config()).to(torch.bfloat16)
+    states = 16 * sum(p.numel() for p in model.parameters())
+    cfg = Config(model=ModelConfig(path="unused"), data=DataConfig(train_path="unused.jsonl"))
+    cfg.rollout.placement, cfg.rollout.mem_fraction_static = "colocate", 0.5
+    monkeypatch.setattr(engine, "use_cuda", lambda cfg: True)
+    engines = [SimpleNamespace(module=model)]
+
+    def gpu(total):  # a GPU of `total` bytes (fake)
+        monkeypatch.setattr(engine.torch.cuda, "mem_get_info", lambda: (0, total))
+
+    with caplog.at_level(logging.INFO, logger="dsrl.zero.engine"):
+        gpu(int(((4 << 30) + states * 1.01) / 0.45))  # servers 50%, margin 5% + 4 GiB: the states just fit
+        assert not engine.decide_offload(cfg, engines)
+        gpu(int(((4 << 30) + states * 0.99) / 0.45))
+        assert engine.decide_offload(cfg, engines)
+        assert f"trainers' states {states / 1e9:.1f} GB" in caplog.text and "leave the GPU" in caplog.text
+        cfg.trainer.offload_optimizer = True  # 4 of the 16 bytes stay: weights and grads
+        assert not engine.decide_offload(cfg, engines)
+        assert f"trainers' GPU states {states / 4 / 1e9:.1f} GB" in caplog.text

@@ -15,6 +15,8 @@
 #   source .gpu/setup.sh; MODELS="1.5b 3b" bash tools/gpu_run.sh setup lora          # 1 GPU (LoRA: adapter/merged/full)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py;
 #                                                         ASYNC_EXTRA="--rollout.max_concurrency 768" passes flags on)
+# Pure-Python wheels the image lacks travel in .whl/ (carried; `setup` installs them into /tmp/site): peft, and
+# liger-kernel for --model.liger_kernel / bench_trainer --liger (`pip download --no-deps liger-kernel -d .whl`).
 # Pinning stages to GPUs with CUDA_VISIBLE_DEVICES holds for `dsrl train` stages (toy, colocate,
 # disaggregate, async); bench_ipc and bench_nccl (tools/bench_sync.py) always use GPU 0 (and 1).
 set -u

@@ -348,8 +348,8 @@ def decide_offload(cfg: Config, engines: list) -> bool:
                  "do" if choice == "always" else "do not", choice)  # fmt: skip
         return choice == "always"
     params = [p for engine in engines for p in engine.module.parameters()]
-    weights = sum(p.ds_tensor.numel() for p in params)
-    trained = sum(p.ds_tensor.numel() for p in params if p.requires_grad)  # (LoRA: the adapters alone)
+    weights = sum(getattr(p, "ds_tensor", p).numel() for p in params)  # (this rank's ZeRO-3 partitions)
+    trained = sum(getattr(p, "ds_tensor", p).numel() for p in params if p.requires_grad)  # (LoRA: the adapters)
     states = state_bytes(cfg, weights, trained)
     total = torch.cuda.mem_get_info()[1]
     servers = cfg.rollout.mem_fraction_static * total
