@@ -26,9 +26,9 @@ class ModelConfig:
     """Passed to transformers when loading the model and tokenizer."""
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     """Recompute each decoder layer's activations in the backward pass: memory for one more forward pass. auto:
-    on a GPU when the activations of the largest micro-batch (`trainer.max_tokens_per_micro_batch`; auto,
-    micro_batch_size x the longest possible sample) would not fit beside the trainers' states; the decision and
-    its numbers are logged. Off on CPU."""
+    on a GPU, decided before each update: on when the activations of its largest micro-batch
+    (`trainer.max_tokens_per_micro_batch`, or micro_batch_size x the batch's longest sample) would not fit beside
+    the trainers' states; each change is logged with its numbers. Off on CPU."""
     liger_kernel: bool = False
     """Run the trainer's RMSNorm, SwiGLU MLP and rotary embedding as liger-kernel's fused Triton kernels (`pip
     install liger-kernel`; CUDA; the model types liger patches: Llama, Qwen2/3, Mistral, Gemma, ...): fewer

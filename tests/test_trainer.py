@@ -168,42 +168,36 @@ def test_zero_offload_preflight_names_the_host_share_that_fits(monkeypatch):
     check_host_memory(cfg, path, world=1)
 
 
-def test_gradient_checkpointing_auto_turns_on_when_a_micro_batch_would_not_fit(monkeypatch, caplog):
-    """--model.gradient_checkpointing auto on a GPU (here a fake one: use_cuda and its memory, named so): off while
-    the states and one micro-batch's activations fit, on when the budget grows past that; off on CPU. The
-    activation estimate is held to the figure it was fitted on (3B packed, 8,192 tokens, one H200: the update's
-    peak 103.2 GB, states 49.4 GB)."""
+def test_gradient_checkpointing_auto_turns_on_for_an_update_whose_micro_batch_would_not_fit(caplog):
+    """--model.gradient_checkpointing auto on a GPU (`AutoCheckpointing`, here with a 10 GiB GPU's size given):
+    before each update the decoder layers' checkpointing is on when the states and its largest micro-batch's
+    activations would not fit, off when they fit. The activation estimate is held to the figure it was fitted
+    on (3B packed, 8,192 tokens, one H200: the update's peak 103.2 GB, states 49.4 GB)."""
     import logging
 
-    from accelerate import init_empty_weights
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
-    from dsrl.config import Config, DataConfig, ModelConfig
     from dsrl.zero import engine
+    from dsrl.zero.batches import largest_micro_batch
 
     config = toy.build_model_config()
     config.update({"hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "vocab_size": 151936})
-    states = 3.09e9 * 16
-    assert states + engine.activation_bytes(config, 8192, False) == pytest.approx(103.2e9, rel=0.03)
-    assert (
-        engine.activation_bytes(config, 8192, True) < engine.activation_bytes(config, 8192, False) / 4
-    )  # (logits stay)
+    assert 3.09e9 * 16 + engine.activation_bytes(config, 8192, False) == pytest.approx(103.2e9, rel=0.03)
+    assert engine.activation_bytes(config, 8192, True) < engine.activation_bytes(config, 8192, False) / 4
 
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(toy.build_model_config())
-    cfg = Config(model=ModelConfig(path="unused"), data=DataConfig(train_path="unused.jsonl"))
-    assert not engine.wants_checkpointing(cfg, model, critic=False), "auto is off on CPU"
-    monkeypatch.setattr(engine, "use_cuda", lambda cfg: True)
-    monkeypatch.setattr(engine.torch.cuda, "mem_get_info", lambda: (0, 10 << 30))  # a 10 GiB GPU (fake)
-    per_token = engine.activation_bytes(model.config, 1, False)
-    fits = int((10 << 30) * 0.95 - (4 << 30) - 1e6) // int(per_token)  # tokens that fit beside ~1 MB of states
-    cfg.trainer.max_tokens_per_micro_batch = fits // 2
+    model = AutoModelForCausalLM.from_config(toy.build_model_config())
+    model.gradient_checkpointing_enable()
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    total, states = 10 << 30, 1e6
+    auto = engine.AutoCheckpointing(model.config, states, total)
+    fits = int((total * 0.95 - (4 << 30) - states) // engine.activation_bytes(model.config, 1, False))
     with caplog.at_level(logging.INFO, logger="dsrl.zero.engine"):
-        assert not engine.wants_checkpointing(cfg, model, critic=False)
-        cfg.trainer.max_tokens_per_micro_batch = fits * 2
-        assert engine.wants_checkpointing(cfg, model, critic=False)
-    assert f"gradient checkpointing on: states 0.0 GB + activations of {fits * 2} tokens" in caplog.text
-    cfg.model.gradient_checkpointing = False
-    assert not engine.wants_checkpointing(cfg, model, critic=False), "an explicit choice stands"
+        auto.apply(model, largest_micro_batch("auto", 8, fits // 16))  # short samples this step
+        assert not any(layer.gradient_checkpointing for layer in layers)
+        auto.apply(model, largest_micro_batch("auto", 8, fits // 4))  # a long one: 2x what fits
+        assert all(layer.gradient_checkpointing for layer in layers)
+    assert f"gradient checkpointing on: states 0.0 GB + activations of {fits // 4 * 8} tokens" in caplog.text
+    assert largest_micro_batch(4096, 8, 5000) == 5000, "a sample longer than the budget goes alone"
 
 
 def test_colocated_planner_keeps_the_states_on_the_gpu_only_when_they_fit(monkeypatch, caplog):

@@ -19,7 +19,7 @@ from dsrl.algorithms import (
 from dsrl.collectives import reduce_device
 from dsrl.config import Config
 from dsrl.data import Sample
-from dsrl.zero.batches import MicroBatch, micro_batches, packs
+from dsrl.zero.batches import MicroBatch, largest_micro_batch, micro_batches, packs
 
 
 def per_token(mb: MicroBatch, key: str) -> torch.Tensor:
@@ -212,6 +212,12 @@ def run_updates(
     varies from step to step, so the last one of each mini-batch is marked as DeepSpeed's accumulation
     boundary. Returns token-weighted means of the metrics (and `padded_frac`, the padding's share of the
     tokens the model ran on)."""
+    auto = getattr(engine, "auto_checkpointing", None)  # (--model.gradient_checkpointing auto, on a GPU)
+    if auto is not None:
+        longest = max(len(s.prompt.prompt_ids) + len(s.response_ids) for s in samples)
+        auto.apply(
+            engine.module, largest_micro_batch(cfg.trainer.max_tokens_per_micro_batch, micro_batch_size, longest)
+        )
     engine.train()  # (transformers checkpoints layers in training mode only; the log-prob passes run in eval mode)
     try:
         return _run_updates(engine, samples, cfg, micro_batch_size, loss_fn, pad_id)

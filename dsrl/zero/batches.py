@@ -39,6 +39,11 @@ def packs(cfg: Config) -> bool:
     return p if isinstance(p, bool) else device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
+def largest_micro_batch(max_tokens: int | str | None, micro_batch_size: int, longest: int) -> int:
+    """The most tokens one of `micro_batches`' micro-batches can hold, its samples at most `longest` tokens long."""
+    return max(max_tokens, longest) if isinstance(max_tokens, int) else micro_batch_size * longest
+
+
 def plan_rows(lengths: list[int], max_tokens: int) -> list[list[int]]:
     """Indices of `lengths`, longest first, in runs whose rows x longest is at most `max_tokens` (a longer
     one alone): padded rows of similar lengths. The runs minimise the tokens the model runs on, padding

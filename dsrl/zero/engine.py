@@ -3,13 +3,16 @@
 import logging
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import deepspeed
 import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from dsrl.config import Config, ModelConfig, critic_on_actor_base
 from dsrl.zero import varlen
@@ -125,7 +128,11 @@ def load_engine(
         model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     model.config.use_cache = False
     lora = train and not critic and cfg.model.lora_rank > 0
-    checkpointing = train and wants_checkpointing(cfg, model, critic)
+    choice = cfg.model.gradient_checkpointing
+    auto = train and choice == "auto" and use_cuda(cfg)  # decided per update (`AutoCheckpointing`)
+    checkpointing = train and (choice is True or auto)
+    if auto:
+        budget = AutoCheckpointing(model.config, trainers_state_bytes(cfg, model, critic), torch.cuda.mem_get_info()[1])
     if checkpointing:
         model.gradient_checkpointing_enable()
         if lora:  # the frozen embeddings' output must carry a gradient into the checkpointed layers
@@ -150,6 +157,8 @@ def load_engine(
     else:
         engine, *_ = deepspeed.initialize(model=model, config=conf)
         engine.eval()
+    if auto:
+        engine.auto_checkpointing = budget  # (read by `run_updates`)
     return engine
 
 
@@ -290,15 +299,6 @@ def activation_bytes(config, tokens: int, checkpointing: bool) -> float:
     return tokens * (kept + 6 * config.vocab_size)
 
 
-def micro_batch_tokens(cfg: Config) -> int:
-    """The most tokens a micro-batch can hold: the budget, or for auto micro_batch_size x the longest sample."""
-    t, budget = cfg.trainer, cfg.trainer.max_tokens_per_micro_batch
-    if isinstance(budget, int):
-        return budget
-    after_prompt = cfg.agent.max_episode_tokens if cfg.rollout.env else cfg.rollout.max_new_tokens
-    return t.micro_batch_size * (cfg.data.max_prompt_tokens + after_prompt)
-
-
 def state_bytes(cfg: Config, weights: int, trained: int) -> float:
     """GPU bytes of an engine's states: its weights; the trained ones' grads and, unless ZeRO-Offload keeps them on
     the host, their fp32 master copy and Adam's two moments."""
@@ -307,30 +307,46 @@ def state_bytes(cfg: Config, weights: int, trained: int) -> float:
     return weights * width + trained * (width + on_gpu * (4 + 8))
 
 
-def wants_checkpointing(cfg: Config, model: torch.nn.Module, critic: bool) -> bool:
-    """--model.gradient_checkpointing decided for a trained engine being built. auto: on a GPU, on when the
-    trainers' states (every engine's, counted from this one: the reference's weights, a critic as large) and a
-    micro-batch's activations (`activation_bytes`) would not fit in its memory with a margin."""
-    choice = cfg.model.gradient_checkpointing
-    if choice != "auto":
-        return choice
-    if not use_cuda(cfg):
-        return False
+def trainers_state_bytes(cfg: Config, model: torch.nn.Module, critic: bool) -> float:
+    """GPU bytes of every trainer engine's states, counted from the one being built: its own, the reference model's
+    weights (KL without LoRA), and a critic as large as the actor (gae without LoRA)."""
     weights = sum(getattr(p, "ds_tensor", p).numel() for p in model.parameters())  # (this rank's ZeRO-3 partitions)
     states = state_bytes(cfg, weights, trained=0 if cfg.model.lora_rank > 0 and not critic else weights)
     if cfg.algorithm.kl_coef > 0 and cfg.model.lora_rank == 0:
-        states += state_bytes(cfg, weights, trained=0)  # the reference model
+        states += state_bytes(cfg, weights, trained=0)
     if cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg):
-        states *= 2  # the actor and the critic, as large, both trained
-    tokens = micro_batch_tokens(cfg)
-    total = torch.cuda.mem_get_info()[1]
-    margin = 0.05 * total + (4 << 30)  # the sleeping servers' remains, the allocator's slack
-    acts = activation_bytes(model.config, tokens, checkpointing=False)
-    on = states + acts + margin > total
-    log.info("gradient checkpointing %s: states %.1f GB + activations of %d tokens %.1f GB + margin %.1f GB %s the "
-             "GPU's %.1f GB (--model.gradient_checkpointing auto)", "on" if on else "off", states / 1e9, tokens,
-             acts / 1e9, margin / 1e9, "exceed" if on else "fit in", total / 1e9)  # fmt: skip
-    return on
+        states *= 2
+    return states
+
+
+@dataclass
+class AutoCheckpointing:
+    """--model.gradient_checkpointing auto on a GPU: before each update, the decoder layers' checkpointing is turned
+    on when the trainers' states and the update's largest micro-batch's activations (`activation_bytes`) would not
+    fit the GPU with a margin, and off when they fit. Decided per update because only then is the largest
+    micro-batch known (the budget, or micro_batch_size x the batch's longest sample): the config's bound, its
+    longest possible prompt and response, would checkpoint runs whose prompts are short. Changes are logged."""
+
+    config: Any
+    """The model's config (its widths, depth and vocabulary)."""
+    states: float
+    total: float
+    """The GPU's memory."""
+    on: bool | None = None
+
+    def apply(self, model: torch.nn.Module, tokens: int) -> None:
+        margin = 0.05 * self.total + (4 << 30)  # the sleeping servers' remains, the allocator's slack
+        acts = activation_bytes(self.config, tokens, checkpointing=False)
+        on = self.states + acts + margin > self.total
+        if on == self.on:
+            return
+        for module in model.modules():
+            if isinstance(module, GradientCheckpointingLayer):
+                module.gradient_checkpointing = on
+        self.on = on
+        log.info("gradient checkpointing %s: states %.1f GB + activations of %d tokens %.1f GB + margin %.1f GB %s "
+                 "the GPU's %.1f GB (--model.gradient_checkpointing auto)", "on" if on else "off", self.states / 1e9,
+                 tokens, acts / 1e9, margin / 1e9, "exceed" if on else "fit in", self.total / 1e9)  # fmt: skip
 
 
 def decide_offload(cfg: Config, engines: list) -> bool:
