@@ -28,7 +28,8 @@ class ModelConfig:
     """Recompute each decoder layer's activations in the backward pass: memory for one more forward pass. auto:
     on a GPU, decided before each update: on when the activations of its largest micro-batch
     (`trainer.max_tokens_per_micro_batch`, or micro_batch_size x the batch's longest sample) would not fit beside
-    the trainers' states; each change is logged with its numbers. Off on CPU."""
+    the trainers' states in the device's memory (the GPU's; on CPU the rank's share of the host's); each change
+    is logged with its numbers."""
     liger_kernel: bool = False
     """Run the trainer's RMSNorm, SwiGLU MLP and rotary embedding as liger-kernel's fused Triton kernels (`pip
     install liger-kernel`; CUDA; the model types liger patches: Llama, Qwen2/3, Mistral, Gemma, ...): fewer

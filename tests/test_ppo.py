@@ -15,6 +15,7 @@ def test_ppo_with_a_critic_learns_the_toy_task(tmp_path):
     args = ["--trainer.total_steps", "40", "--eval.path", "null", "--trainer.pack_sequences", "true"]
     log = run_to_end(train_cmd("toy_cpu_ppo.yaml", run_dir, *args))
     assert "packed micro-batches, no padding: attention by sdpa, one call per sequence" in log
+    assert "gradient checkpointing off: states" in log  # (auto, decided before the first update)
     a = scalars(run_dir)
     assert set(a["actor/padded_frac"].values()) == {0.0}
     reward, value_loss = list(a["reward/mean"].values()), list(a["critic/value_loss"].values())

@@ -169,7 +169,7 @@ def test_zero_offload_preflight_names_the_host_share_that_fits(monkeypatch):
 
 
 def test_gradient_checkpointing_auto_turns_on_for_an_update_whose_micro_batch_would_not_fit(caplog):
-    """--model.gradient_checkpointing auto on a GPU (`AutoCheckpointing`, here with a 10 GiB GPU's size given):
+    """--model.gradient_checkpointing auto (`AutoCheckpointing`, here with a 10 GiB device's size given):
     before each update the decoder layers' checkpointing is on when the states and its largest micro-batch's
     activations would not fit, off when they fit. The activation estimate is held to the figure it was fitted
     on (3B packed, 8,192 tokens, one H200: the update's peak 103.2 GB, states 49.4 GB)."""

@@ -129,10 +129,11 @@ def load_engine(
     model.config.use_cache = False
     lora = train and not critic and cfg.model.lora_rank > 0
     choice = cfg.model.gradient_checkpointing
-    auto = train and choice == "auto" and use_cuda(cfg)  # decided per update (`AutoCheckpointing`)
+    auto = train and choice == "auto"  # decided per update (`AutoCheckpointing`)
     checkpointing = train and (choice is True or auto)
     if auto:
-        budget = AutoCheckpointing(model.config, trainers_state_bytes(cfg, model, critic), torch.cuda.mem_get_info()[1])
+        width = 2 if param_dtype(cfg) == torch.bfloat16 else 4
+        budget = AutoCheckpointing(model.config, trainers_state_bytes(cfg, model, critic), device_memory(cfg), width)
     if checkpointing:
         model.gradient_checkpointing_enable()
         if lora:  # the frozen embeddings' output must carry a gradient into the checkpointed layers
@@ -291,12 +292,22 @@ size), bf16, without checkpointing. Fitted on one H200, 3B packed at 8192 tokens
 49.4 + logits 7.5 (6 bytes per token and vocabulary entry: bf16 logits, their gradient, an fp32 chunk) + 46.3."""
 
 
-def activation_bytes(config, tokens: int, checkpointing: bool) -> float:
-    """What a forward and backward pass of `tokens` tokens keeps on the GPU beyond the states: every layer's
-    activations, or with checkpointing each layer's input and one layer's activations at a time; and the logits."""
+def activation_bytes(config, tokens: int, checkpointing: bool, width: int = 2) -> float:
+    """What a forward and backward pass of `tokens` tokens keeps on the device beyond the states: every layer's
+    activations, or with checkpointing each layer's input and one layer's activations at a time; and the logits.
+    `width`: bytes per value (2 in bf16, 4 in fp32)."""
     layer, layers = ACTIVATION_BYTES * (config.hidden_size + config.intermediate_size), config.num_hidden_layers
     kept = layers * 2 * config.hidden_size + layer if checkpointing else layers * layer
-    return tokens * (kept + 6 * config.vocab_size)
+    return tokens * (kept + 6 * config.vocab_size) * width / 2
+
+
+def device_memory(cfg: Config) -> int:
+    """The memory a trainer rank's states and activations live in: its GPU's, or on CPU its share of the host's."""
+    if use_cuda(cfg):
+        return torch.cuda.mem_get_info()[1]
+    import psutil
+
+    return psutil.virtual_memory().total // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
 def state_bytes(cfg: Config, weights: int, trained: int) -> float:
@@ -321,9 +332,9 @@ def trainers_state_bytes(cfg: Config, model: torch.nn.Module, critic: bool) -> f
 
 @dataclass
 class AutoCheckpointing:
-    """--model.gradient_checkpointing auto on a GPU: before each update, the decoder layers' checkpointing is turned
-    on when the trainers' states and the update's largest micro-batch's activations (`activation_bytes`) would not
-    fit the GPU with a margin, and off when they fit. Decided per update because only then is the largest
+    """--model.gradient_checkpointing auto: before each update, the decoder layers' checkpointing is turned on when
+    the trainers' states and the update's largest micro-batch's activations (`activation_bytes`) would not fit the
+    device (`device_memory`) with a margin, and off when they fit. Decided per update because only then is the largest
     micro-batch known (the budget, or micro_batch_size x the batch's longest sample): the config's bound, its
     longest possible prompt and response, would checkpoint runs whose prompts are short. Changes are logged."""
 
@@ -331,12 +342,14 @@ class AutoCheckpointing:
     """The model's config (its widths, depth and vocabulary)."""
     states: float
     total: float
-    """The GPU's memory."""
+    """The device's memory (`device_memory`)."""
+    width: int = 2
+    """Bytes per activation value."""
     on: bool | None = None
 
     def apply(self, model: torch.nn.Module, tokens: int) -> None:
         margin = 0.05 * self.total + (4 << 30)  # the sleeping servers' remains, the allocator's slack
-        acts = activation_bytes(self.config, tokens, checkpointing=False)
+        acts = activation_bytes(self.config, tokens, checkpointing=False, width=self.width)
         on = self.states + acts + margin > self.total
         if on == self.on:
             return
@@ -345,7 +358,7 @@ class AutoCheckpointing:
                 module.gradient_checkpointing = on
         self.on = on
         log.info("gradient checkpointing %s: states %.1f GB + activations of %d tokens %.1f GB + margin %.1f GB %s "
-                 "the GPU's %.1f GB (--model.gradient_checkpointing auto)", "on" if on else "off", self.states / 1e9,
+                 "the device's %.1f GB (--model.gradient_checkpointing auto)", "on" if on else "off", self.states / 1e9,
                  tokens, acts / 1e9, margin / 1e9, "exceed" if on else "fit in", self.total / 1e9)  # fmt: skip
 
 
