@@ -158,8 +158,9 @@ def load_engine(
     else:
         engine, *_ = deepspeed.initialize(model=model, config=conf)
         engine.eval()
-    if auto:
-        engine.auto_checkpointing = budget  # (read by `run_updates`)
+    if auto:  # off until an update decides (`run_updates`)
+        budget.switch(engine.module, False)
+        engine.auto_checkpointing = budget
     return engine
 
 
@@ -353,13 +354,17 @@ class AutoCheckpointing:
         on = self.states + acts + margin > self.total
         if on == self.on:
             return
-        for module in model.modules():
-            if isinstance(module, GradientCheckpointingLayer):
-                module.gradient_checkpointing = on
+        self.switch(model, on)
         self.on = on
         log.info("gradient checkpointing %s: states %.1f GB + activations of %d tokens %.1f GB + margin %.1f GB %s "
                  "the device's %.1f GB (--model.gradient_checkpointing auto)", "on" if on else "off", self.states / 1e9,
                  tokens, acts / 1e9, margin / 1e9, "exceed" if on else "fit in", self.total / 1e9)  # fmt: skip
+
+    def switch(self, model: torch.nn.Module, on: bool) -> None:
+        """The decoder layers' checkpointing on or off (transformers reads each layer's flag at every call)."""
+        for module in model.modules():
+            if isinstance(module, GradientCheckpointingLayer):
+                module.gradient_checkpointing = on
 
 
 def decide_offload(cfg: Config, engines: list) -> bool:
