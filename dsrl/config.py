@@ -131,8 +131,10 @@ class RolloutConfig:
     placement: Literal["colocate", "disaggregate"] = "colocate"
     """colocate: servers share the trainer's devices and sleep while it trains; disaggregate: their own devices."""
     max_staleness: int = 0
-    """Disaggregated: how many weight versions a trained sample may lag the trainer (0 synchronous,
-    1 one-step-off, k fully async). Generation runs ahead by at most this many batches."""
+    """How many weight versions a trained sample may lag the trainer (0 synchronous, 1 one-step-off, k fully
+    async). Generation runs ahead by at most this many batches. Colocated, 0 or 1: with 1 the next batch is
+    generated while the optimizer steps, with the weights before that step (the servers keep their weights
+    through the update, only their KV cache sleeps)."""
     max_ahead: int | None = None
     """Disaggregated: how many batches generation may admit ahead of the trainer (default, and at most,
     max_staleness). Lower it to keep short responses fresh while long ones may still take up to
@@ -564,10 +566,18 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
         f"must be in [0, rollout.max_staleness={r.max_staleness}]",
     )
     check(
-        r.max_staleness == 0 or r.placement == "disaggregate",
+        r.max_staleness <= 1 or r.placement == "disaggregate",
         "rollout.max_staleness",
         r.max_staleness,
-        "asynchronous rollout needs --rollout.placement disaggregate (colocated servers sleep while the trainer runs)",
+        "colocated servers generate ahead by one step at most (1: beside the optimizer step); "
+        "fully asynchronous rollout needs --rollout.placement disaggregate",
+    )
+    check(
+        r.max_staleness == 0 or r.placement == "disaggregate" or t.offload_states != "always",
+        "trainer.offload_states",
+        t.offload_states,
+        "one-step-off colocated (--rollout.max_staleness 1) keeps the trainers' states on the GPU while the servers "
+        "generate beside the optimizer step: use auto or never",
     )
     for url in r.server_urls:
         check(url.startswith(("http://", "https://")), "rollout.server_urls", url, "each URL must start with http://")

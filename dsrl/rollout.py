@@ -5,7 +5,9 @@ import asyncio
 import logging
 import math
 import numbers
+import time
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -166,6 +168,19 @@ def generate(
     """n_samples responses (or `runner`'s episodes) per prompt, or `rollout.rollout_fn`'s samples, groups
     contiguous in prompt order; each group is scored by `rewarder` as soon as it is complete, while the
     others still generate."""
+    return client.run(generate_async(client, prompts, cfg, seed, progress, rewarder, runner))
+
+
+async def generate_async(
+    client: RolloutClient,
+    prompts: list[Prompt],
+    cfg: RolloutConfig,
+    seed: int = 0,
+    progress: tqdm | None = None,
+    rewarder: "Rewarder | None" = None,
+    runner: EpisodeRunner | None = None,
+) -> list[Sample]:
+    """`generate`, on the client's event loop."""
     fn = None if cfg.rollout_fn is None else load_function(cfg.rollout_fn, "rollout.rollout_fn")
     spec = function_spec(cfg.rollout_fn)
     runner, params = runner or EpisodeRunner(), sampling_params(cfg)
@@ -187,10 +202,7 @@ def generate(
             await rewarder.score_group(samples)
         return samples
 
-    async def all_samples() -> list[Sample]:
-        return [s for g in await asyncio.gather(*(group(p) for p in prompts)) for s in g]
-
-    return client.run(all_samples())
+    return [s for g in await asyncio.gather(*(group(p) for p in prompts)) for s in g]
 
 
 async def play(client: RolloutClient, runner: EpisodeRunner, episode: Episode, seed: tuple, route_key) -> Sample:
@@ -310,17 +322,47 @@ def score_one(sample: Sample, reward_fn: RewardFn, tokenizer) -> float:
 
 
 class SyncRollouts(Rollouts):
-    """The synchronous schedule: each step's batch is generated with the current weights, each group
-    scored as it completes. The data position follows from the step, so a checkpoint needs nothing of it."""
+    """The colocated schedule: each step's batch is generated with the current weights, each group scored as it
+    completes. The data position follows from the step, so a checkpoint needs nothing of it.
+
+    One-step-off (`rollout.max_staleness` 1): the loop starts the next step's batch (`generate_ahead`) while
+    the trainer's last optimizer step runs, with the weights the servers still hold; the weight update waits
+    for it (`before_update`). A checkpoint keeps no batch generated ahead: a resumed run generates it again,
+    with the weights of the checkpoint."""
 
     def __init__(self, client: RolloutClient, cfg: Config, dataset, rewarder: Rewarder, rank: int, world: int,
                  runner: EpisodeRunner | None = None):  # fmt: skip
         self.client, self.cfg, self.dataset = client, cfg, dataset
         self.rewarder, self.rank, self.world, self.runner = rewarder, rank, world, runner
+        self.ahead: tuple[int, Future] | None = None
+        """(step, its batch being generated) when one is generated ahead."""
 
     def collect(self, step: int) -> Batch:
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead[0] == step:
+            return ahead[1].result()
+        return self.client.run(self._generate(step))
+
+    def generate_ahead(self, step: int) -> None:
+        """Start generating the batch of `step` now, on the client's event loop."""
+        self.ahead = (step, self.client.submit(self._generate(step, ahead=True)))
+
+    def before_update(self) -> None:
+        """The batch generated ahead is complete (its errors raised here) before the weights change."""
+        if self.ahead is not None:
+            self.ahead[1].result()
+
+    def stop(self) -> None:
+        if self.ahead is not None:
+            self.ahead[1].cancel()
+
+    async def _generate(self, step: int, ahead: bool = False) -> Batch:
+        start = time.perf_counter()
         prompts = self.dataset.batch(step, self.cfg.rollout.prompts_per_step, self.rank, self.world)
         failed = self.rewarder.failed
         seed = request_seed(self.cfg.seed, step)
-        samples = generate(self.client, prompts, self.cfg.rollout, seed, None, self.rewarder, self.runner)
-        return Batch(samples, {"reward/failed": float(self.rewarder.failed - failed)})
+        samples = await generate_async(self.client, prompts, self.cfg.rollout, seed, None, self.rewarder, self.runner)
+        metrics = {"reward/failed": float(self.rewarder.failed - failed)}
+        if ahead:  # beside the last step's update: the loop's own timer of this step sees none of it
+            metrics["timing/generate_ahead"] = time.perf_counter() - start
+        return Batch(samples, metrics)

@@ -8,6 +8,7 @@ import json
 import logging
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -87,8 +88,8 @@ def train(cfg: Config) -> dict[str, float]:
                         run.weights.sleep()
                 with timer("logprobs"):
                     finite = compute_all_logprobs(run, batch.samples)
-                with timer("update"):
-                    stats = update(run, step, batch.samples, finite)
+                with timer("update"):  # (one-step-off colocated: the next batch generates beside its last step)
+                    stats = update(run, step, batch.samples, finite, generate_ahead(run, step + 1))
                 with timer("sync"):
                     rank0 = sync(run, step + 1)
             if run.evaluator is not None and run.evaluator.due(step + 1):  # the weights just synced
@@ -303,21 +304,24 @@ def compute_all_logprobs(run: Run, samples: list[Sample]) -> bool:
     return all_ranks(all(torch.isfinite(v).all() for v in values))
 
 
-def update(run: Run, step: int, samples: list[Sample], finite: bool) -> dict[str, float]:
+def update(run: Run, step: int, samples: list[Sample], finite: bool, alongside=None) -> dict[str, float]:
     """Advantages, then the critic's and the actor's updates (the actor waits out critic.warmup_steps);
-    a step with non-finite inputs is skipped and counted."""
+    a step with non-finite inputs is skipped and counted. `alongside()`, before the actor's last optimizer
+    step, starts what runs beside it (`generate_ahead`; a step that trains no actor starts nothing)."""
     stats = compute_advantages(samples, run.cfg, run.kl.value) if finite else {}
     advantages = [s.extras["advantages"] for s in samples] if finite else []
     if finite and all_ranks(all(torch.isfinite(a).all() for a in advantages)):
         run.bad_steps = 0
         train_actor = step >= run.cfg.critic.warmup_steps or run.cfg.algorithm.advantage != "gae"
         if has_values(run.actor):
-            stats |= update_actor_and_critic(run.actor, samples, run.cfg, run.pad_id, run.kl.value, train_actor)
+            stats |= update_actor_and_critic(
+                run.actor, samples, run.cfg, run.pad_id, run.kl.value, train_actor, alongside if train_actor else None
+            )
         else:
             if run.critic is not None:
                 stats |= update_critic(run.critic, samples, run.cfg, run.pad_id)
             if train_actor:
-                stats |= update_actor(run.actor, samples, run.cfg, run.pad_id, run.kl.value)
+                stats |= update_actor(run.actor, samples, run.cfg, run.pad_id, run.kl.value, alongside)
         stats |= kl_in_batch(run, samples)
         return {**stats, "train/skipped_step": 0.0}
     run.bad_steps += 1
@@ -328,6 +332,20 @@ def update(run: Run, step: int, samples: list[Sample], finite: bool) -> dict[str
             f"{run.cfg.trainer.max_bad_steps}); check the rewards' scale and the learning rate"
         )
     return {"train/skipped_step": 1.0}
+
+
+def generate_ahead(run: Run, step: int) -> Callable[[], None] | None:
+    """Colocated one-step-off (max_staleness 1): what the update calls after its last backward pass. The servers,
+    holding the weights of this step, wake their KV cache and generate the batch of `step` while the optimizer
+    steps (ZeRO-Offload's CPU Adam at 7B: seconds); the weight update waits for that batch (`before_update`)."""
+    if not run.weights.ahead or step >= run.cfg.trainer.total_steps:
+        return None
+
+    def start() -> None:
+        run.weights.wake_for_generation()
+        run.rollouts.generate_ahead(step)
+
+    return start
 
 
 def kl_in_batch(run: Run, samples: list[Sample]) -> dict[str, float]:
@@ -368,7 +386,8 @@ def log_step(run: Run, step: int, batch: Batch, local: dict, rank0: dict) -> dic
     """`local`: every rank's metrics, reduced over the ranks (counters summed, the rest averaged); `rank0`:
     those only rank 0 has (sync, evaluation). Histograms cover every rank's samples."""
     samples = batch.samples
-    tokens_per_s = sum(len(s.response_ids) for s in samples) / max(local.get("timing/generate", 0.0), 1e-9)
+    seconds = local.get("timing/generate_ahead", local.get("timing/generate", 0.0))  # (generated ahead: its own)
+    tokens_per_s = sum(len(s.response_ids) for s in samples) / max(seconds, 1e-9)
     local = {
         **rollout_metrics(samples, step),
         **episode_metrics(samples),

@@ -229,6 +229,10 @@ def test_colocated_planner_keeps_the_states_on_the_gpu_only_when_they_fit(monkey
         gpu(int(((4 << 30) + states * 0.99) / 0.45))
         assert engine.decide_offload(cfg, engines)
         assert f"trainers' states {states / 1e9:.1f} GB" in caplog.text and "leave the GPU" in caplog.text
+        cfg.rollout.max_staleness = 1  # one-step-off: the states cannot leave while the optimizer steps
+        with pytest.raises(MemoryError, match=r"--rollout.max_staleness 1 \(colocated\).*lower --rollout.mem_fr"):
+            engine.decide_offload(cfg, engines)
+        cfg.rollout.max_staleness = 0
         cfg.trainer.offload_optimizer = True  # 4 of the 16 bytes stay: weights and grads
         assert not engine.decide_offload(cfg, engines)
         assert f"trainers' GPU states {states / 4 / 1e9:.1f} GB" in caplog.text

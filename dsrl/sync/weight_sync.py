@@ -78,9 +78,13 @@ class WeightSync:
         """(rank 0) the figures of the probe awaited last, until `check_probe` hands them on."""
         self.adapters = AdapterServing(transport, client) if is_lora(actor.module) and not transport.merge else None
         """A LoRA actor whose adapter the servers serve on their own (`--sync.lora adapter`)."""
-        self.sleep_tags = MEMORY_TAGS if self.adapters is None else ("kv_cache",)
-        """What the servers release while the trainer trains (colocated). Serving an adapter, they keep the base:
-        SGLang drops released weights' contents, and the base is only sent once."""
+        self.ahead = self.colocated and cfg.rollout.max_staleness > 0
+        """Colocated one-step-off: the servers generate the next batch with their weights while the trainer's last
+        optimizer step runs (`wake_for_generation`)."""
+        self.sleep_tags = MEMORY_TAGS if self.adapters is None and not self.ahead else ("kv_cache",)
+        """What the servers release while the trainer trains (colocated). Serving an adapter, or generating ahead,
+        they keep their weights: SGLang drops released weights' contents, the base is only sent once, and the
+        batch generated ahead needs the weights the trainer just trained on."""
 
     def update(self, version: int) -> dict[str, float]:
         """Bring every server to weight `version`; returns the sync metrics (rank 0's are the real ones)."""
@@ -158,6 +162,13 @@ class WeightSync:
             self.released = {url: set(self.sleep_tags) for url in self.client.live_urls()}
         if self.offload:
             self.reload_trainers()
+
+    def wake_for_generation(self) -> None:
+        """Colocated one-step-off, after the update's last backward pass: the servers take their KV cache back, in
+        the memory the trainer's activations held; every rank waits until they have (`agreed`)."""
+        free_cached_memory()
+        with agreed("waking the servers to generate ahead", SERVER_ERRORS):
+            self._wake("kv_cache")
 
     def offload_trainers(self, params: bool) -> None:
         """Optimizer states (and with `params` the parameters) of every trainer to the CPU."""

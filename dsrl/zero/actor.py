@@ -4,6 +4,7 @@ Micro-batches are built by tokens, packed on CUDA (`dsrl/zero/batches.py`); the 
 response positions only, and their fp32 log-softmax runs a chunk of positions at a time."""
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -186,14 +187,17 @@ def importance_stats(old, behaviour, weights, mask, cap: float) -> dict[str, tor
     }
 
 
-def update_actor(engine, samples: list[Sample], cfg: Config, pad_id: int, kl_coef: float) -> dict[str, float]:
-    """The policy update: `ppo_epochs` passes of `updates_per_step` optimizer steps, micro-batched."""
+def update_actor(
+    engine, samples: list[Sample], cfg: Config, pad_id: int, kl_coef: float, alongside: Callable | None = None
+) -> dict[str, float]:
+    """The policy update: `ppo_epochs` passes of `updates_per_step` optimizer steps, micro-batched; `alongside`
+    as `run_updates`."""
     stash_engine_logprobs(samples)
 
     def loss(mb, num_tokens, num_seqs):
         return micro_batch_loss(engine, mb, cfg, num_tokens, num_seqs, kl_coef)
 
-    stats = run_updates(engine, samples, cfg, cfg.trainer.micro_batch_size, loss, pad_id)
+    stats = run_updates(engine, samples, cfg, cfg.trainer.micro_batch_size, loss, pad_id, alongside)
     return {f"actor/{k}": v for k, v in stats.items()}
 
 
@@ -204,14 +208,21 @@ def stash_engine_logprobs(samples: list[Sample]) -> None:
 
 
 def run_updates(
-    engine, samples: list[Sample], cfg: Config, micro_batch_size: int, loss_fn, pad_id: int
+    engine,
+    samples: list[Sample],
+    cfg: Config,
+    micro_batch_size: int,
+    loss_fn,
+    pad_id: int,
+    alongside: Callable | None = None,
 ) -> dict[str, float]:
     """`ppo_epochs` passes over the batch, each `updates_per_step` optimizer steps of gradient accumulation
     over micro-batches (by tokens: `trainer_micro_batches`, as many on every rank); `loss_fn(mb, num_tokens,
     num_seqs)` -> (loss, metrics, mask) gives each micro-batch's share of its mini-batch loss. Their number
     varies from step to step, so the last one of each mini-batch is marked as DeepSpeed's accumulation
-    boundary. Returns token-weighted means of the metrics (and `padded_frac`, the padding's share of the
-    tokens the model ran on)."""
+    boundary. `alongside()` is called after the last backward pass, before the last optimizer step (which then
+    runs beside what it started). Returns token-weighted means of the metrics (and `padded_frac`, the padding's
+    share of the tokens the model ran on)."""
     auto = getattr(engine, "auto_checkpointing", None)  # (--model.gradient_checkpointing auto, on a GPU)
     if auto is not None:
         longest = max(len(s.prompt.prompt_ids) + len(s.response_ids) for s in samples)
@@ -220,18 +231,20 @@ def run_updates(
         )
     engine.train()  # (transformers checkpoints layers in training mode only; the log-prob passes run in eval mode)
     try:
-        return _run_updates(engine, samples, cfg, micro_batch_size, loss_fn, pad_id)
+        return _run_updates(engine, samples, cfg, micro_batch_size, loss_fn, pad_id, alongside)
     finally:
         engine.eval()
 
 
-def _run_updates(engine, samples: list[Sample], cfg: Config, micro_batch_size: int, loss_fn, pad_id: int) -> dict:
+def _run_updates(
+    engine, samples: list[Sample], cfg: Config, micro_batch_size: int, loss_fn, pad_id: int, alongside
+) -> dict:
     t = cfg.trainer
     mini_size = len(samples) // t.updates_per_step
     sums: dict[str, float] = defaultdict(float)
     maxima: dict[str, float] = {}
     tokens_seen, grad_norms, lrs, ran, real = 0.0, [], [], 0, 0
-    for _ in range(t.ppo_epochs):
+    for epoch in range(t.ppo_epochs):
         for m in range(0, len(samples), mini_size):
             mini = samples[m : m + mini_size]
             num_tokens, num_seqs = global_denominators(mini)
@@ -244,6 +257,9 @@ def _run_updates(engine, samples: list[Sample], cfg: Config, micro_batch_size: i
                 loss, stats, mask = loss_fn(mb, num_tokens, num_seqs)
                 # The loss is already a share of the mini-batch mean: no extra 1/accumulation scaling.
                 engine.backward(loss, scale_wrt_gas=False)
+                last = epoch == t.ppo_epochs - 1 and m + mini_size >= len(samples) and i == len(chunks) - 1
+                if last and alongside is not None:
+                    alongside()
                 engine.step()
                 weight = mask.sum().item()
                 for key in [k for k in stats if k.endswith("_max")]:

@@ -142,12 +142,13 @@ def update_critic(engine, samples: list[Sample], cfg: Config, pad_id: int) -> di
 
 
 def update_actor_and_critic(
-    engine, samples: list[Sample], cfg: Config, pad_id: int, kl_coef: float, train_actor: bool
+    engine, samples: list[Sample], cfg: Config, pad_id: int, kl_coef: float, train_actor: bool, alongside=None
 ) -> dict[str, float]:
     """`PolicyAndValue`'s update: each micro-batch's loss is the critic's plus (after critic.warmup_steps) the
     actor's, one backward pass, one optimizer step per mini-batch, as many as either would take alone. The two
     adapters share no parameter, so each gets the gradient of its own loss and Adam's steps are its own; they
-    are clipped together (trainer.grad_clip on the joint norm, reported as actor/grad_norm)."""
+    are clipped together (trainer.grad_clip on the joint norm, reported as actor/grad_norm). `alongside`: as
+    `run_updates`."""
     stash_engine_logprobs(samples)
 
     def loss(mb: MicroBatch, num_tokens: float, num_seqs: float):
@@ -159,6 +160,6 @@ def update_actor_and_critic(
             stats |= {f"actor/{k}": v for k, v in actor_stats.items()}
         return total, stats, mask
 
-    stats = run_updates(engine, samples, cfg, cfg.trainer.micro_batch_size, loss, pad_id)
+    stats = run_updates(engine, samples, cfg, cfg.trainer.micro_batch_size, loss, pad_id, alongside)
     shared = {f"actor/{k}": stats.pop(k) for k in ("padded_frac", "grad_norm", "lr")}
     return stats | shared | {"critic/lr": engine.get_lr()[1]}

@@ -133,7 +133,8 @@ def load_engine(
     checkpointing = train and (choice is True or auto)
     if auto:
         width = 2 if param_dtype(cfg) == torch.bfloat16 else 4
-        budget = AutoCheckpointing(model.config, trainers_state_bytes(cfg, model, critic), device_memory(cfg), width)
+        states = trainers_state_bytes(cfg, model, critic) + awake_server_bytes(cfg, model)
+        budget = AutoCheckpointing(model.config, states, device_memory(cfg), width)
     if checkpointing:
         model.gradient_checkpointing_enable()
         if lora:  # the frozen embeddings' output must carry a gradient into the checkpointed layers
@@ -331,11 +332,20 @@ def trainers_state_bytes(cfg: Config, model: torch.nn.Module, critic: bool) -> f
     return states
 
 
+def awake_server_bytes(cfg: Config, model: torch.nn.Module) -> float:
+    """GPU bytes the colocated servers keep through an update: their weights, when they generate ahead (one-step-off;
+    else they release them). Counted as this GPU's share of a server's bf16 copy of `model`."""
+    if cfg.rollout.placement != "colocate" or cfg.rollout.max_staleness == 0 or not use_cuda(cfg):
+        return 0.0
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) * 2 / cfg.rollout.tp_size
+
+
 @dataclass
 class AutoCheckpointing:
     """--model.gradient_checkpointing auto: before each update, the decoder layers' checkpointing is turned on when
-    the trainers' states and the update's largest micro-batch's activations (`activation_bytes`) would not fit the
-    device (`device_memory`) with a margin, and off when they fit. Decided per update because only then is the largest
+    the trainers' states (with the servers' weights kept awake, `awake_server_bytes`) and the update's largest
+    micro-batch's activations (`activation_bytes`) would not fit the device (`device_memory`) with a margin, and off
+    when they fit. Decided per update because only then is the largest
     micro-batch known (the budget, or micro_batch_size x the batch's longest sample): the config's bound, its
     longest possible prompt and response, would checkpoint runs whose prompts are short. Changes are logged."""
 
@@ -389,6 +399,14 @@ def decide_offload(cfg: Config, engines: list) -> bool:
     servers = cfg.rollout.mem_fraction_static * total
     margin = 0.05 * total + (4 << 30)  # the servers' activations, CUDA graphs, the allocator's slack
     keep = states + servers + margin < total
+    if not keep and cfg.rollout.max_staleness > 0:
+        raise MemoryError(
+            f"--rollout.max_staleness 1 (colocated): the servers generate beside the optimizer step, so the trainers' "
+            f"states stay on the GPU, and states {states / 1e9:.1f} GB + servers {servers / 1e9:.1f} GB "
+            f"(mem_fraction_static {cfg.rollout.mem_fraction_static:.2f}) + margin {margin / 1e9:.1f} GB exceed the "
+            f"GPU's {total / 1e9:.1f} GB: lower --rollout.mem_fraction_static, keep the optimizer on the host "
+            "(--trainer.offload_optimizer), or use --rollout.max_staleness 0"
+        )
     if cfg.trainer.offload_optimizer:  # DeepSpeed moves states between phases for FusedAdam only, not CPU Adam
         log.info("colocated memory: trainers' GPU states %.1f GB + servers %.1f GB + margin %.1f GB %s the GPU's "
                  "%.1f GB; with ZeRO-Offload they stay on the GPU%s", states / 1e9, servers / 1e9, margin / 1e9,
