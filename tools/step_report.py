@@ -10,12 +10,16 @@ import argparse
 import json
 from pathlib import Path
 
+PER_STEP = ("timing/step", "timing/generate_ahead", "timing/sync_drain")
+"""Scalars listed step by step, the first included."""
+
 WORK = ("generate", "logprobs", "update")
 """The phases that are the algorithm's own work; the rest of a step is the RL plumbing."""
 
 
 def step_means(run_dir: Path) -> tuple[dict[str, float], int]:
-    """Mean of every scalar over the steps after the first (its start-up costs are not a step's)."""
+    """Mean of every scalar over the steps after the first (its start-up costs are not a step's); the steps' own
+    times under `per_step/` (a run's last step differs in schedules that generate ahead: it has nothing to)."""
     try:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     except ImportError:
@@ -28,6 +32,8 @@ def step_means(run_dir: Path) -> tuple[dict[str, float], int]:
             values = [e.value for e in events.Scalars(tag)]
             later = values[1:] or values
             means[tag], steps = sum(later) / len(later), max(steps, len(later))
+            if tag in PER_STEP:
+                means[f"per_step/{tag}"] = values
         if means:
             return means, steps
     return json.loads((run_dir / "final_metrics.json").read_text()), 1
@@ -35,6 +41,7 @@ def step_means(run_dir: Path) -> tuple[dict[str, float], int]:
 
 def report(metrics: dict[str, float], steps: int) -> str:
     step = metrics["timing/step"]
+    per_step = {k.removeprefix("per_step/"): metrics.pop(k) for k in [k for k in metrics if k.startswith("per_step/")]}
     timings = {k.removeprefix("timing/"): v for k, v in metrics.items() if k.startswith("timing/")}
     phases = {k: v for k, v in timings.items() if k != "step"}
     top = {k: v for k, v in phases.items() if "_" not in k or k in WORK}
@@ -48,6 +55,8 @@ def report(metrics: dict[str, float], steps: int) -> str:
     if memory:
         figures = [f"{k.removeprefix('memory/')} {v:.1f}" for k, v in sorted(memory.items())]
         lines.append("memory (GB): " + ", ".join(figures))
+    for tag, values in per_step.items():
+        lines.append(f"{tag} by step: " + " ".join(f"{v:.3f}" for v in values))
     for key in ("sync/bytes", "sync/seconds", "sync/gb_per_s", "sync/probe_seconds", "sync/probe_logprob_diff"):
         if key in metrics:
             lines.append(f"{key} {metrics[key]:.4g}")
