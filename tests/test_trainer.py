@@ -99,6 +99,16 @@ def test_chunked_logprobs_equal_the_full_log_softmax_values_and_gradients(model,
         torch.testing.assert_close(p.grad, want_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_a_micro_batch_of_equal_lengths_to_pack_goes_as_rows():
+    """Samples of one length (the uniform-length case, where sdpa's kernel beat the varlen one) go as rows without
+    padding; a long tail is packed."""
+    uniform = [Sample(Prompt(i, [2, 3, 4], "", None), [5] * 8, [], "stop", 0) for i in range(4)]
+    rows = MicroBatch.build(uniform, 0, torch.device("cpu"), packed=True)
+    assert not rows.packed and rows.input_ids.shape == (4, 11) and bool(rows.attention_mask.all())
+    longtail = MicroBatch.build(samples(0), 0, torch.device("cpu"), packed=True)
+    assert longtail.packed and longtail.input_ids.shape[0] == 1
+
+
 def test_micro_batches_by_tokens_stay_within_the_budget_and_split_to_a_common_count():
     rng = random.Random(1)
     lengths = [int(min(4096, max(32, rng.lognormvariate(5.5, 1.0)))) for _ in range(64)]

@@ -13,7 +13,8 @@ until it has as many.
   positions restarting at each one, no padding at all. The sequences' boundaries go to the model as
   `cu_seq_lens_q`, which its attention (`dsrl/zero/varlen.py`: torch's flash varlen kernel on CUDA) reads:
   no mask. (With sdpa, transformers would build a dense block-causal mask over the whole row, quadratic in
-  its length: seen on an H200, a 3B model at 14% MFU, and out of memory.)
+  its length: seen on an H200, a 3B model at 14% MFU, and out of memory.) Samples all of one length go as
+  rows even so.
 Either way only the positions whose next token is a response token get logits; per-token results come back
 response-aligned, [samples, longest response], the layout of the losses and estimators.
 """
@@ -152,7 +153,11 @@ class MicroBatch:
 
     @classmethod
     def build(cls, samples: list[Sample], pad_id: int, device: torch.device, packed: bool = True) -> "MicroBatch":
+        """Packed, or right-padded rows. Samples all of one length go as rows either way: no padding, no mask
+        (`dsrl/zero/varlen.py`), and sdpa's kernel ran 2-3.5% faster than the varlen one on uniform lengths (3B,
+        one H200, docs/benchmarks.md, Trainer)."""
         seqs = [s.prompt.prompt_ids + s.response_ids for s in samples]
+        packed = packed and len(set(map(len, seqs))) > 1
         width = max(len(s.response_ids) for s in samples)
         mask = torch.zeros(len(samples), width)
         keep, targets, rows, cols = [], [], [], []
