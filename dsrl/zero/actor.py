@@ -31,16 +31,18 @@ def per_token(mb: MicroBatch, key: str) -> torch.Tensor:
     return out
 
 
-LOGPROB_CHUNK = 2048
+LOGPROB_CHUNK = 512
 """Positions whose fp32 log-softmax is computed at once: the fp32 [positions, vocabulary] tensor never exists
-whole (at 151,936 tokens of vocabulary a chunk is 1.2 GB; a micro-batch of 8k positions would be 5 GB)."""
+whole (at 151,936 tokens of vocabulary a chunk is 0.3 GB, and the backward pass holds about five; a micro-batch
+of 8k positions would be 5 GB each). 2048 had those five at 6 GB of the 3B update's peak."""
 
 
 class TokenLogprobs(torch.autograd.Function):
     """The sampled tokens' logprobs under softmax(logits / T), and the entropies, from [positions, vocabulary]
     logits, LOGPROB_CHUNK positions at a time in fp32. Nothing of the size of the logits is kept but the
     logits themselves: the backward pass recomputes each chunk's softmax from them and the saved log-sum-exp,
-    and writes the gradient, (onehot - p) g_logprob - p (x - E[x]) g_entropy, over T, into one buffer."""
+    and writes the gradient, (onehot - p) g_logprob - p (x - E[x]) g_entropy, over T, over the logits, chunk by
+    chunk once read (nothing else needs them then: the model's output projection saves its input, not its output)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool = True):
@@ -60,7 +62,7 @@ class TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None):
         logits, targets, lse, mean_x = ctx.saved_tensors
-        grad = torch.empty_like(logits)
+        grad = logits  # (in place: a second tensor of the logits' size was 2.5 GB of the 3B update's peak)
         g_lp = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs.float()
         g_h = torch.zeros_like(lse) if grad_entropy is None else grad_entropy.float()
         for i in range(0, logits.shape[0], LOGPROB_CHUNK):
