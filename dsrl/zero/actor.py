@@ -225,7 +225,7 @@ def run_updates(
     boundary. `alongside()` is called after the last backward pass, before the last optimizer step (which then
     runs beside what it started). Returns token-weighted means of the metrics (and `padded_frac`, the padding's
     share of the tokens the model ran on)."""
-    auto = getattr(engine, "auto_checkpointing", None)  # (--model.gradient_checkpointing auto, on a GPU)
+    auto = getattr(engine, "auto_checkpointing", None)  # (a trained engine under --model.gradient_checkpointing auto)
     if auto is not None:
         longest = max(len(s.prompt.prompt_ids) + len(s.response_ids) for s in samples)
         auto.apply(
