@@ -16,6 +16,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from dsrl.config import Config, ModelConfig, critic_on_actor_base
 from dsrl.zero import varlen
+from dsrl.zero.actor import LOGPROB_CHUNK
 from dsrl.zero.batches import packs
 from dsrl.zero.critic import PolicyAndValue
 from dsrl.zero.lora import add_adapters, lora_config
@@ -288,19 +289,21 @@ def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
              whole * ratio / 1e9, 100 * ratio, memory.available / 1e9)  # fmt: skip
 
 
-ACTIVATION_BYTES = 12
+ACTIVATION_BYTES = 11
 """Bytes a decoder layer keeps for its backward pass per token and per unit of its width (hidden + intermediate
-size), bf16, without checkpointing. Fitted on one H200, 3B packed at 8192 tokens: update peak 103.2 GB = states
-49.4 + logits 7.5 (6 bytes per token and vocabulary entry: bf16 logits, their gradient, an fp32 chunk) + 46.3."""
+size), bf16, without checkpointing. Fitted on one H200, 3B packed at 8192 tokens, update peak 95.3 GB = states 49.4
++ logits 4.0 (`activation_bytes`) + 41.8 (and, before the log-probs' gradient went over the logits in 512-position
+chunks, 103.2 GB with 11.2 GB of logits: the same 11 bytes)."""
 
 
 def activation_bytes(config, tokens: int, checkpointing: bool, width: int = 2) -> float:
     """What a forward and backward pass of `tokens` tokens keeps on the device beyond the states: every layer's
-    activations, or with checkpointing each layer's input and one layer's activations at a time; and the logits.
+    activations, or with checkpointing each layer's input and one layer's activations at a time; the logits (their
+    gradient is written over them) and the log-probs' fp32 chunks (about five of LOGPROB_CHUNK positions at once).
     `width`: bytes per value (2 in bf16, 4 in fp32)."""
     layer, layers = ACTIVATION_BYTES * (config.hidden_size + config.intermediate_size), config.num_hidden_layers
     kept = layers * 2 * config.hidden_size + layer if checkpointing else layers * layer
-    return tokens * (kept + 6 * config.vocab_size) * width / 2
+    return tokens * (kept * width / 2 + config.vocab_size * width) + 5 * LOGPROB_CHUNK * config.vocab_size * 4
 
 
 def device_memory(cfg: Config) -> int:
