@@ -132,10 +132,12 @@ def main() -> None:
         choices=["layer", "module"],
         help="ZeRO-3 gathers per decoder layer (--trainer.gather_per_layer) or per module.",
     )
+    parser.add_argument("--logprob-chunk", type=int, default=actor.LOGPROB_CHUNK, help="actor.LOGPROB_CHUNK.")
     parser.add_argument("--modes", nargs="+", default=["before", "after"], choices=["before", "after", "packed"])
     args = parser.parse_args()
     budget = args.budget if args.budget == "auto" else int(args.budget)
     before = load_actor(args.before_from) if args.before_from else None
+    actor.LOGPROB_CHUNK = args.logprob_chunk
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -152,7 +154,8 @@ def main() -> None:
     print(
         f"model {args.model}: {params / 1e9:.2f}B parameters, vocabulary {vocab}, {args.samples} samples, "
         f"ZeRO-3 gathers per {args.gather}{', checkpointing' if args.checkpointing else ''}"
-        f"{', liger-kernel' if args.liger else ''}; packed rows' attention: "
+        f"{', liger-kernel' if args.liger else ''}, log-probs {args.logprob_chunk} positions a chunk; "
+        f"packed rows' attention: "
         f"{varlen.describe(next(engine.module.parameters()).dtype, torch.cuda.is_available())}"
     )
     header = f"{'lengths':>9} {'mode':>7} {'logprobs s':>11} {'update s':>9} {'tokens/s':>9} {'MFU':>6}"
