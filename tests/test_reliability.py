@@ -90,6 +90,24 @@ def test_resume_after_kill_repeats_the_uninterrupted_run_bit_for_bit(tmp_path):
     assert sorted(p.name for p in (killed / "checkpoints").glob("step_*")) == ["step_8"]  # keep_last 1
 
 
+def test_resume_after_kill_in_colocated_one_step_off_mode_loses_no_prompt(tmp_path):
+    """The kill comes while the next batch is generated alongside the optimizer step. A checkpoint keeps no batch
+    generated ahead: the resumed run generates step 4's again, with the checkpoint's weights (staleness 0)."""
+    args = ["--trainer.total_steps", "8", "--logging.save_every", "4", "--rollout.prompts_per_step", "16"]
+    args += ["--rollout.max_staleness", "1", "--algorithm.off_policy", "tis"]
+    run_dir = tmp_path / "ahead"
+    run_and_kill(train_cmd("toy_cpu.yaml", run_dir, *args), at_step=6, total=8)
+    log = run_to_end(train_cmd("toy_cpu.yaml", run_dir, *args))
+    assert "step_4 at step 4" in log
+
+    records = trace(run_dir)
+    assert [r["step"] for r in records] == list(range(8))
+    rows = [row for r in records for row in r["rows"]]
+    assert len(rows) == len(set(rows)) == 8 * 16, "a prompt was lost or trained twice"
+    staleness = scalars(run_dir)["rollout/staleness_max"]
+    assert [staleness[step] for step in sorted(staleness)] == [0, 1, 1, 1, 0, 1, 1, 1]
+
+
 AGENT = ["--rollout.env", "dsrl.toy:KeyLookupEnv", "--agent.max_turns", "3", "--agent.max_episode_tokens", "24"]
 """The toy agent task: multi-turn episodes, some in the middle of a turn or between turns at the kill."""
 
