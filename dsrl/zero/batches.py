@@ -34,10 +34,15 @@ budgets: padding is worth adding where it saves a micro-batch, up to half a budg
 H200 at 3B: 0.14 s a forward pass, as long as a forward of ~13k tokens (docs/benchmarks.md, Trainer)."""
 
 
+def use_cuda(cfg: Config) -> bool:
+    """Whether the trainer runs on CUDA: `trainer.device` cuda, or auto where a GPU is visible."""
+    return cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+
+
 def packs(cfg: Config) -> bool:
     """`trainer.pack_sequences` decided: auto packs where the trainer runs on CUDA, rows on CPU."""
-    p, device = cfg.trainer.pack_sequences, cfg.trainer.device
-    return p if isinstance(p, bool) else device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    p = cfg.trainer.pack_sequences
+    return p if isinstance(p, bool) else use_cuda(cfg)
 
 
 def largest_micro_batch(max_tokens: int | str | None, micro_batch_size: int, longest: int) -> int:

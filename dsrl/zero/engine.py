@@ -17,15 +17,11 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from dsrl.config import Config, ModelConfig, critic_on_actor_base
 from dsrl.zero import varlen
 from dsrl.zero.actor import LOGPROB_CHUNK
-from dsrl.zero.batches import packs
+from dsrl.zero.batches import packs, use_cuda
 from dsrl.zero.critic import PolicyAndValue
 from dsrl.zero.lora import add_adapters, lora_config
 
 log = logging.getLogger(__name__)
-
-
-def use_cuda(cfg: Config) -> bool:
-    return cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
 
 
 def param_dtype(cfg: Config) -> torch.dtype:
