@@ -182,7 +182,8 @@ def test_gradient_checkpointing_auto_turns_on_for_an_update_whose_micro_batch_wo
     """--model.gradient_checkpointing auto (`AutoCheckpointing`, here with a 10 GiB device's size given):
     before each update the decoder layers' checkpointing is on when the states and its largest micro-batch's
     activations would not fit, off when they fit. The activation estimate is held to the figure it was fitted
-    on (3B packed, 8,192 tokens, one H200: the update's peak 95.3 GB, states 49.4 GB)."""
+    on (3B packed, 8,192 tokens, one H200: the update's peak 95.3 GB, states 49.4 GB; with liger-kernel 99.7 GB at
+    12,288 tokens and 115.5 GB at 16,384)."""
     import logging
 
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -194,6 +195,8 @@ def test_gradient_checkpointing_auto_turns_on_for_an_update_whose_micro_batch_wo
     config.update({"hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "vocab_size": 151936})
     assert 3.09e9 * 16 + engine.activation_bytes(config, 8192, False) == pytest.approx(95.3e9, rel=0.03)
     assert engine.activation_bytes(config, 8192, True) < engine.activation_bytes(config, 8192, False) / 4
+    for tokens, peak in [(12288, 99.7e9), (16384, 115.5e9)]:  # liger-kernel's layers keep less
+        assert 3.09e9 * 16 + engine.activation_bytes(config, tokens, False, liger=True) == pytest.approx(peak, rel=0.03)
 
     model = AutoModelForCausalLM.from_config(toy.build_model_config())
     model.gradient_checkpointing_enable()

@@ -131,7 +131,7 @@ def load_engine(
     if auto:
         width = 2 if param_dtype(cfg) == torch.bfloat16 else 4
         states = trainers_state_bytes(cfg, model, critic) + awake_server_bytes(cfg, model)
-        budget = AutoCheckpointing(model.config, states, device_memory(cfg), width)
+        budget = AutoCheckpointing(model.config, states, device_memory(cfg), width, cfg.model.liger_kernel)
     if checkpointing:
         model.gradient_checkpointing_enable()
         if lora:  # the frozen embeddings' output must carry a gradient into the checkpointed layers
@@ -291,13 +291,19 @@ size), bf16, without checkpointing. Fitted on one H200, 3B packed at 8192 tokens
 + logits 4.0 (`activation_bytes`) + 41.8 (and, before the log-probs' gradient went over the logits in 512-position
 chunks, 103.2 GB with 11.2 GB of logits: the same 11 bytes)."""
 
+LIGER_ACTIVATION_BYTES = 8
+"""The same with liger-kernel's fused RMSNorm, SwiGLU and RoPE (--model.liger_kernel), which keep less. Fitted on one
+H200, 3B packed: update peaks 99.7 GB at 12,288 tokens and 115.5 GB at 16,384 (tools/bench_trainer.py), 84.3 GB at
+8,256 tokens in the realistic step: 7.8, 7.7 and 7.9 bytes."""
 
-def activation_bytes(config, tokens: int, checkpointing: bool, width: int = 2) -> float:
+
+def activation_bytes(config, tokens: int, checkpointing: bool, width: int = 2, liger: bool = False) -> float:
     """What a forward and backward pass of `tokens` tokens keeps on the device beyond the states: every layer's
     activations, or with checkpointing each layer's input and one layer's activations at a time; the logits (their
     gradient is written over them) and the log-probs' fp32 chunks (about five of LOGPROB_CHUNK positions at once).
-    `width`: bytes per value (2 in bf16, 4 in fp32)."""
-    layer, layers = ACTIVATION_BYTES * (config.hidden_size + config.intermediate_size), config.num_hidden_layers
+    `width`: bytes per value (2 in bf16, 4 in fp32); `liger`: the layers run liger-kernel's fused kernels."""
+    per_width = LIGER_ACTIVATION_BYTES if liger else ACTIVATION_BYTES
+    layer, layers = per_width * (config.hidden_size + config.intermediate_size), config.num_hidden_layers
     kept = layers * 2 * config.hidden_size + layer if checkpointing else layers * layer
     return tokens * (kept * width / 2 + config.vocab_size * width) + 5 * LOGPROB_CHUNK * config.vocab_size * 4
 
@@ -355,11 +361,13 @@ class AutoCheckpointing:
     """The device's memory (`device_memory`)."""
     width: int = 2
     """Bytes per activation value."""
+    liger: bool = False
+    """The layers run liger-kernel's fused kernels (`LIGER_ACTIVATION_BYTES`)."""
     on: bool | None = None
 
     def apply(self, model: torch.nn.Module, tokens: int) -> None:
         margin = 0.05 * self.total + (4 << 30)  # the sleeping servers' remains, the allocator's slack
-        acts = activation_bytes(self.config, tokens, checkpointing=False, width=self.width)
+        acts = activation_bytes(self.config, tokens, checkpointing=False, width=self.width, liger=self.liger)
         on = self.states + acts + margin > self.total
         if on == self.on:
             return
