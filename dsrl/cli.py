@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from dsrl.config import ConfigError, build_parser, dump_config, to_config, validate
+from dsrl.config import ConfigError, build_parser, dump_config, rollout_engine, to_config, trainer_on_cuda, validate
 from dsrl.rundir import (
     OWNER_ENV,
     STOP_SIGNALS,
@@ -43,8 +43,8 @@ def train(argv: list[str]) -> int:
     from dsrl.config import fleet_kind
     from dsrl.serving.servers import check_server_args
 
-    cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and cuda_available())
-    engine = cfg.rollout.engine if cfg.rollout.engine != "auto" else ("sglang" if cuda else "embedded")
+    cuda = trainer_on_cuda(cfg.trainer, cuda_available)
+    engine = rollout_engine(cfg, cuda)
     try:
         if fleet_kind(cfg.rollout) != "external":
             check_server_args(cfg.rollout, engine)
@@ -240,8 +240,8 @@ def evaluate(argv: list[str]) -> int:
     model_dir = cfg.model.path
     if ns.checkpoint:
         model_dir = str(export_to_hf(Path(ns.checkpoint), None, overwrite=True))  # <run_dir>/hf_step_<N>: dsrl's own
-    cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and cuda_available())
-    engine = cfg.rollout.engine if cfg.rollout.engine != "auto" else ("sglang" if cuda else "embedded")
+    cuda = trainer_on_cuda(cfg.trainer, cuda_available)
+    engine = rollout_engine(cfg, cuda)
     metrics = evaluate_model(cfg, model_dir, engine)
     print(json.dumps(metrics, indent=1, sort_keys=True))
     return 0

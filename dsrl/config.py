@@ -7,6 +7,7 @@ together, each naming the flag, the value and what is allowed.
 
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -477,6 +478,16 @@ def fleet_kind(r: RolloutConfig) -> str:
     if r.fleet == "auto":
         return "external" if r.server_urls else "local"
     return r.fleet
+
+
+def trainer_on_cuda(t: TrainerConfig, cuda_available: Callable[[], bool]) -> bool:
+    """Whether the trainer runs on CUDA: `trainer.device` cuda, or auto where `cuda_available()` (asked only then)."""
+    return t.device == "cuda" or (t.device == "auto" and cuda_available())
+
+
+def rollout_engine(cfg: Config, cuda: bool) -> str:
+    """The engine dsrl starts: auto = SGLang where the trainer runs on CUDA (`cuda`), the embedded engine elsewhere."""
+    return cfg.rollout.engine if cfg.rollout.engine != "auto" else ("sglang" if cuda else "embedded")
 
 
 def eval_rollout(cfg: Config) -> RolloutConfig:

@@ -20,7 +20,16 @@ from transformers import AutoTokenizer
 
 from dsrl.advantages import KlController, compute_advantages
 from dsrl.collectives import agreed, all_ranks
-from dsrl.config import Config, SyncConfig, critic_on_actor_base, dump_config, fleet_kind, parse_config, validate
+from dsrl.config import (
+    Config,
+    SyncConfig,
+    critic_on_actor_base,
+    dump_config,
+    fleet_kind,
+    parse_config,
+    rollout_engine,
+    validate,
+)
 from dsrl.data import DatasetError, Sample, check_datasets, server_context
 from dsrl.episode import EpisodeRunner, episode_metrics, episode_row
 from dsrl.evaluate import Evaluator
@@ -44,6 +53,7 @@ from dsrl.serving.servers import Fleet, ServerFleet, check_server_args, server_h
 from dsrl.sync.base import make_checkpoint_engine
 from dsrl.sync.weight_sync import WeightSync
 from dsrl.zero.actor import compute_logprobs, logprob_mismatch, update_actor
+from dsrl.zero.batches import use_cuda
 from dsrl.zero.checkpoint import CheckpointError, export_hf, find_checkpoint, load_checkpoint, save_checkpoint
 from dsrl.zero.critic import compute_values, has_values, update_actor_and_critic, update_critic
 from dsrl.zero.engine import (
@@ -53,7 +63,6 @@ from dsrl.zero.engine import (
     load_engine,
     offload_states,
     prepare_model_dir,
-    use_cuda,
 )
 from dsrl.zero.lora import is_lora, reference_off, save_adapter, target_modules
 
@@ -160,7 +169,7 @@ def setup(cfg: Config) -> Run:
     rank, world = dist.get_rank(), dist.get_world_size()
     validate(cfg, world)
     if fleet_kind(cfg.rollout) != "external":
-        check_server_args(cfg.rollout, rollout_engine(cfg))
+        check_server_args(cfg.rollout, rollout_engine(cfg, use_cuda(cfg)))
     logging.basicConfig(
         level=cfg.logging.log_level if rank == 0 else "WARNING", format="%(asctime)s [dsrl] %(message)s", force=True
     )
@@ -172,7 +181,7 @@ def setup(cfg: Config) -> Run:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     runner = EpisodeRunner(cfg, tokenizer)  # checks the chat template, with an environment
-    context = server_context(cfg, model_dir, rollout_engine(cfg))
+    context = server_context(cfg, model_dir, rollout_engine(cfg, use_cuda(cfg)))
     dataset, held_out = check_datasets(cfg, tokenizer, context, runner.tool_schemas)  # every rank: the same errors
     rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env))
     evaluator = Evaluator(cfg, tokenizer, rewarder, run_dir, held_out, runner) if held_out else None
@@ -457,18 +466,11 @@ def finish(run: Run, metrics: dict[str, float]) -> None:
             save_adapter(run.actor.module, run.run_dir / "adapter", run.rank == 0)
 
 
-def rollout_engine(cfg: Config) -> str:
-    """The engine dsrl starts: auto = SGLang on GPUs, the embedded engine on CPU."""
-    if cfg.rollout.engine != "auto":
-        return cfg.rollout.engine
-    return "sglang" if use_cuda(cfg) else "embedded"
-
-
 def start_rollout_fleet(cfg: Config, model_dir: str, run_dir: Path, rank: int) -> Fleet:
     """Rank 0 starts the servers (here, or on Ray) or takes external URLs; every rank learns their URLs
     (on the other ranks the fleet is only that list: rank 0 alone changes it)."""
     multi_node = bool(cfg.trainer.hostfile)  # servers here must be reachable from the other nodes' ranks
-    engine = rollout_engine(cfg)
+    engine = rollout_engine(cfg, use_cuda(cfg))
     fleet = [start_fleet(cfg.rollout, model_dir, run_dir, cfg.seed, engine, multi_node) if rank == 0 else None]
     urls = [fleet[0].urls if rank == 0 else None]
     dist.broadcast_object_list(urls, src=0)

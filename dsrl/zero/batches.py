@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dsrl.collectives import reduce_device
-from dsrl.config import Config
+from dsrl.config import Config, trainer_on_cuda
 from dsrl.data import Sample
 
 MICRO_BATCH_COST = 0.5
@@ -36,7 +36,7 @@ H200 at 3B: 0.14 s a forward pass, as long as a forward of ~13k tokens (docs/ben
 
 def use_cuda(cfg: Config) -> bool:
     """Whether the trainer runs on CUDA: `trainer.device` cuda, or auto where a GPU is visible."""
-    return cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    return trainer_on_cuda(cfg.trainer, torch.cuda.is_available)
 
 
 def packs(cfg: Config) -> bool:
