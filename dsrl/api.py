@@ -47,7 +47,7 @@ def train(cfg: Config) -> dict[str, float]:
     if single:  # a world of one, without the launcher (deepspeed would look for MPI otherwise)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ["MASTER_PORT"] = str(free_port())
-    loop = importlib.import_module("dsrl.train")  # (which then stands for this function: see its end)
+    loop = importlib.import_module("dsrl.train")  # the loop's module (`dsrl.train` stays this function)
     try:
         return loop.train(cfg)
     finally:
@@ -86,7 +86,7 @@ def _run_forwarding_signals(cmd: list[str]) -> int:
 
 
 def _launch(cfg: Config) -> dict[str, float]:
-    from dsrl.rollout import importable_spec
+    from dsrl.rewards.rewarder import importable_spec
 
     for section, name in ((cfg.algorithm, "reward_fn"), (cfg.rollout, "rollout_fn")):
         fn = getattr(section, name)

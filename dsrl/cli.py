@@ -74,8 +74,8 @@ def check_data(cfg, engine: str) -> None:
     from transformers import AutoTokenizer
 
     from dsrl.data import check_datasets, server_context
-    from dsrl.episode import Renderer, check_rendering, tool_schemas
-    from dsrl.rewards import load_function
+    from dsrl.rewards.rules import load_function
+    from dsrl.rollout.episode import Renderer, check_rendering, tool_schemas
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     tools = None

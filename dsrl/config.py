@@ -91,7 +91,7 @@ class RolloutConfig:
     sampling)` is dsrl's own rollout (docs/tutorial.md has an example). Colocated schedules only."""
     env: str | None = None
     """Multi-turn agent episodes: an environment class, `module:Class` (a `dsrl.Environment`; built in:
-    `dsrl.toy:KeyLookupEnv`, `dsrl.calculator:CalculatorEnv`). Each sample is then an episode of model turns
+    `dsrl.tasks.toy:KeyLookupEnv`, `dsrl.tasks.calculator:CalculatorEnv`). Each sample is then an episode of model turns
     and the environment's observations (masked out of the loss), rewarded by the environment; limits and
     tools are `agent.*`. Unset: one response per sample, rewarded by `algorithm.reward_fn`."""
     env_args: dict[str, Any] = field(default_factory=dict)
@@ -705,7 +705,7 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
 def validate_agent(cfg: Config, check) -> None:
     r, g = cfg.rollout, cfg.agent
     check(r.env is None or is_function_spec(r.env), "rollout.env", r.env,
-          "must be module:Class, e.g. dsrl.toy:KeyLookupEnv")  # fmt: skip
+          "must be module:Class, e.g. dsrl.tasks.toy:KeyLookupEnv")  # fmt: skip
     check(r.env is None or r.rollout_fn is None, "rollout.env", r.env,
           "an environment's episodes are dsrl's rollout: unset --rollout.rollout_fn")  # fmt: skip
     at_least_one = ["max_turns", "max_episode_tokens", "max_observation_tokens", "tool_workers",

@@ -17,8 +17,9 @@ from tqdm import tqdm
 
 from dsrl.config import Config, eval_rollout
 from dsrl.data import PromptDataset, Sample
-from dsrl.episode import EpisodeRunner, episode_row
-from dsrl.rollout import Rewarder, RewardError, generate, request_seed
+from dsrl.rewards.rewarder import Rewarder, RewardError
+from dsrl.rollout.episode import EpisodeRunner, episode_row
+from dsrl.rollout.rollouts import generate, request_seed
 from dsrl.serving.client import RolloutClient
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ def evaluate_model(cfg: Config, model_dir: str, engine: str) -> dict[str, float]
     <run_dir>/eval/step_0.jsonl."""
     from transformers import AutoTokenizer
 
-    from dsrl.serving.servers import start_fleet
+    from dsrl.serving.fleet import start_fleet
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env))

@@ -7,7 +7,6 @@ import gc
 import json
 import logging
 import sys
-import types
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -31,11 +30,12 @@ from dsrl.config import (
     validate,
 )
 from dsrl.data import DatasetError, Sample, check_datasets, server_context
-from dsrl.episode import EpisodeRunner, episode_metrics, episode_row
 from dsrl.evaluate import Evaluator
 from dsrl.metrics import MetricsWriter, Timer, gather_lists, mean_across_ranks, reduce_across_ranks, summary_line
-from dsrl.rollout import Batch, Rewarder, Rollouts, SyncRollouts
-from dsrl.rollout_manager import PromptStream, RolloutManager
+from dsrl.rewards.rewarder import Rewarder
+from dsrl.rollout.episode import EpisodeRunner, episode_metrics, episode_row
+from dsrl.rollout.manager import PromptStream, RolloutManager
+from dsrl.rollout.rollouts import Batch, Rollouts, SyncRollouts
 from dsrl.rundir import (
     ExportTargetError,
     RunDirLocked,
@@ -49,9 +49,9 @@ from dsrl.rundir import (
 )
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.control import FleetControl
-from dsrl.serving.servers import Fleet, ServerFleet, check_server_args, server_host, start_fleet
-from dsrl.sync.base import make_checkpoint_engine
-from dsrl.sync.weight_sync import WeightSync
+from dsrl.serving.fleet import start_fleet
+from dsrl.serving.servers import Fleet, ServerFleet, check_server_args, server_host
+from dsrl.sync.weight_sync import WeightSync, make_checkpoint_engine
 from dsrl.zero.actor import compute_logprobs, logprob_mismatch, update_actor
 from dsrl.zero.batches import use_cuda
 from dsrl.zero.checkpoint import CheckpointError, export_hf, find_checkpoint, load_checkpoint, save_checkpoint
@@ -537,18 +537,6 @@ def logging_redirect(steps, rank: int):
     with logging_redirect_tqdm():
         yield from steps
 
-
-class _CallableModule(types.ModuleType):
-    """Importing this module makes it the package's attribute `train`, in place of the API function
-    `dsrl.train`: calling the module does what that function does, so `dsrl.train(cfg)` always works."""
-
-    def __call__(self, cfg: Config) -> dict[str, float]:
-        from dsrl.api import train as api_train
-
-        return api_train(cfg)
-
-
-sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     main()

@@ -4,7 +4,7 @@ import os
 import time
 
 import dsrl
-from dsrl.agents import Environment, Step, ToolCall, ToolEnv
+from dsrl.rollout.agents import Environment, Step, ToolCall, ToolEnv
 
 
 class Scripted(Environment):

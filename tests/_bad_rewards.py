@@ -3,8 +3,8 @@
 import os
 import time
 
-from dsrl import toy
-from dsrl.rewards import batched
+from dsrl.rewards.rules import batched
+from dsrl.tasks import toy
 
 
 def misbehave(kind: str | None):

@@ -17,9 +17,9 @@ from safetensors.torch import save_file
 
 from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
 from dsrl.serving.client import RolloutClient
-from dsrl.sync.base import SyncError, make_checkpoint_engine
+from dsrl.sync.base import SyncError
 from dsrl.sync.verify import verify_weights
-from dsrl.sync.weight_sync import WeightSync
+from dsrl.sync.weight_sync import WeightSync, make_checkpoint_engine
 from dsrl.train import start_rollout_fleet
 from dsrl.zero.buckets import FlatGatherer, gathered_buckets, param_bytes, plan_buckets
 from dsrl.zero.engine import init_distributed, load_engine
@@ -240,7 +240,7 @@ def gather_to_all_padded(cfg: Config, run_dir: Path) -> dict:
     tensors is padded, which the all-rank gather handles apart (gathered aside, then copied)."""
     from transformers import AutoModelForCausalLM
 
-    from dsrl.toy import build_model_config, build_tokenizer
+    from dsrl.tasks.toy import build_model_config, build_tokenizer
 
     odd = run_dir / "odd_model"
     if dist.get_rank() == 0:

@@ -15,7 +15,7 @@ def toy_weights(tmp_path_factory) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dsrl.toy import build_model_config, build_tokenizer
+    from dsrl.tasks.toy import build_model_config, build_tokenizer
 
     out = tmp_path_factory.mktemp("toy_weights")
     torch.manual_seed(0)

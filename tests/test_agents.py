@@ -12,14 +12,15 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dsrl import calculator, toy
 from dsrl.config import Config, DataConfig, ModelConfig
 from dsrl.data import PromptDataset
-from dsrl.episode import EpisodeRunner, Renderer, TemplateError, check_rendering
-from dsrl.rollout import Rewarder, RewardError, generate, parse_generation
-from dsrl.rollout_manager import PromptStream, RolloutManager
+from dsrl.rewards.rewarder import Rewarder, RewardError
+from dsrl.rollout.episode import EpisodeRunner, Renderer, TemplateError, check_rendering
+from dsrl.rollout.manager import PromptStream, RolloutManager
+from dsrl.rollout.rollouts import generate, parse_generation
 from dsrl.serving.client import RolloutClient
-from dsrl.serving.servers import start_fleet
+from dsrl.serving.fleet import start_fleet
+from dsrl.tasks import calculator, toy
 from dsrl.zero.batches import MicroBatch
 from tests.conftest import ROOT
 

@@ -9,12 +9,13 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import dsrl
-from dsrl import toy
 from dsrl.config import AlgorithmConfig, Config, DataConfig, ModelConfig
 from dsrl.data import Prompt, Sample
-from dsrl.rollout import Rewarder, RolloutFnError, generate
+from dsrl.rewards.rewarder import Rewarder
+from dsrl.rollout.rollouts import RolloutFnError, generate
 from dsrl.serving.client import RolloutClient
-from dsrl.serving.servers import start_fleet
+from dsrl.serving.fleet import start_fleet
+from dsrl.tasks import toy
 from tests import _bad_rewards, _rollouts
 from tests.conftest import ROOT
 

@@ -13,14 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from dsrl import toy
 from dsrl.config import Config, DataConfig, ModelConfig
 from dsrl.data import PromptDataset, Sample
-from dsrl.episode import Episode
-from dsrl.rollout import Rewarder
-from dsrl.rollout_manager import Group, PromptStream, RolloutManager
+from dsrl.rewards.rewarder import Rewarder
+from dsrl.rollout.episode import Episode
+from dsrl.rollout.manager import Group, PromptStream, RolloutManager
 from dsrl.serving.client import RolloutClient
-from dsrl.serving.servers import start_fleet
+from dsrl.serving.fleet import start_fleet
+from dsrl.tasks import toy
 from tests.conftest import ROOT
 
 TOKENIZER = toy.build_tokenizer()

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from dsrl import toy
 from dsrl.config import Config, ConfigError, DataConfig, ModelConfig, build_parser, parse_config, to_config, validate
 from dsrl.data import DatasetError, Prompt, PromptDataset, Sample, check_fits_context
 from dsrl.evaluate import eval_rollout
-from dsrl.rewards import load_reward_fn
-from dsrl.rollout import score_one
+from dsrl.rewards.rewarder import score_one
+from dsrl.rewards.rules import load_reward_fn
 from dsrl.serving.client import RolloutClient, ServerError
 from dsrl.serving.servers import free_port, wait_healthy
+from dsrl.tasks import toy
 from dsrl.train import check_writable
 from dsrl.zero.checkpoint import find_checkpoint
 from tests.conftest import ROOT
@@ -235,8 +235,8 @@ def test_bad_input_reward_module_missing():
 
 
 def test_bad_input_reward_function_missing():
-    with pytest.raises(ValueError, match=r"module 'dsrl.toy' has no function 'nope'"):
-        load_reward_fn("dsrl.toy:nope")
+    with pytest.raises(ValueError, match=r"module 'dsrl.tasks.toy' has no function 'nope'"):
+        load_reward_fn("dsrl.tasks.toy:nope")
 
 
 def test_bad_input_reward_raises_names_the_row():

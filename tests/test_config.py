@@ -22,7 +22,7 @@ def test_every_shipped_yaml_parses_and_validates(path):
 def test_cli_overrides_yaml():
     cfg = parse_config(["--config", str(ROOT / "configs/toy_cpu.yaml"), "--rollout.n_samples", "4"])
     assert cfg.rollout.n_samples == 4
-    assert cfg.algorithm.reward_fn == "dsrl.toy:reward"
+    assert cfg.algorithm.reward_fn == "dsrl.tasks.toy:reward"
 
 
 def test_help_comes_from_field_docstrings(capsys):

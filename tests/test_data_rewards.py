@@ -7,10 +7,10 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from dsrl import toy
 from dsrl.config import DataConfig
 from dsrl.data import DatasetError, PromptDataset
-from dsrl.rewards import extract_final_number, load_reward_fn, math_reward
+from dsrl.rewards.rules import extract_final_number, load_reward_fn, math_reward
+from dsrl.tasks import toy
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_load_reward_fn_errors_name_the_flag():
 def test_reward_workers_survive_a_hang_a_crash_and_garbage():
     """Each call has its own outcome: a hung call times out and its process is replaced, a process that
     exits fails only its row, and the pool goes on serving the rows after them."""
-    from dsrl.reward_pool import RewardPool
+    from dsrl.rewards.pool import RewardPool
 
     pool = RewardPool("tests._bad_rewards:by_row_kind", workers=2, timeout_s=2.0)
     kinds = ["ok", "hang", "crash", "string", "raise", "ok"]
@@ -142,8 +142,8 @@ def test_rewards_that_take_the_row_are_batched_or_async():
     coroutine function; the in-process path and the workers call them the same way."""
     import asyncio
 
-    from dsrl.reward_pool import call_reward
-    from dsrl.rewards import batched
+    from dsrl.rewards.pool import call_reward
+    from dsrl.rewards.rules import batched
 
     def with_row(prompt, response, answer, row):
         return float(row["weight"])

@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 from dsrl.collectives import init_weight_update_group
 from dsrl.config import RolloutConfig
 from dsrl.serving.client import NoServerLeft, RolloutClient, ServerError
-from dsrl.serving.servers import ServerFleet, ServerProcess, embedded_command, free_port, start_fleet
+from dsrl.serving.fleet import start_fleet
+from dsrl.serving.servers import ServerFleet, ServerProcess, embedded_command, free_port
 
 PROMPT = [5, 11, 6, 12]  # "394="
 EOS = 1

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from dsrl.serving.client import RolloutClient, ServedAdapter
 from dsrl.serving.embedded import BadRequest, Engine
-from dsrl.toy import build_model_config, build_tokenizer
+from dsrl.tasks.toy import build_model_config, build_tokenizer
 from dsrl.zero.lora import ServedWeights, add_adapters, reference_off
 from tests.conftest import ROOT
 from tests.test_reliability import TIMING, run_and_kill, run_to_end, scalars, train_cmd

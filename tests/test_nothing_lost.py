@@ -19,10 +19,10 @@ import psutil
 import pytest
 import torch
 
-from dsrl import toy
 from dsrl.config import DataConfig
 from dsrl.data import PromptDataset
 from dsrl.rundir import EXPORT_MARKER, ExportTargetError, RunDirLocked, RunLock, check_export_target, write_error
+from dsrl.tasks import toy
 from dsrl.zero.checkpoint import ShardWriter
 from tests.conftest import ROOT, TOY_MODEL
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from dsrl import toy
 from dsrl.config import DataConfig
 from dsrl.data import PromptDataset
-from dsrl.rollout_manager import PromptStream
+from dsrl.rollout.manager import PromptStream
+from dsrl.tasks import toy
 from tests.conftest import ROOT
 
 # Wall-clock figures differ between any two runs; everything else must match bit for bit.
@@ -108,7 +108,7 @@ def test_resume_after_kill_in_colocated_one_step_off_mode_loses_no_prompt(tmp_pa
     assert [staleness[step] for step in sorted(staleness)] == [0, 1, 1, 1, 0, 1, 1, 1]
 
 
-AGENT = ["--rollout.env", "dsrl.toy:KeyLookupEnv", "--agent.max_turns", "3", "--agent.max_episode_tokens", "24"]
+AGENT = ["--rollout.env", "dsrl.tasks.toy:KeyLookupEnv", "--agent.max_turns", "3", "--agent.max_episode_tokens", "24"]
 """The toy agent task: multi-turn episodes, some in the middle of a turn or between turns at the kill."""
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dsrl import toy
 from dsrl.data import Prompt, Sample
+from dsrl.tasks import toy
 from dsrl.zero import actor, varlen
 from dsrl.zero.actor import forward_logprobs
 from dsrl.zero.batches import MICRO_BATCH_COST, MicroBatch, micro_batches, plan, plan_rows, split_to

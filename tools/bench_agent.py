@@ -23,13 +23,13 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from dsrl.agents import Environment, Step
 from dsrl.config import Config, DataConfig, ModelConfig
 from dsrl.data import Prompt
-from dsrl.episode import EpisodeRunner
-from dsrl.rollout import parse_generation
+from dsrl.rollout.agents import Environment, Step
+from dsrl.rollout.episode import EpisodeRunner
+from dsrl.rollout.rollouts import parse_generation
 from dsrl.serving.client import RolloutClient
-from dsrl.serving.servers import start_fleet
+from dsrl.serving.fleet import start_fleet
 
 
 class Fixed(Environment):

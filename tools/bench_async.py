@@ -31,7 +31,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dsrl.toy import make_rows  # noqa: E402
+from dsrl.tasks.toy import make_rows  # noqa: E402
 
 SCHEDULES = [  # (label, max_staleness, interrupt, pause_mode, max_ahead); 5- are not in the default set
     ("synchronous", 0, "wait", None, None),

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from dsrl.config import RolloutConfig  # noqa: E402
 from dsrl.serving.client import RolloutClient  # noqa: E402
-from dsrl.serving.servers import start_fleet  # noqa: E402
+from dsrl.serving.fleet import start_fleet  # noqa: E402
 
 
 def payloads(n: int, prompt_len: int, new_tokens: int, vocab: int) -> list[dict]:

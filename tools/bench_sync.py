@@ -59,7 +59,7 @@ def make_cpu_model(out: Path, hidden: int = 1024, layers: int = 8, vocab: int = 
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from dsrl.toy import build_tokenizer
+    from dsrl.tasks.toy import build_tokenizer
 
     if (out / "config.json").is_file():
         return out
@@ -149,9 +149,8 @@ def rank_main(args) -> None:
 
     from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
     from dsrl.serving.client import RolloutClient
-    from dsrl.sync.base import make_checkpoint_engine
     from dsrl.sync.verify import probe_reference, verify_probe
-    from dsrl.sync.weight_sync import WeightSync
+    from dsrl.sync.weight_sync import WeightSync, make_checkpoint_engine
     from dsrl.train import start_rollout_fleet
     from dsrl.zero.buckets import param_bytes
     from dsrl.zero.engine import init_distributed, load_engine

@@ -16,8 +16,8 @@ sys.path.insert(0, str(ROOT))
 
 from dsrl.config import RolloutConfig  # noqa: E402
 from dsrl.serving.client import RolloutClient  # noqa: E402
-from dsrl.serving.servers import start_fleet  # noqa: E402
-from dsrl.toy import make_rows  # noqa: E402
+from dsrl.serving.fleet import start_fleet  # noqa: E402
+from dsrl.tasks.toy import make_rows  # noqa: E402
 
 
 def main() -> None:

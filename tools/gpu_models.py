@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dsrl.toy import VOCAB, build_tokenizer  # noqa: E402
+from dsrl.tasks.toy import VOCAB, build_tokenizer  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads (Qwen2.5 shapes)
     "0.5b": (896, 4864, 24, 14, 2),
@@ -58,7 +58,7 @@ def build(out: Path, size: str, vocab: int = 151936) -> Path:
 def build_chat(out: Path, size: str) -> Path:
     from transformers import AutoTokenizer
 
-    from dsrl.calculator import build_model_config
+    from dsrl.tasks.calculator import build_model_config
 
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "examples/calculator/model")
     hidden, inter, layers, heads, kv = SHAPES[size]

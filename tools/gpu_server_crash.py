@@ -24,7 +24,7 @@ from gpu_models import build  # noqa: E402 -- tools/, this script's folder
 
 from dsrl.config import RolloutConfig  # noqa: E402
 from dsrl.serving.client import RolloutClient  # noqa: E402
-from dsrl.serving.servers import start_fleet  # noqa: E402
+from dsrl.serving.fleet import start_fleet  # noqa: E402
 
 
 def children(pid: int) -> list[int]:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsrl.config import RolloutConfig, fleet_kind
+from dsrl.config import RolloutConfig
 
 log = logging.getLogger(__name__)
 
@@ -437,48 +437,3 @@ def _kill_on_parent_death() -> None:
     import ctypes
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def start_fleet(
-    cfg: RolloutConfig, model_path: str, run_dir: Path, seed: int, engine: str, multi_node: bool = False
-) -> Fleet:
-    """The run's servers: external URLs, Ray actors, or `cfg.num_servers` subprocesses here (the
-    embedded engine, or SGLang on consecutive GPUs from `first_gpu`)."""
-    kind = fleet_kind(cfg)
-    if kind == "external":
-        for url in cfg.server_urls:
-            wait_healthy(url.rstrip("/"), cfg.startup_timeout_s)
-        urls = [url.rstrip("/") for url in cfg.server_urls]
-        return ExternalFleet(urls=urls, startup_timeout_s=cfg.startup_timeout_s)
-    if engine not in ("embedded", "sglang"):
-        raise ValueError(f"--rollout.engine={engine!r}: expected embedded or sglang")
-    if kind == "ray":
-        try:
-            from dsrl.serving.ray_fleet import RayFleet
-        except ImportError as e:
-            raise ImportError(f"--rollout.fleet ray needs Ray ({e}): pip install 'dsrl[ray]'") from e
-
-        return RayFleet.start(cfg, model_path, run_dir, seed, engine)
-    log_dir = run_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    env, host = server_env(engine), server_host(cfg, multi_node)
-
-    def launch(i: int) -> ServerProcess:
-        port = free_port(host)
-        cmd = server_command(cfg, engine, model_path, host, port, seed + i, cfg.first_gpu + i * cfg.tp_size)
-        log.info("starting rollout server %d: %s", i, " ".join(cmd))
-        return spawn(cmd, env, log_dir / f"server_{i}.log", f"http://{host}:{port}")
-
-    fleet = ServerFleet(urls=[], launch=launch, startup_timeout_s=cfg.startup_timeout_s)
-    try:
-        for i in range(cfg.num_servers):
-            server = launch(i)
-            fleet.processes.append(server)
-            fleet.urls.append(server.url)
-        for i in range(len(fleet.processes)):
-            fleet.wait_started(i)
-            log.info("rollout server ready at %s (log: %s)", fleet.urls[i], fleet.processes[i].log_path)
-    except BaseException:
-        fleet.stop()
-        raise
-    return fleet

@@ -65,23 +65,3 @@ class CheckpointEngine(ABC):
 
     def reset(self) -> None:
         """The fleet changed (a server restarted, joined or left): rebuild per-fleet state before the next send."""
-
-
-def make_checkpoint_engine(
-    cfg: SyncConfig, client: RolloutClient, run_dir: Path, backend: str, tp_size: int = 1
-) -> CheckpointEngine:
-    """The transport named by --sync.type ('auto' must be resolved by the caller)."""
-    root = Path(cfg.disk_dir or run_dir / "weights")
-    if cfg.type == "ipc":
-        from dsrl.sync.ipc import IpcEngine
-
-        return IpcEngine(cfg, client, root, tp_size)
-    if cfg.type == "broadcast":
-        from dsrl.sync.broadcast import BroadcastEngine
-
-        return BroadcastEngine(cfg, client, root, backend)
-    if cfg.type == "disk":
-        from dsrl.sync.disk import DiskEngine
-
-        return DiskEngine(cfg, client, root)
-    raise ValueError(f"--sync.type={cfg.type!r}: expected ipc, broadcast or disk")

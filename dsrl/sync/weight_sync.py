@@ -27,11 +27,12 @@ import logging
 import time
 from collections.abc import Awaitable
 from concurrent.futures import Future
+from pathlib import Path
 
 import torch.distributed as dist
 
 from dsrl.collectives import agreed
-from dsrl.config import Config
+from dsrl.config import Config, SyncConfig
 from dsrl.metrics import Timer
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import ServerFleet
@@ -266,3 +267,23 @@ async def _timed(work: Awaitable[float]) -> tuple[float, float]:
     """The result of `work` and the seconds it took (the probe's own time, off the critical path)."""
     start = time.perf_counter()
     return await work, time.perf_counter() - start
+
+
+def make_checkpoint_engine(
+    cfg: SyncConfig, client: RolloutClient, run_dir: Path, backend: str, tp_size: int = 1
+) -> CheckpointEngine:
+    """The transport named by --sync.type ('auto' must be resolved by the caller)."""
+    root = Path(cfg.disk_dir or run_dir / "weights")
+    if cfg.type == "ipc":
+        from dsrl.sync.ipc import IpcEngine
+
+        return IpcEngine(cfg, client, root, tp_size)
+    if cfg.type == "broadcast":
+        from dsrl.sync.broadcast import BroadcastEngine
+
+        return BroadcastEngine(cfg, client, root, backend)
+    if cfg.type == "disk":
+        from dsrl.sync.disk import DiskEngine
+
+        return DiskEngine(cfg, client, root)
+    raise ValueError(f"--sync.type={cfg.type!r}: expected ipc, broadcast or disk")

@@ -21,11 +21,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsrl.agents import Step, ToolCall, cap_text, env_step, tool_schema
 from dsrl.config import Config, function_spec
 from dsrl.data import Prompt, Sample
-from dsrl.reward_pool import RewardPool
-from dsrl.rewards import load_function
+from dsrl.rewards.pool import RewardPool
+from dsrl.rewards.rules import load_function
+from dsrl.rollout.agents import Step, ToolCall, cap_text, env_step, tool_schema
 
 log = logging.getLogger(__name__)
 
@@ -166,10 +166,10 @@ class EpisodeRunner:
         check_rendering(self.renderer)
         g = self.agent
         if g.env_workers:
-            self.env_pool = RewardPool("dsrl.agents:env_step", g.env_workers, g.env_timeout_s, True,
+            self.env_pool = RewardPool("dsrl.rollout.agents:env_step", g.env_workers, g.env_timeout_s, True,
                                        "--agent.env_timeout_s")  # fmt: skip
         if self.tools:
-            self.tool_pool = RewardPool("dsrl.agents:call_tool", g.tool_workers, g.tool_timeout_s, True,
+            self.tool_pool = RewardPool("dsrl.rollout.agents:call_tool", g.tool_workers, g.tool_timeout_s, True,
                                         "--agent.tool_timeout_s")  # fmt: skip
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ Every sample records the weight version of each token span (with `pause`, where 
 starts is not seen: a request's reply only says the version it finished under). A group already
 past the edge of the bound at an update (it could only be dropped) is restarted from scratch.
 
-A sample is an episode (`dsrl.episode`): one model turn, or an agent's turns and observations. What is
+A sample is an episode (`dsrl.rollout.episode`): one model turn, or an agent's turns and observations. What is
 said above of a request holds for each model turn's; an episode between turns (its environment or tools
 running) sends its next turn only once the update is over, and goes on from exactly where it was.
 """
@@ -38,8 +38,9 @@ from dataclasses import asdict, dataclass, field
 
 from dsrl.config import Config
 from dsrl.data import Prompt, PromptDataset, Sample
-from dsrl.episode import Episode, EpisodeRunner
-from dsrl.rollout import Batch, Generation, Rewarder, Rollouts, parse_generation, request_seed, sampling_params
+from dsrl.rewards.rewarder import Rewarder
+from dsrl.rollout.episode import Episode, EpisodeRunner
+from dsrl.rollout.rollouts import Batch, Generation, Rollouts, parse_generation, request_seed, sampling_params
 from dsrl.serving.client import RolloutClient
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ has its process killed and replaced, a process that dies is replaced, and either
 fails, with a message naming it. The trainer's event loop is not blocked while rewards are computed
 (`score_async`), so a slow reward does not stall the requests in flight.
 
-Workers are fresh interpreters (`python -m dsrl.reward_pool`, not multiprocessing's spawn, which
+Workers are fresh interpreters (`python -m dsrl.rewards.pool`, not multiprocessing's spawn, which
 imports the trainer's main module again: seconds of torch and DeepSpeed per worker). They import
 this module, which imports nothing heavy, and the reward function by its `module:function` path.
 """
@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Pipe, wait
 
-from dsrl.rewards import load_function, load_reward_fn
+from dsrl.rewards.rules import load_function, load_reward_fn
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class RewardPool:
         """A worker: a fresh interpreter (never a fork of a trainer: CUDA, threads), on a socket pair."""
         ours, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # as spawn: the same imports
-        cmd = [sys.executable, "-m", "dsrl.reward_pool", self.spec, str(theirs.fileno()), str(int(self.plain))]
+        cmd = [sys.executable, "-m", "dsrl.rewards.pool", self.spec, str(theirs.fileno()), str(int(self.plain))]
         process = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env, start_new_session=True)
         theirs.close()
         return process, Connection(ours.detach())
@@ -250,5 +250,5 @@ class RewardPool:
         self.workers = []
 
 
-if __name__ == "__main__":  # a worker: python -m dsrl.reward_pool module:function FD PLAIN
+if __name__ == "__main__":  # a worker: python -m dsrl.rewards.pool module:function FD PLAIN
     _worker(sys.argv[1], Connection(int(sys.argv[2])), sys.argv[3] == "1")

@@ -3,7 +3,7 @@
 A prompt is 1-3 digits followed by "=", e.g. ``"394="``; the right response is the same digits,
 ``"394"``, then end-of-sequence. One token per character. A random policy scores about 0.07; a tiny model trained with
 GRPO on CPU reaches 0.9+ within minutes. Everything (tokenizer, model config, data) is built here,
-so nothing is downloaded. ``python -m dsrl.toy <dir>`` writes the files shipped in examples/toy/.
+so nothing is downloaded. ``python -m dsrl.tasks.toy <dir>`` writes the files shipped in examples/toy/.
 
 The agent task (`KeyLookupEnv`, `configs/toy_cpu_agent.yaml`) reads the same prompts as keys: only the
 `lookup` tool knows a key's value. The model calls it by ending a turn with "+" after the key ("394+"),
@@ -16,7 +16,7 @@ import random
 import sys
 from pathlib import Path
 
-from dsrl.agents import Environment, Step
+from dsrl.rollout.agents import Environment, Step
 
 VOCAB = ["<pad>", "<eos>", *"0123456789", "=", "+"]
 

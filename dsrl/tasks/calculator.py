@@ -3,7 +3,7 @@ Hermes/Qwen format, the final number rewarded as GSM8K's (`dsrl.rewards:math_rew
 
     dsrl train --config configs/gpu_calculator_agent.yaml
 
-`python -m dsrl.calculator DIR` writes the problems (train.jsonl, test.jsonl) and, for machines that
+`python -m dsrl.tasks.calculator DIR` writes the problems (train.jsonl, test.jsonl) and, for machines that
 cannot download one, a Qwen2-style tokenizer: byte-level BPE trained here, Qwen's special tokens and tool
 tags, and Qwen2.5's chat template (tools in the system prompt, tool results as `<tool_response>` in a
 user turn), with a small Qwen2 config of its vocabulary.
@@ -16,8 +16,8 @@ import random
 import sys
 from pathlib import Path
 
-from dsrl.agents import Step, ToolCall, ToolEnv, tool, tool_schema
-from dsrl.rewards import math_reward
+from dsrl.rewards.rules import math_reward
+from dsrl.rollout.agents import Step, ToolCall, ToolEnv, tool, tool_schema
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}  # fmt: skip

@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsrl.rewards import load_function
+from dsrl.rewards.rules import load_function
 
 
 @dataclass
@@ -135,7 +135,7 @@ class ToolEnv(Environment):
         raise NotImplementedError(f"{type(self).__name__} must define reward(self, response) -> float")
 
 
-# -- run in worker processes (dsrl.reward_pool, plain mode) ----------------------------------------
+# -- run in worker processes (dsrl.rewards.pool, plain mode) ----------------------------------------
 
 
 def env_step(env_spec: str, options: dict, state: Any, row: dict, response: str, pickled: bool) -> tuple[Any, Step]:

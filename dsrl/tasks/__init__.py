@@ -1,0 +1,1 @@
+"""Built-in tasks: the toy task (`toy.py`) and the calculator agent (`calculator.py`)."""
