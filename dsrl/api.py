@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from dsrl.config import Config, ConfigError, build_parser, dump_config, to_config, validate
-from dsrl.rundir import STOP_SIGNALS, RunStopped
+from dsrl.rundir import STOP_SIGNALS, RunStopped, die_with_parent
 
 
 def load_config(path: str | os.PathLike | None = None, *overrides: str) -> Config:
@@ -75,8 +75,9 @@ def _end_world() -> None:
 
 
 def _run_forwarding_signals(cmd: list[str]) -> int:
-    """`dsrl train` as a child; SIGTERM and SIGINT here go to it, which stops the run cleanly."""
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    """`dsrl train` as a child; SIGTERM and SIGINT here go to it, which stops the run cleanly, and so does
+    this process's death by any signal (the kernel's parent-death signal)."""
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     forward = {sig: signal.signal(sig, lambda signum, _: proc.send_signal(signum)) for sig in STOP_SIGNALS}
     try:
         return proc.wait()

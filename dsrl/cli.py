@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -11,12 +12,14 @@ from pathlib import Path
 from dsrl.config import ConfigError, build_parser, dump_config, rollout_engine, to_config, trainer_on_cuda, validate
 from dsrl.rundir import (
     OWNER_ENV,
+    OWNER_FLAG,
     STOP_SIGNALS,
     ExportTargetError,
     RunDirLocked,
     RunLock,
     WriteError,
     clear_stop,
+    die_with_parent,
     request_stop,
 )
 
@@ -57,6 +60,7 @@ def train(argv: list[str]) -> int:
     run_dir = Path(cfg.logging.run_dir)
     try:
         check_data(cfg, engine)
+        check_lora_targets(cfg)
         lock = RunLock(run_dir).acquire("dsrl train")  # before anything is written there
     except (DatasetError, RunDirLocked, ValueError, TypeError) as e:  # a bad row, an environment, its template
         print(f"dsrl train: error: {e}", file=sys.stderr)
@@ -85,6 +89,30 @@ def check_data(cfg, engine: str) -> None:
     check_datasets(cfg, tokenizer, server_context(cfg, cfg.model.path, engine), tools)
 
 
+def check_lora_targets(cfg) -> None:
+    """--model.lora_target_modules, matched by PEFT itself against the model's modules (built without weights)
+    here, before any rank starts: a name no module has is one line naming the model's linear layers."""
+    if not cfg.model.lora_rank:
+        return
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dsrl.zero.lora import lora_config
+
+    config = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+    try:
+        get_peft_model(model, lora_config(cfg.model))
+    except ValueError as e:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ValueError(
+            f"--model.lora_target_modules={cfg.model.lora_target_modules!r}: {str(e).splitlines()[0]} "
+            f"The model's linear layers: {', '.join(linear)} (or all-linear)"
+        ) from None
+
+
 def launch(cfg, run_dir: Path, cuda: bool) -> int:
     """The deepspeed launcher for the run's ranks, in a process group of its own. SIGTERM or SIGINT here
     asks the ranks to stop at the end of the step (and checkpoint: --logging.save_on_signal) through the
@@ -107,9 +135,11 @@ def launch(cfg, run_dir: Path, cuda: bool) -> int:
         cmd += ["--num_accelerators", str(cfg.trainer.num_ranks or 1)]
     cmd += ["--no_local_rank", "--module", "dsrl.train", "--config", str(config_path)]
     print(f"dsrl train: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    cmd.append(f"{OWNER_FLAG}{os.getpid()}@{socket.gethostname()}")  # each rank ends when this process does
     # Its own process group: a Ctrl-C on the terminal reaches this process only (the launcher would kill
-    # the ranks at once), and the whole run can be killed as a group.
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    # the ranks at once), and the whole run can be killed as a group. Killed with this process (SIGKILL
+    # included): the ranks see this process gone and end themselves (dsrl.rundir.OwnerWatch).
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
     signals: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, _: signals.append(signum)) for sig in STOP_SIGNALS}
     try:

@@ -19,12 +19,18 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".dsrl.lock"
+MEMBERS_FILE = ".dsrl.members"
+"""Every process of a run holds a shared flock on it: the ranks take one, and the servers and workers they
+start inherit the descriptor. A new run takes the directory only once no process of an old one is left."""
 STOP_FILE = "STOP"
 """Written by `dsrl train` when it is signalled: trainer rank 0 sees it at the end of a step."""
 EXPORT_MARKER = "dsrl_export.json"
 """In every directory dsrl exports: what marks it as dsrl's to replace (`--overwrite`)."""
 OWNER_ENV = "DSRL_RUN_LOCK_PID"
 """Set by `dsrl train` for the ranks it launches: the pid that holds the run directory's lock for them."""
+OWNER_FLAG = "--dsrl_owner="
+"""`dsrl train` passes --dsrl_owner=PID@HOST to its ranks (on every node: the launcher passes argv on, not the
+environment): each rank lives only as long as that process (`OwnerWatch`)."""
 
 
 class RunDirLocked(RuntimeError):
@@ -53,6 +59,11 @@ class RunLock:
                 f"--logging.run_dir={str(self.path.parent)!r} belongs to a run that is still going: {owner}. "
                 "Wait for it, stop it, or choose another --logging.run_dir"
             ) from None
+        try:
+            _no_members_left(self.path.parent)
+        except RunDirLocked:
+            os.close(fd)
+            raise
         previous = _read_owner(fd)
         if previous:
             log.warning("%s: taking over the lock of a run that is gone (%s)", self.path.parent, previous)
@@ -67,6 +78,59 @@ class RunLock:
             os.ftruncate(self.fd, 0)  # empty: nobody's (the file stays: unlinking it races a new owner)
             os.close(self.fd)
             self.fd = None
+
+
+def _no_members_left(run_dir: Path) -> None:
+    """Raise naming the live processes of a previous run that still hold the run directory."""
+    path = run_dir / MEMBERS_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pids = ", ".join(f"pid {pid} ({name})" for pid, name in _holders(path)) or "on another host"
+        raise RunDirLocked(
+            f"--logging.run_dir={str(run_dir)!r}: processes of a run that lost its owner are still alive: {pids}. "
+            "They exit within seconds; wait for them, or choose another --logging.run_dir"
+        ) from None
+    finally:
+        os.close(fd)
+
+
+def _holders(path: Path) -> list[tuple[int, str]]:
+    """The processes of this host (of this user) with `path` open, found in /proc."""
+    target, found = str(path.resolve()), []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if any(os.readlink(fd) == target for fd in (proc / "fd").iterdir()):
+                found.append(
+                    (
+                        int(proc.name),
+                        (proc / "cmdline").read_bytes().replace(b"\0", b" ")[:60].decode(errors="replace").strip(),
+                    )
+                )
+        except OSError:
+            continue
+    return found
+
+
+_member_fd: int | None = None
+
+
+def hold_run_dir(run_dir: Path | None) -> None:
+    """This process belongs to the run in `run_dir` (a shared flock on its members file) until it exits or
+    calls this with None; `member_fds()` hands the descriptor to the processes it starts."""
+    global _member_fd
+    if _member_fd is not None:
+        os.close(_member_fd)
+        _member_fd = None
+    if run_dir is not None:
+        _member_fd = os.open(Path(run_dir) / MEMBERS_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(_member_fd, fcntl.LOCK_SH)
+
+
+def member_fds() -> tuple[int, ...]:
+    """For `subprocess.Popen(pass_fds=...)`: a started server or worker holds the run directory too."""
+    return () if _member_fd is None else (_member_fd,)
 
 
 def _read_owner(fd: int) -> str:
@@ -93,6 +157,58 @@ def _lock_pid(path: Path) -> int | None:
         return int(json.loads(path.read_text())["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def die_with_parent(signum: int = signal.SIGKILL) -> None:
+    """The kernel sends this process `signum` when the thread that started it ends (Linux's PR_SET_PDEATHSIG):
+    for `preexec_fn`, or called first thing in a child."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signum)
+
+
+class OwnerWatch:
+    """A rank's watch on what it lives for: `dsrl train` (`owner_pid`, seen on the host it launched from) and
+    trainer rank 0 (`store`, its TCP store's address: ranks of other nodes cannot see the pid). When either
+    is gone -- killed by any signal, SIGKILL included -- the rank kills the processes it started and itself,
+    so nothing of the run outlives its owner. `stop()` before the ranks close: rank 0 may exit first then."""
+
+    def __init__(self, owner_pid: int | None, store: tuple[str, int] | None, interval_s: float = 1.0):
+        import psutil
+
+        self.store, self.interval_s, self.stopped = store, interval_s, threading.Event()
+        self.owner = None
+        if owner_pid:
+            try:
+                self.owner = psutil.Process(owner_pid)
+            except psutil.NoSuchProcess:
+                self._end(f"dsrl train (pid {owner_pid})")
+        threading.Thread(target=self._watch, name="dsrl-owner-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        misses = 0
+        while not self.stopped.wait(self.interval_s):
+            if self.owner is not None and not self.owner.is_running():
+                self._end(f"dsrl train (pid {self.owner.pid})")
+            if self.store is not None:
+                try:
+                    socket.create_connection(self.store, timeout=2).close()
+                    misses = 0
+                except OSError:
+                    misses += 1  # refused at once when rank 0's process is gone; a slow network gets 3 tries
+                    if misses >= 3:
+                        self._end(f"trainer rank 0 (its store at {self.store[0]}:{self.store[1]})")
+
+    def _end(self, who: str) -> None:
+        import psutil
+
+        log.error("the run's owner, %s, is gone: this rank and the processes it started exit now", who)
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def stop(self) -> None:
+        self.stopped.set()
 
 
 # -- stopping a run --------------------------------------------------------------------------------

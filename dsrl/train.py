@@ -6,6 +6,8 @@ generate -> logprobs -> update -> sync, each phase timed; the details live below
 import gc
 import json
 import logging
+import os
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -37,7 +39,9 @@ from dsrl.rollout.episode import EpisodeRunner, episode_metrics, episode_row
 from dsrl.rollout.manager import PromptStream, RolloutManager
 from dsrl.rollout.rollouts import Batch, Rollouts, SyncRollouts
 from dsrl.rundir import (
+    OWNER_FLAG,
     ExportTargetError,
+    OwnerWatch,
     RunDirLocked,
     RunLock,
     RunStopped,
@@ -45,6 +49,7 @@ from dsrl.rundir import (
     WriteError,
     check_export_target,
     clear_stop,
+    hold_run_dir,
     lock_run_dir,
 )
 from dsrl.serving.client import RolloutClient
@@ -148,9 +153,13 @@ class Run:
     """Rank 0: the endpoint `dsrl fleet add/remove` talks to."""
     lock: RunLock | None = None
     """Rank 0, unless `dsrl train` holds it for the ranks: the run directory's lock."""
+    watch: OwnerWatch | None = None
+    """Ends this rank when `dsrl train` or rank 0 dies (SIGKILL included)."""
     bad_steps: int = 0
 
     def close(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()  # the ranks close on their own now: rank 0 may well exit first
         self.rollouts.stop()
         self.rewarder.close()
         self.runner.close()
@@ -161,6 +170,7 @@ class Run:
         self.fleet.stop()
         if self.lock is not None:
             self.lock.release()
+        hold_run_dir(None)
         self.stop.restore()  # last: a SIGTERM meanwhile (the launcher's, when a rank failed) waits for the cleanup
 
 
@@ -175,6 +185,8 @@ def setup(cfg: Config) -> Run:
     )
     run_dir = Path(cfg.logging.run_dir)
     lock = take_run_dir(cfg, run_dir, rank)
+    hold_run_dir(run_dir)  # it stays locked while any process of the run lives (the servers and workers too)
+    watch = owner_watch(rank)
     stop = StopRequests(run_dir, watch_file=rank == 0).install()
     torch.manual_seed(cfg.seed + rank)
     model_dir = prepare_model_dir(cfg, run_dir)
@@ -222,7 +234,7 @@ def setup(cfg: Config) -> Run:
         rollouts.restore(rank_state["rollouts"], start_step)
     writer = MetricsWriter(run_dir, rank == 0, cfg.logging, tracker_config(cfg))
     return Run(cfg, rank, world, run_dir, model_dir, tokenizer, pad_id, actor, ref, critic, kl, fleet, client, weights,
-               rewarder, runner, rollouts, evaluator, writer, start_step, stop, control, lock)  # fmt: skip
+               rewarder, runner, rollouts, evaluator, writer, start_step, stop, control, lock, watch)  # fmt: skip
 
 
 def take_run_dir(cfg: Config, run_dir: Path, rank: int) -> RunLock | None:
@@ -240,6 +252,15 @@ def take_run_dir(cfg: Config, run_dir: Path, rank: int) -> RunLock | None:
                 check_export_target(run_dir / "hf", overwrite=True, flag="the final export <run_dir>/hf")
             dump_config(cfg, run_dir / "config.yaml")
     return lock
+
+
+def owner_watch(rank: int) -> OwnerWatch | None:
+    """Launched by `dsrl train` (`--dsrl_owner=PID@HOST`): watch it on its host and, on ranks above 0, rank 0."""
+    if not _owner:
+        return None
+    pid, host = _owner.split("@", 1)
+    store = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])) if rank > 0 else None
+    return OwnerWatch(int(pid) if host == socket.gethostname() else None, store)
 
 
 def stop_if_asked(run: Run, step: int, saved: bool) -> None:
@@ -516,6 +537,9 @@ def rollout_metrics(samples: list[Sample], trainer_version: int) -> dict[str, fl
 def main(argv: list[str] | None = None) -> None:
     # The deepspeed launcher appends --local_rank=N unless told not to; LOCAL_RANK carries it anyway.
     argv = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("--local_rank")]
+    global _owner
+    _owner = next((a.split("=", 1)[1] for a in argv if a.startswith(OWNER_FLAG)), None)
+    argv = [a for a in argv if not a.startswith(OWNER_FLAG)]
     try:
         train(parse_config(argv))
     except RunStopped as e:  # a clean stop: exit 0, so the launcher does not kill the ranks still closing
@@ -524,6 +548,9 @@ def main(argv: list[str] | None = None) -> None:
         log.error("error: %s", e)
         sys.exit(1)
 
+
+_owner: str | None = None
+"""PID@HOST of the `dsrl train` that launched this rank (`OWNER_FLAG`), if one did."""
 
 USER_ERRORS = (WriteError, CheckpointError, DatasetError, RunDirLocked, ExportTargetError, MemoryError)
 """Errors whose message says all a user needs: logged as one line, without a traceback."""

@@ -5,6 +5,7 @@ and bad data or a full disk get one-line messages naming the file.
 Real processes: `dsrl train` with the deepspeed launcher, 2 ZeRO-3 ranks and the embedded server.
 """
 
+import contextlib
 import errno
 import json
 import logging
@@ -171,6 +172,46 @@ def test_sigterm_to_dsrl_train_stops_every_process_of_the_run_with_a_checkpoint(
     records = trace(run_dir)
     assert [r["step"] for r in records] == list(range(stopped_at + 2))
     assert [r["rows"] for r in records] == [expected_rows(s) for s in range(stopped_at + 2)]
+
+
+@pytest.mark.parametrize("ranks", ["1", "2"])
+def test_kill_9_of_dsrl_train_ends_every_process_of_the_run_and_the_run_dir_stays_locked_until_then(tmp_path, ranks):
+    """`kill -9` of the CLI used to leave the launcher, the ranks and the server training on to the last step,
+    and a second run took over the directory they were still writing. The ranks are held stopped (SIGSTOP)
+    across the kill so that the second run deterministically meets them alive."""
+    run_dir = tmp_path / "run"
+    cmd = train_cmd(run_dir, "--trainer.total_steps", "200", "--trainer.num_ranks", ranks)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    run = []
+    try:
+        for line in proc.stderr:
+            if "step 5/200 |" in line:
+                break
+        run = psutil.Process(proc.pid).children(recursive=True)
+        ranks_ = [p for p in run if "-m dsrl.train " in " ".join(p.cmdline())]
+        assert len(ranks_) == int(ranks) and any("dsrl.serving.embedded" in " ".join(p.cmdline()) for p in run)
+        for p in ranks_:
+            p.suspend()
+        proc.kill()
+        proc.wait(10)
+
+        second = subprocess.run(train_cmd(run_dir, "--trainer.total_steps", "2"), cwd=ROOT, capture_output=True,
+                                text=True, timeout=300)  # fmt: skip
+        assert second.returncode == 2, second.stderr[-3000:]
+        (message,) = [line for line in second.stderr.splitlines() if line.startswith("dsrl train: error:")]
+        assert "processes of a run that lost its owner are still alive: pid " in message, message
+        assert any(f"pid {p.pid} " in message for p in run), message
+
+        for p in ranks_:
+            p.resume()
+        _, alive = psutil.wait_procs(run, timeout=15)
+        assert not alive, f"processes of the run alive 15 s after their owner died: {alive}"
+    finally:
+        proc.kill()
+        for p in run:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+    RunLock(run_dir).acquire("the next run").release()  # they are gone: the next run takes the directory
 
 
 # -- 4. a damaged checkpoint -----------------------------------------------------------------------

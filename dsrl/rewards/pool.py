@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Pipe, wait
 
 from dsrl.rewards.rules import load_function, load_reward_fn
+from dsrl.rundir import die_with_parent, member_fds
 
 log = logging.getLogger(__name__)
 
@@ -58,25 +59,23 @@ def _worker(spec: str, conn: Connection, plain: bool) -> None:
     fn = load_function(spec, "worker")
     if plain:
         sys.stdout = sys.stderr = open(os.devnull, "w")  # user code's prints: a tool's 10 MB stays out of the log
-    conn.send(READY)  # its imports done: a call's timeout starts when the call does
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:  # the trainer went away
-            return
-        if message is None:
-            return
-        call_id, items = message
-        try:
-            if plain:
-                values = [fn(*item) for item in items]
-            elif getattr(fn, "dsrl_batched", False):
-                values = list(call_reward(fn, *map(list, zip(*items))))
-            else:
-                values = [call_reward(fn, *item) for item in items]
-            conn.send((call_id, values, None))
-        except Exception as e:  # noqa: BLE001 -- sent back, the trainer names the row
-            conn.send((call_id, None, repr(e)))
+    try:
+        conn.send(READY)  # its imports done: a call's timeout starts when the call does
+        while (message := conn.recv()) is not None:
+            call_id, items = message
+            try:
+                if plain:
+                    values = [fn(*item) for item in items]
+                elif getattr(fn, "dsrl_batched", False):
+                    values = list(call_reward(fn, *map(list, zip(*items))))
+                else:
+                    values = [call_reward(fn, *item) for item in items]
+                outcome = (call_id, values, None)
+            except Exception as e:  # noqa: BLE001 -- sent back, the trainer names the row
+                outcome = (call_id, None, repr(e))
+            conn.send(outcome)
+    except (EOFError, OSError):  # the trainer went away (its failure is reported there, once)
+        return
 
 
 @dataclass
@@ -128,7 +127,8 @@ class RewardPool:
         ours, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # as spawn: the same imports
         cmd = [sys.executable, "-m", "dsrl.rewards.pool", self.spec, str(theirs.fileno()), str(int(self.plain))]
-        process = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env, start_new_session=True)
+        fds = (theirs.fileno(), *member_fds())  # it holds the run directory while it lives
+        process = subprocess.Popen(cmd, pass_fds=fds, env=env, start_new_session=True, preexec_fn=die_with_parent)
         theirs.close()
         return process, Connection(ours.detach())
 

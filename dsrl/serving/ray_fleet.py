@@ -57,7 +57,7 @@ class ServerActor:
         for attempt in (1, 2):
             port = free_port(host)
             cmd = server_command(cfg, engine, model_path, host, port, seed, gpu=None)
-            self.server = spawn(cmd, env, Path(log_path), f"http://{host}:{port}", die_with_parent=True)
+            self.server = spawn(cmd, env, Path(log_path), f"http://{host}:{port}")
             try:
                 wait_healthy(self.server, cfg.startup_timeout_s)
                 return self.server.url, ray.get_runtime_context().get_node_id()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsrl.config import RolloutConfig
+from dsrl.rundir import die_with_parent, member_fds
 
 log = logging.getLogger(__name__)
 
@@ -415,12 +416,11 @@ def server_command(
     return cmd + (["--base-gpu-id", str(gpu)] if gpu is not None else [])
 
 
-def spawn(
-    cmd: list[str], env: dict[str, str], log_path: Path, url: str, die_with_parent: bool = False
-) -> ServerProcess:
-    """Start a server in its own process group (killed as a whole on stop), its output in `log_path`.
-    `die_with_parent`: the kernel sends it SIGKILL when the starting process dies (a Ray actor killed
-    with its server running); SGLang's own subprocesses follow their parent the same way."""
+def spawn(cmd: list[str], env: dict[str, str], log_path: Path, url: str) -> ServerProcess:
+    """Start a server in its own process group (killed as a whole on stop), its output in `log_path`. The
+    kernel sends it SIGKILL when the thread that started it ends (a trainer rank or a Ray actor killed with
+    its server running; SGLang's own subprocesses follow their parent the same way), and it holds the run
+    directory with the process that started it (`member_fds`)."""
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(
             cmd,
@@ -428,12 +428,7 @@ def spawn(
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            preexec_fn=_kill_on_parent_death if die_with_parent else None,
+            preexec_fn=die_with_parent,
+            pass_fds=member_fds(),
         )
     return ServerProcess(url=url, proc=proc, log_path=log_path)
-
-
-def _kill_on_parent_death() -> None:
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
