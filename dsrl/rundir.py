@@ -186,7 +186,7 @@ class OwnerWatch:
         threading.Thread(target=self._watch, name="dsrl-owner-watch", daemon=True).start()
 
     def _watch(self) -> None:
-        misses = 0
+        misses = None  # rank 0's store is watched once it has answered (it starts with rank 0's world)
         while not self.stopped.wait(self.interval_s):
             if self.owner is not None and not self.owner.is_running():
                 self._end(f"dsrl train (pid {self.owner.pid})")
@@ -194,9 +194,9 @@ class OwnerWatch:
                 try:
                     socket.create_connection(self.store, timeout=2).close()
                     misses = 0
-                except OSError:
-                    misses += 1  # refused at once when rank 0's process is gone; a slow network gets 3 tries
-                    if misses >= 3:
+                except OSError:  # refused at once when rank 0's process is gone; a slow network gets 3 tries
+                    misses = None if misses is None else misses + 1
+                    if misses is not None and misses >= 3:
                         self._end(f"trainer rank 0 (its store at {self.store[0]}:{self.store[1]})")
 
     def _end(self, who: str) -> None:

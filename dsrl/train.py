@@ -153,13 +153,11 @@ class Run:
     """Rank 0: the endpoint `dsrl fleet add/remove` talks to."""
     lock: RunLock | None = None
     """Rank 0, unless `dsrl train` holds it for the ranks: the run directory's lock."""
-    watch: OwnerWatch | None = None
-    """Ends this rank when `dsrl train` or rank 0 dies (SIGKILL included)."""
     bad_steps: int = 0
 
     def close(self) -> None:
-        if self.watch is not None:
-            self.watch.stop()  # the ranks close on their own now: rank 0 may well exit first
+        if _watch is not None:
+            _watch.stop()  # the ranks close on their own now: rank 0 may well exit first
         self.rollouts.stop()
         self.rewarder.close()
         self.runner.close()
@@ -185,8 +183,6 @@ def setup(cfg: Config) -> Run:
     )
     run_dir = Path(cfg.logging.run_dir)
     lock = take_run_dir(cfg, run_dir, rank)
-    hold_run_dir(run_dir)  # it stays locked while any process of the run lives (the servers and workers too)
-    watch = owner_watch(rank)
     stop = StopRequests(run_dir, watch_file=rank == 0).install()
     torch.manual_seed(cfg.seed + rank)
     model_dir = prepare_model_dir(cfg, run_dir)
@@ -234,7 +230,7 @@ def setup(cfg: Config) -> Run:
         rollouts.restore(rank_state["rollouts"], start_step)
     writer = MetricsWriter(run_dir, rank == 0, cfg.logging, tracker_config(cfg))
     return Run(cfg, rank, world, run_dir, model_dir, tokenizer, pad_id, actor, ref, critic, kl, fleet, client, weights,
-               rewarder, runner, rollouts, evaluator, writer, start_step, stop, control, lock, watch)  # fmt: skip
+               rewarder, runner, rollouts, evaluator, writer, start_step, stop, control, lock)  # fmt: skip
 
 
 def take_run_dir(cfg: Config, run_dir: Path, rank: int) -> RunLock | None:
@@ -251,16 +247,15 @@ def take_run_dir(cfg: Config, run_dir: Path, rank: int) -> RunLock | None:
             if cfg.logging.export_hf:
                 check_export_target(run_dir / "hf", overwrite=True, flag="the final export <run_dir>/hf")
             dump_config(cfg, run_dir / "config.yaml")
+    hold_run_dir(run_dir)  # locked while any process of the run lives: this rank, its servers and workers
     return lock
 
 
-def owner_watch(rank: int) -> OwnerWatch | None:
+def owner_watch(owner: str) -> OwnerWatch:
     """Launched by `dsrl train` (`--dsrl_owner=PID@HOST`): watch it on its host and, on ranks above 0, rank 0."""
-    if not _owner:
-        return None
-    pid, host = _owner.split("@", 1)
-    store = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])) if rank > 0 else None
-    return OwnerWatch(int(pid) if host == socket.gethostname() else None, store)
+    pid, host = owner.split("@", 1)
+    rank0 = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])) if os.environ.get("RANK", "0") != "0" else None
+    return OwnerWatch(int(pid) if host == socket.gethostname() else None, rank0)
 
 
 def stop_if_asked(run: Run, step: int, saved: bool) -> None:
@@ -537,8 +532,9 @@ def rollout_metrics(samples: list[Sample], trainer_version: int) -> dict[str, fl
 def main(argv: list[str] | None = None) -> None:
     # The deepspeed launcher appends --local_rank=N unless told not to; LOCAL_RANK carries it anyway.
     argv = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("--local_rank")]
-    global _owner
-    _owner = next((a.split("=", 1)[1] for a in argv if a.startswith(OWNER_FLAG)), None)
+    global _watch
+    owner = next((a.split("=", 1)[1] for a in argv if a.startswith(OWNER_FLAG)), None)
+    _watch = owner_watch(owner) if owner else None
     argv = [a for a in argv if not a.startswith(OWNER_FLAG)]
     try:
         train(parse_config(argv))
@@ -549,8 +545,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
 
-_owner: str | None = None
-"""PID@HOST of the `dsrl train` that launched this rank (`OWNER_FLAG`), if one did."""
+_watch: OwnerWatch | None = None
+"""Launched by `dsrl train`: ends this rank when it dies, or rank 0 does (SIGKILL included)."""
 
 USER_ERRORS = (WriteError, CheckpointError, DatasetError, RunDirLocked, ExportTargetError, MemoryError)
 """Errors whose message says all a user needs: logged as one line, without a traceback."""

@@ -69,6 +69,19 @@ def test_bad_input_wrong_choice(capsys):
     assert "rollout.placement" in err and "sideways" in err
 
 
+def test_bad_input_lora_target_typo_is_one_line_before_any_rank_starts(tmp_path):
+    """A LoRA target no module has used to end in PEFT's error inside a rank's traceback, followed by the
+    reward workers' ConnectionResetError tracebacks."""
+    cmd = [sys.executable, "-m", "dsrl.cli", "train", "--config", str(ROOT / "configs/toy_cpu.yaml")]
+    cmd += ["--model.lora_rank", "4", "--model.lora_target_modules", "[nonexistent_proj]"]
+    proc = subprocess.run(cmd + ["--logging.run_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("dsrl train: error: --model.lora_target_modules=['nonexistent_proj']") and "q_proj" in line
+    assert "deepspeed" not in proc.stdout + proc.stderr and not (tmp_path / "config.yaml").exists()
+
+
 def test_bad_input_server_args_typo_fails_before_launch():
     """A key the server does not know stops `dsrl train` before anything starts, naming it (SGLang's own
     ServerArgs fields when SGLang is installed; the embedded engine's flags here)."""
