@@ -752,6 +752,10 @@ def function_spec(fn: Any) -> Any:
     return f"{fn.__module__}:{getattr(fn, '__qualname__', repr(fn))}" if callable(fn) else fn
 
 
+SECRETS = ("rollout.api_key",)
+"""Fields never logged nor sent to a tracker; a file that holds them is readable by its user alone."""
+
+
 def dump_config(cfg: Config, path: str | os.PathLike) -> None:
     """Write the resolved config as YAML that `--config` reads back (a reward or rollout function given as
     a callable is written as its module:function, or its name when it has none to import it by)."""
@@ -761,4 +765,8 @@ def dump_config(cfg: Config, path: str | os.PathLike) -> None:
     values["rollout"]["rollout_fn"] = function_spec(cfg.rollout.rollout_fn)
     values["rollout"]["env"] = function_spec(cfg.rollout.env)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(parser.dump(parser.parse_object(values), skip_none=False))
+    text = parser.dump(parser.parse_object(values), skip_none=False)
+    mode = 0o600 if cfg.rollout.api_key else 0o644  # --rollout.api_key: readable by this user alone
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
+        f.write(text)
+    os.chmod(path, mode)  # (a file written before keeps its mode otherwise)

@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 from dsrl.advantages import KlController, compute_advantages
 from dsrl.collectives import agreed, all_ranks
 from dsrl.config import (
+    SECRETS,
     Config,
     SyncConfig,
     critic_on_actor_base,
@@ -462,7 +463,7 @@ def tracker_config(cfg: Config) -> dict:
     for section, values in asdict(cfg).items():
         for key, value in values.items() if isinstance(values, dict) else []:
             flat[f"{section}.{key}"] = value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
-    return flat
+    return flat | {name: "<redacted>" for name in SECRETS if flat.get(name)}
 
 
 def finish(run: Run, metrics: dict[str, float]) -> None:

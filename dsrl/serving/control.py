@@ -7,6 +7,7 @@ gets the weights before its first request and one that leaves has its requests r
 elsewhere. With --rollout.api_key the endpoint wants the same key as the servers.
 """
 
+import hmac
 import json
 import time
 import urllib.error
@@ -48,7 +49,8 @@ class FleetControl:
 
     @web.middleware
     async def auth(self, request: web.Request, handler):
-        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+        given = request.headers.get("Authorization", "").encode()
+        if self.api_key and not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
             return web.json_response({"error": "this run wants --rollout.api_key (Authorization: Bearer)"}, status=401)
         return await handler(request)
 

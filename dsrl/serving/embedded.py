@@ -10,6 +10,7 @@ weights are released, and `weight_version` follows the updates. Start it with
 """
 
 import asyncio
+import hmac
 import logging
 import os
 import threading
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from aiohttp import web
 
-from dsrl.serving.embedded_args import build_parser
+from dsrl.serving.embedded_args import parse_args
 
 log = logging.getLogger("dsrl.embedded")
 
@@ -558,7 +559,8 @@ def require_key(api_key: str):
 
     @web.middleware
     async def check(request: web.Request, handler):
-        if not request.path.startswith("/health") and request.headers.get("Authorization") != f"Bearer {api_key}":
+        given = request.headers.get("Authorization", "").encode()
+        if not request.path.startswith("/health") and not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
             return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
         return await handler(request)
 
@@ -775,7 +777,7 @@ def build_app(engine: Engine, api_key: str | None = None) -> web.Application:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     torch.set_num_threads(1)  # shares a small CPU with the trainer ranks
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine = Engine(

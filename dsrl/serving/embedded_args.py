@@ -3,6 +3,8 @@ before any server starts, without importing torch (2 s of every `dsrl train` sta
 
 import argparse
 
+import yaml
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="The embedded rollout engine: SGLang's HTTP endpoints on CPU.")
@@ -23,8 +25,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="Fault injection for tests: exit during a weight update if this file exists (removing it first).",
     )
     parser.add_argument("--api-key", default=None, help="Refuse requests without `Authorization: Bearer <key>`.")
+    parser.add_argument(
+        "--config", default=None, help="A YAML file of these flags, as SGLang's (the command line wins)."
+    )
     parser.add_argument("--enable-lora", action="store_true", help="Serve LoRA adapters (/load_lora_adapter).")
     parser.add_argument("--max-lora-rank", type=int, default=None, help="The largest adapter rank accepted.")
     parser.add_argument("--lora-target-modules", nargs="*", default=None, help="Layer names adapters may adapt.")
     parser.add_argument("--max-loras-per-batch", type=int, default=8, help="Accepted as SGLang's; no slots here.")
     return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, with those of --config FILE under the command line's (how dsrl passes --api-key: not in ps)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.config:
+        with open(args.config) as f:
+            parser.set_defaults(**{key.replace("-", "_"): value for key, value in yaml.safe_load(f).items()})
+        args = parser.parse_args(argv)
+    return args

@@ -46,7 +46,7 @@ def start_fleet(
 
     def launch(i: int) -> ServerProcess:
         port = free_port(host)
-        cmd = server_command(cfg, engine, model_path, host, port, seed + i, cfg.first_gpu + i * cfg.tp_size)
+        cmd = server_command(cfg, engine, model_path, host, port, seed + i, cfg.first_gpu + i * cfg.tp_size, log_dir)
         log.info("starting rollout server %d: %s", i, " ".join(cmd))
         return spawn(cmd, env, log_dir / f"server_{i}.log", f"http://{host}:{port}")
 

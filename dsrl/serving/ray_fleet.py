@@ -56,7 +56,7 @@ class ServerActor:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         for attempt in (1, 2):
             port = free_port(host)
-            cmd = server_command(cfg, engine, model_path, host, port, seed, gpu=None)
+            cmd = server_command(cfg, engine, model_path, host, port, seed, None, Path(log_path).parent)
             self.server = spawn(cmd, env, Path(log_path), f"http://{host}:{port}")
             try:
                 wait_healthy(self.server, cfg.startup_timeout_s)

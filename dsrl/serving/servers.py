@@ -5,6 +5,7 @@ Each server runs in its own process session with its log in <run_dir>/logs, so a
 start shows the end of that log, and stopping kills the server's whole process group.
 """
 
+import json
 import logging
 import os
 import signal
@@ -142,8 +143,7 @@ def as_flags(args: dict) -> list[str]:
 
 def embedded_command(cfg: RolloutConfig, model_path: str, host: str, port: int, seed: int) -> list[str]:
     cmd = [sys.executable, "-m", "dsrl.serving.embedded", "--model-path", model_path, "--host", host]
-    cmd += ["--port", str(port), "--seed", str(seed), *as_flags(cfg.server_args)]
-    return cmd + (["--api-key", cfg.api_key] if cfg.api_key else [])
+    return cmd + ["--port", str(port), "--seed", str(seed), *as_flags(cfg.server_args)]
 
 
 def sglang_command(cfg: RolloutConfig, model_path: str, host: str, port: int, seed: int, colocated: bool) -> list[str]:
@@ -159,7 +159,6 @@ def sglang_command(cfg: RolloutConfig, model_path: str, host: str, port: int, se
         # A retracted request is prefilled again after the update; from a prefix cached under the old
         # weights unless the cache is off (set disable_radix_cache: false in server_args to keep it).
         "disable_radix_cache": cfg.interrupt == "pause" and cfg.pause_mode == "retract",
-        "api_key": cfg.api_key,
         **cfg.server_args,
     }
     return [sys.executable, "-m", "sglang.launch_server", *as_flags(args)]
@@ -407,13 +406,22 @@ def server_env(engine: str) -> dict[str, str]:
 
 
 def server_command(
-    cfg: RolloutConfig, engine: str, model_path: str, host: str, port: int, seed: int, gpu: int | None
+    cfg: RolloutConfig, engine: str, model_path: str, host: str, port: int, seed: int, gpu: int | None, key_dir: Path
 ) -> list[str]:
-    """The command line of one server: the embedded engine, or SGLang from `gpu` on (None: as Ray assigned)."""
+    """The command line of one server: the embedded engine, or SGLang from `gpu` on (None: as Ray assigned).
+    --rollout.api_key goes in a file of `key_dir` only this user reads (`--config`, SGLang's YAML of flags):
+    on the command line every user of the machine would see it (ps)."""
     if engine == "embedded":
-        return embedded_command(cfg, model_path, host, port, seed)
-    cmd = sglang_command(cfg, model_path, host, port, seed, cfg.placement == "colocate")
-    return cmd + (["--base-gpu-id", str(gpu)] if gpu is not None else [])
+        cmd = embedded_command(cfg, model_path, host, port, seed)
+    else:
+        cmd = sglang_command(cfg, model_path, host, port, seed, cfg.placement == "colocate")
+        cmd += ["--base-gpu-id", str(gpu)] if gpu is not None else []
+    if not cfg.api_key:
+        return cmd
+    key_file = key_dir / ".server_api_key.yaml"
+    with open(os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(json.dumps({"api-key": cfg.api_key}))  # JSON is YAML
+    return cmd + ["--config", str(key_file)]
 
 
 def spawn(cmd: list[str], env: dict[str, str], log_path: Path, url: str) -> ServerProcess:
