@@ -4,6 +4,7 @@
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup colocate toy greedy rollout   # 1 GPU
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup bench_ipc                      # 1 GPU
 #   source .gpu/setup.sh; bash tools/gpu_run.sh crash                                # 1 GPU
+#   source .gpu/setup.sh; MODELS=0.5b bash tools/gpu_run.sh setup kill9               # 1 GPU (kill -9 of dsrl train)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup disaggregate bench_nccl        # 2 GPUs
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup ray_colocate                   # 1 GPU, Ray importable
 #   source .gpu/setup.sh; bash tools/gpu_run.sh readme custom_rollout                # 1 GPU (README "On GPUs")
@@ -58,6 +59,10 @@ for s in "$@"; do
     crash)  # kill SGLang's scheduler: the fleet must see the server exit and restart it (tools/gpu_server_crash.py)
       stage crash 300 python3 tools/gpu_server_crash.py --workdir /tmp/crash
       grep -a "^RESULT\|^killing\|Error" "$OUT/crash.log" | tee -a "$SUMMARY"
+      ;;
+    kill9)  # kill -9 of dsrl train mid-step: the run's processes and GPU memory gone within 15 s (tools/gpu_kill9.py)
+      stage kill9 240 python3 tools/gpu_kill9.py --model /tmp/models/${KILL9_MODEL:-0.5b}
+      grep -a "^before\|^RESULT\|Error" "$OUT/kill9.log" | tee -a "$SUMMARY"
       ;;
     smoke_nosaver)
       stage smoke_nosaver 300 python3 tools/gpu_sglang_smoke.py /tmp/models/0.5b --no-memory-saver
