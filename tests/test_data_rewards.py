@@ -82,8 +82,9 @@ def test_verl_parquet_and_reward_function_as_they_are(tmp_path):
 
     tokenizer = AutoTokenizer.from_pretrained(str(toy_model_dir()))
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    rows = [{"data_source": "toy", "prompt": [{"role": "user", "content": "12="}], "ability": "copy",
-             "reward_model": {"style": "rule", "ground_truth": "12"}, "extra_info": {"index": 7, "split": "train"}}]  # fmt: skip
+    chat = [{"role": "user", "content": "12="}]
+    answer, extra = {"style": "rule", "ground_truth": "12"}, {"index": 7, "split": "train"}
+    rows = [{"data_source": "toy", "prompt": chat, "ability": "copy", "reward_model": answer, "extra_info": extra}]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "verl.parquet")
     cfg = DataConfig(train_path=str(tmp_path / "verl.parquet"), answer_key="reward_model.ground_truth")
     prompt = PromptDataset(cfg, tokenizer).prompts[0]
