@@ -90,6 +90,10 @@ def toy_model(out: Path, seed: int = 0) -> Path:
     return out
 
 
+SERVER = {"attention_backend": "triton", "sampling_backend": "pytorch", "cuda_graph_backend_prefill": "disabled"}
+"""SGLang's settings in both frameworks: the kernels this image carries (no FA3), and no prefill CUDA graphs (SGLang
+0.5.17 captures 58 by default, a minute of each start, for prompts of 4 tokens here); decode graphs stay on."""
+
 WORKLOADS = {
     # prompts per step, samples per prompt, new tokens, lr, token budget per micro-batch, SGLang memory fraction
     "step": {"prompts": 64, "n": 8, "new_tokens": 512, "lr": 1e-6, "tokens": 16384, "mem": 0.4},
@@ -120,8 +124,7 @@ def verl_command(w: dict, model: Path, data: Path, work: Path, steps: int, seed:
         "actor_rollout_ref.rollout.name": "sglang", "actor_rollout_ref.rollout.mode": "async",
         "actor_rollout_ref.rollout.n": w["n"], "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
         "actor_rollout_ref.rollout.gpu_memory_utilization": w["mem"], "actor_rollout_ref.rollout.enforce_eager": toy,
-        "+actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend": "triton",
-        "+actor_rollout_ref.rollout.engine_kwargs.sglang.sampling_backend": "pytorch",
+        **{f"+actor_rollout_ref.rollout.engine_kwargs.sglang.{k}": v for k, v in SERVER.items()},
         "reward.custom_reward_function.path": REWARD, "reward.custom_reward_function.name": "compute_score",
         "trainer.n_gpus_per_node": 1, "trainer.nnodes": 1, "trainer.total_training_steps": steps,
         "trainer.total_epochs": 1000, "trainer.logger": '["console","file"]', "trainer.val_before_train": False,
@@ -149,13 +152,13 @@ def dsrl_command(w: dict, model: Path, data: Path, run_dir: Path, steps: int, se
         "--rollout.max_new_tokens": w["new_tokens"], "--rollout.mem_fraction_static": w["mem"],
         "--trainer.lr": w["lr"], "--trainer.max_tokens_per_micro_batch": w["tokens"],
         "--trainer.total_steps": steps, "--seed": seed, "--sync.verify": "off",
-        "--logging.tensorboard": "true", "--logging.run_dir": run_dir,
+        "--logging.tensorboard": "true", "--logging.run_dir": run_dir, "--rollout.server_args": json.dumps(SERVER),
     }  # fmt: skip
     if padded:
         args["--trainer.pack_sequences"] = "false"
     if toy:
-        args |= {"--trainer.precision": "fp32", "--rollout.server_args": '{"attention_backend": "triton", '
-                 '"sampling_backend": "pytorch", "disable_cuda_graph": true}'}  # fmt: skip
+        server = SERVER | {"disable_cuda_graph": True}
+        args |= {"--trainer.precision": "fp32", "--rollout.server_args": json.dumps(server)}
     flat = [str(x) for kv in args.items() for x in kv]
     return [sys.executable, "-m", "dsrl.cli", "train", "--config", str(ROOT / "configs/gpu_colocate.yaml"), *flat]
 
@@ -243,13 +246,13 @@ def clear_gpu(env: dict) -> None:
         time.sleep(1)
 
 
-def one_run(name: str, args, w: dict, model: Path, data: Path, seed: int) -> dict:
+def one_run(name: str, args, w: dict, model: Path, data: Path, seed: int, limit: float) -> dict:
     """Run `name` (verl, dsrl, dsrl-padded) once; its record: per-step metrics, memory, the command."""
     work = args.workdir / f"{name}_{args.workload}_s{seed}"
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     # DeepSpeed's FusedAdam build (dsrl) cannot parse torch's default arch list ("9.0a"): name the GPU's own
-    env.setdefault("TORCH_CUDA_ARCH_LIST", gpu_query("compute_cap") or "9.0")
+    env["TORCH_CUDA_ARCH_LIST"] = gpu_query("compute_cap") or "9.0"
     env.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/jitcache/torch_extensions")
     # tools/peers for dsrl's `verl_reward:compute_score` (the GPU site has a top-level package named `tools`)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(REWARD.parent), env.get("PYTHONPATH", "")) if p)
@@ -261,7 +264,7 @@ def one_run(name: str, args, w: dict, model: Path, data: Path, seed: int) -> dic
     else:
         argv = dsrl_command(w, model, data, work / "run", args.steps, seed, padded=name.endswith("padded"))
     log = args.out / f"{name}_{args.workload}_s{seed}.log"
-    outcome = run(argv, log, args.limit, env)
+    outcome = run(argv, log, limit, env)
     if framework == "verl":
         steps = report.verl_steps(work / "metrics.jsonl", log.read_text(errors="replace"))
     else:
@@ -279,7 +282,7 @@ def main() -> None:
     p.add_argument("--runs", nargs="+", default=["verl", "dsrl"], choices=["verl", "dsrl", "dsrl-padded"])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--limit", type=float, default=240, help="seconds each run may take")
+    p.add_argument("--limits", type=float, nargs="+", default=[240], help="seconds each run may take (one for all)")
     p.add_argument("--data", type=Path, default=ROOT / "examples/toy/train.jsonl")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/peers"))
     p.add_argument("--verl-site", type=Path, default=Path("/tmp/verlsite"))
@@ -294,10 +297,11 @@ def main() -> None:
     data = write_parquet(rows, args.workdir / "train.parquet")
     record_path = args.out / "peers.json"
     record = json.loads(record_path.read_text()) if record_path.is_file() else {"runs": {}}
+    limits = dict(zip(args.runs, args.limits * len(args.runs) if len(args.limits) == 1 else args.limits))
     for seed in args.seeds:
         for name in args.runs:
             key = f"{name} {source.name}" + (f" seed {seed}" if len(args.seeds) > 1 else "")
-            record["runs"][key] = one_run(name, args, w, model, data, seed)
+            record["runs"][key] = one_run(name, args, w, model, data, seed, limits[name])
             record_path.write_text(json.dumps(record, indent=1))
             print(report.table({"runs": {key: record["runs"][key]}}).splitlines()[-1], flush=True)
     print(report.table(record))
