@@ -61,18 +61,32 @@ def write_parquet(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def chat_model(src: Path, out: Path) -> Path:
-    """`src` with the chat template: its weights and config linked, the tokenizer saved again with TEMPLATE."""
-    from transformers import AutoTokenizer
+QWEN_TOKENS = ("\n", "<|im_end|>")
+"""What verl's agent loop asks of a Qwen2 model's tokenizer (its QwenContinuousTokenBuilder): a newline of one
+token and ChatML's end of turn. The toy tokenizer (one token per character, whitespace dropped) gets them in two
+of its unused slots, so every id stays in the model's vocabulary and no toy prompt tokenizes differently."""
 
+
+def chat_model(src: Path, out: Path) -> Path:
+    """`src` with the chat template: its weights and config linked, its tokenizer files copied with TEMPLATE and
+    (a WordLevel tokenizer: the toy's) QWEN_TOKENS. The files are edited as JSON, so whichever class the installed
+    transformers loads them as, both frameworks load the same."""
     out.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
-        if f.is_file() and not f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+        if f.is_file() and not f.name.startswith(("tokenizer", "chat_template")):
             (out / f.name).unlink(missing_ok=True)
             (out / f.name).symlink_to(f.resolve())
-    tokenizer = AutoTokenizer.from_pretrained(src)
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(out)
+    settings = json.loads((src / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps(settings | {"chat_template": TEMPLATE}, indent=1))
+    spec = json.loads((src / "tokenizer.json").read_text())
+    vocab = spec["model"].get("vocab", {})
+    if spec["model"]["type"] == "WordLevel" and "<unused_1>" in vocab:
+        for i, token in enumerate(QWEN_TOKENS):
+            vocab[token] = vocab.pop(f"<unused_{i}>")
+            added = {"id": vocab[token], "content": token, "single_word": False, "lstrip": False, "rstrip": False,
+                     "normalized": False, "special": token != "\n"}  # fmt: skip
+            spec["added_tokens"].append(added)
+    (out / "tokenizer.json").write_text(json.dumps(spec))
     return out
 
 
@@ -85,8 +99,10 @@ def toy_model(out: Path, seed: int = 0) -> Path:
 
     if not (out / "config.json").is_file():
         torch.manual_seed(seed)
-        AutoModelForCausalLM.from_config(build_model_config()).save_pretrained(out)
-        build_tokenizer().save_pretrained(out)
+        config = build_model_config()
+        config.vocab_size += len(QWEN_TOKENS)  # two unused slots, for chat_model's QWEN_TOKENS
+        AutoModelForCausalLM.from_config(config).save_pretrained(out)
+        build_tokenizer(config.vocab_size).save_pretrained(out)
     return out
 
 
