@@ -323,9 +323,10 @@ def main() -> None:
     print(report.table(record))
     report.plot_phases(record, args.out / "phases.png")
     report.plot_curves(record, args.out / "curves.png")
-    # few files come back from $OUT: the logs go as one archive per invocation
+    # few files come back from $OUT: the runs' logs go as one archive per invocation
     with tarfile.open(args.out / f"logs_{args.workload}_{source.name}.tar.gz", "w:gz") as tar:
-        for log in args.out.glob("*.log"):
+        for name, seed in ((n, s) for s in args.seeds for n in args.runs):
+            log = args.out / f"{name}_{args.workload}_s{seed}.log"
             tar.add(log, arcname=log.name)
             log.unlink()
 

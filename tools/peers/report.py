@@ -89,25 +89,28 @@ def phases(framework: str, step: dict[str, float]) -> dict[str, float]:
     return seconds | {"other": max(total - sum(seconds.values()), 0.0), "step": total}
 
 
-def steady(framework: str, steps: list[dict[str, float]]) -> dict[str, float]:
-    """The mean of each phase over the steps after the first (the only one if there is one), and the reward and
-    response length of the last step."""
+def steady(framework: str, steps: list[dict[str, float]], first: bool = False) -> dict[str, float]:
+    """The mean of each phase over the steps after the first, or (`first`, or a run that logged one step) the first
+    step's, which carries start-up work (compilation, warm-up); the reward of the last step, and `steady_steps`:
+    how many steps the mean is of (0: the first step alone)."""
     if not steps:
         return {}
-    later = steps[1:] or steps
+    alone = first or len(steps) == 1
+    later = steps[:1] if alone else steps[1:]
     each = [phases(framework, s) for s in later]
     out = {k: sum(e[k] for e in each) / len(each) for k in each[0]}
     out["reward"] = steps[-1].get(REWARD[framework], float("nan"))
     out["length"] = sum(s.get(LENGTH[framework], 0.0) for s in later) / len(later)
-    out["steady_steps"] = len(later)
+    out["steady_steps"] = 0 if alone else len(later)
     return out
 
 
-def rows(record: dict) -> list[dict]:
-    """One row per finished run of the harness's record (peers.json): its phases, memory, tokens/s."""
+def rows(record: dict, first: bool = False) -> list[dict]:
+    """One row per finished run of the harness's record (peers.json): its phases, memory, tokens/s; of the steady
+    steps, or (`first`) of the first step."""
     out = []
     for name, run in record.get("runs", {}).items():
-        summary = steady(run["framework"], run.get("steps", []))
+        summary = steady(run["framework"], run.get("steps", []), first)
         if not summary:
             out.append({"name": name, **run, "failed": True})
             continue
@@ -118,39 +121,54 @@ def rows(record: dict) -> list[dict]:
 
 
 def table(record: dict) -> str:
-    """The markdown table of every run, and each dsrl run's step time over verl's at the same workload."""
+    """The markdown table of every run: the steady steps' means, and the first step of each run (start-up work
+    included) where a run logged no later step; each dsrl run's step time over verl's at the same workload, on the
+    steady steps where both have them, else on the first steps."""
     lines = [
-        "| run | framework | mode | step s | " + " | ".join(PHASES) + " | other | GPU peak GB | host peak GB "
-        "| tokens/s | steady steps | reward (last) |",
+        "| run | framework | mode | steps | step s | " + " | ".join(PHASES) + " | other | GPU peak GB "
+        "| host peak GB | tokens/s | reward (last) |",
         "|---" * (11 + len(PHASES)) + "|",
     ]
-    done = rows(record)
-    for r in done:
-        if r["failed"]:
-            lines.append(f"| {r['name']} | {r['framework']} | {r.get('mode', '')} | failed (rc {r.get('rc')}) |")
+    steady_rows, first_rows = rows(record), rows(record, first=True)
+    for r, r1 in zip(steady_rows, first_rows):
+        shown = [r1] if r["failed"] or not r["steady_steps"] else [r, r1]
+        for x in shown:
+            if x["failed"]:
+                lines.append(f"| {x['name']} | {x['framework']} | {x.get('mode', '')} | failed (rc {x.get('rc')}) |")
+                continue
+            which = f"{x['steady_steps']} after the first" if x["steady_steps"] else "the first"
+            cells = [f"{x[p]:.2f}" for p in (*PHASES, "other")]
+            lines.append(
+                f"| {x['name']} | {x['framework']} | {x.get('mode', '')} | {which} | **{x['step']:.2f}** | "
+                + " | ".join(cells) + f" | {x.get('gpu_peak_gb', 0):.1f} | {x.get('host_peak_gb', 0):.1f} "
+                f"| {x['tokens_per_s']:.0f} | {x['reward']:.3f} |"
+            )  # fmt: skip
+    for r, r1 in zip(steady_rows, first_rows):
+        if r["framework"] != "dsrl" or r["failed"]:
             continue
-        cells = [f"{r[p]:.2f}" for p in (*PHASES, "other")]
-        lines.append(
-            f"| {r['name']} | {r['framework']} | {r.get('mode', '')} | **{r['step']:.2f}** | " + " | ".join(cells)
-            + f" | {r.get('gpu_peak_gb', 0):.1f} | {r.get('host_peak_gb', 0):.1f} | {r['tokens_per_s']:.0f} "
-            f"| {r['steady_steps']} | {r['reward']:.3f} |"
-        )  # fmt: skip
-    for r in done:
-        same = r.get("workload")
-        verl = [v for v in done if v["framework"] == "verl" and not v["failed"] and v.get("workload") == same]
-        if r["framework"] == "dsrl" and not r["failed"] and verl:
-            lines.append(f"\n{r['name']}: dsrl step / verl step = {r['step'] / verl[0]['step']:.2f}")
+        for v, v1 in zip(steady_rows, first_rows):
+            if v["framework"] == "verl" and not v["failed"] and v.get("workload") == r.get("workload"):
+                both = r["steady_steps"] and v["steady_steps"]
+                mine, theirs, basis = (r, v, "steady steps") if both else (r1, v1, "first steps")
+                lines.append(f"\n{r['name']}: dsrl step / verl step = {mine['step'] / theirs['step']:.2f} ({basis})")
+                break
     return "\n".join(lines)
 
 
 def plot_phases(record: dict, path: Path) -> None:
-    """Stacked bars: each run's steady step, phase by phase."""
+    """Stacked bars, phase by phase: each run's first step, and the mean of its later steps where it has them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    done = [r for r in rows(record) if not r["failed"]]
+    done = []
+    for r, r1 in zip(rows(record), rows(record, first=True)):
+        if not r1["failed"]:
+            done.append(r1 | {"name": f"{r1['name']}, step 1"})
+        if not r["failed"] and r["steady_steps"]:
+            later = f"steps 2-{r['steady_steps'] + 1}" if r["steady_steps"] > 1 else "step 2"
+            done.append(r | {"name": f"{r['name']}, {later}"})
     if not done:
         return
     fig, ax = plt.subplots(figsize=(8, 0.6 * len(done) + 1.5))
@@ -161,7 +179,7 @@ def plot_phases(record: dict, path: Path) -> None:
         ax.barh(names, widths, left=left, label=phase)
         left = [a + b for a, b in zip(left, widths)]
     ax.invert_yaxis()
-    ax.set_xlabel("seconds per step (mean of the steps after the first)")
+    ax.set_xlabel("seconds per step (step 1 carries start-up work: compilation, warm-up)")
     ax.legend(ncol=3, fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
