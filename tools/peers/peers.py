@@ -7,9 +7,12 @@ data_source) made from the toy task's prompts, and score with one function in ve
 messages' text as it is (verl always applies one), so both send the same token ids. On the GPU machine, after
 `source .gpu/setup.sh` and with verl's packages unpacked (tools/peers/build_site.sh):
 
-    python3 tools/peers/peers.py --model /tmp/models/1.5b --runs verl dsrl --out $OUT    # 64 x 8 x 512, 3 steps
+    python3 tools/peers/peers.py --model /tmp/models/1.5b --runs verl dsrl --limits 305 170 --out $OUT  # 64 x 8 x 512
     python3 tools/peers/peers.py --workload toy --runs verl dsrl --seeds 0 1 --steps 100 --out $OUT
     python3 tools/peers/report.py $OUT                                                   # the table again
+
+On an H200 (1.5B), verl took ~170 s to its first step and ~130 s for it (one-time compilation and warm-up); dsrl
+~130 s to its first step, ~17 s a step after it: give each run's --limits room for the steps asked.
 
 A run is `verl` (its best settings this image can run), `dsrl` (dsrl's defaults) or `dsrl-padded` (padded rows,
 like verl's here: flash-attn, which verl's remove-padding needs, has no wheel for this torch). Each run's record
