@@ -57,7 +57,8 @@ class DataConfig:
     prompt_key: str = "prompt"
     """Row field holding the prompt: a string, or a list of chat messages ({role, content})."""
     answer_key: str = "answer"
-    """Row field passed to the reward function as `answer` (may be absent when the reward needs none)."""
+    """Row field passed to the reward function as `answer` (may be absent when the reward needs none); a dotted
+    key reads a nested field, e.g. `reward_model.ground_truth` in verl's parquet files."""
     max_prompt_tokens: int = 512
     """Longest prompt in tokens, after the chat template; longer ones are handled by `on_long_prompt`."""
     on_long_prompt: Literal["skip", "truncate"] = "skip"
@@ -350,8 +351,9 @@ class AlgorithmConfig:
     """The reward lost by a response of max_new_tokens tokens (overlong_buffer > 0)."""
     reward_fn: str = "dsrl.rewards:math_reward"
     """Reward function as module:function, called as fn(prompt, response, answer) -> float (with `row=`, the
-    dataset row, when it takes it; async, or batched with @dsrl.rewards.batched). From Python
-    (`dsrl.train`), the function itself."""
+    dataset row, when it takes it; async, or batched with @dsrl.rewards.batched), or verl's
+    compute_score(data_source, solution_str, ground_truth, extra_info) as it is. From Python (`dsrl.train`),
+    the function itself."""
     reward_workers: int = 2
     """Processes the reward function runs in, per trainer rank, each call with a timeout: a reward that
     hangs or kills its process fails its row, not the run. 0: in the trainer's process (no timeout)."""

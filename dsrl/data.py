@@ -190,7 +190,7 @@ class PromptDataset:
             if cfg.on_long_prompt == "skip":
                 return None
             ids = ids[-cfg.max_prompt_tokens :]  # keep the end: the question and the generation prompt
-        return Prompt(i, ids, text, row.get(cfg.answer_key), overrides, row)
+        return Prompt(i, ids, text, field_at(row, cfg.answer_key), overrides, row)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -212,6 +212,17 @@ class PromptDataset:
             epoch, offset = divmod(pos, len(self.prompts))
             out.append(self.prompts[self.order(epoch)[offset]])
         return out
+
+
+def field_at(row: dict, key: str):
+    """`row[key]`, or for a dotted key that is not a field itself the nested field it names (verl's files keep the
+    answer at `reward_model.ground_truth`); None where it is absent."""
+    if key in row:
+        return row[key]
+    value = row
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 def check_fits_context(rollout: RolloutConfig, dataset: PromptDataset, context: int, flags: str = "rollout") -> None:

@@ -75,6 +75,28 @@ def test_chat_template_is_applied(tmp_path, tokenizer):
     assert [p.text for p in ds.prompts] == ["12=", "3="]
 
 
+def test_verl_parquet_and_reward_function_as_they_are(tmp_path):
+    """verl's files: chat-message prompts, the answer at reward_model.ground_truth, data_source and extra_info;
+    its compute_score(data_source, solution_str, ground_truth, extra_info) and its dict result work as they are."""
+    from dsrl.rewards.pool import call_reward
+
+    tokenizer = AutoTokenizer.from_pretrained(str(toy_model_dir()))
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    chat = [{"role": "user", "content": "12="}]
+    answer, extra = {"style": "rule", "ground_truth": "12"}, {"index": 7, "split": "train"}
+    rows = [{"data_source": "toy", "prompt": chat, "ability": "copy", "reward_model": answer, "extra_info": extra}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "verl.parquet")
+    cfg = DataConfig(train_path=str(tmp_path / "verl.parquet"), answer_key="reward_model.ground_truth")
+    prompt = PromptDataset(cfg, tokenizer).prompts[0]
+    assert (prompt.text, prompt.answer, prompt.prompt_ids) == ("12=", "12", tokenizer("12=")["input_ids"])
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": float(solution_str == ground_truth and data_source == "toy"), "index": extra_info["index"]}
+
+    assert call_reward(compute_score, prompt.text, "12", prompt.answer, prompt.row) == 1.0
+    assert call_reward(compute_score, prompt.text, "13", prompt.answer, prompt.row) == 0.0
+
+
 def toy_model_dir():
     from pathlib import Path
 

@@ -14,6 +14,8 @@
 #   source .gpu/setup.sh; MODELS="0.5b-chat" bash tools/gpu_run.sh setup agent_toy agent_calc bench_agent  # 1 GPU
 #   source .gpu/setup.sh; MODELS=3b bash tools/gpu_run.sh setup bench_trainer       # 1 GPU (tools/bench_trainer.py)
 #   source .gpu/setup.sh; MODELS="1.5b 3b" bash tools/gpu_run.sh setup lora          # 1 GPU (LoRA: adapter/merged/full)
+#   source .gpu/setup.sh; MODELS=1.5b bash tools/gpu_run.sh setup peers              # 1 GPU (verl beside dsrl:
+#                                                         tools/peers/; .peers/verl_site.tar.xz carried, see build_site.sh)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py;
 #                                                         ASYNC_EXTRA="--rollout.max_concurrency 768" passes flags on)
 # Pure-Python wheels the image lacks travel in .whl/ (carried; `setup` installs them into /tmp/site): peft, and
@@ -246,6 +248,15 @@ for s in "$@"; do
         --budget ${BENCH_TRAINER_BUDGET:-16384} --repeats ${BENCH_TRAINER_REPEATS:-1} ${BENCH_TRAINER_EXTRA:-}
       grep -a -A8 "^model " "$OUT/bench_trainer.log" | tee -a "$SUMMARY"
       grep -a "Error" "$OUT/bench_trainer.log" | tail -3 | tee -a "$SUMMARY"
+      ;;
+    peers)  # 1 GPU: verl 0.9.1 and dsrl back to back on one model, parquet, reward and batch (tools/peers/peers.py).
+      # verl's packages travel as .peers/verl_site.tar.xz (DEST=.peers bash tools/peers/build_site.sh); verl takes ~4 min
+      # to its first step and ~2 min for that step (compilation, warm-up): PEERS_RUNS=verl alone for its steady steps.
+      [ -f /tmp/verlsite/.ok ] || { mkdir -p /tmp/verlsite && tar xJf ${VERL_SITE:-.peers/verl_site.tar.xz} -C /tmp/verlsite \
+        && touch /tmp/verlsite/.ok; } || note "no verl site (.peers/verl_site.tar.xz)"
+      stage peers ${PEERS_LIMIT:-540} python3 tools/peers/peers.py --model /tmp/models/${PEERS_MODEL:-1.5b} \
+        --runs ${PEERS_RUNS:-verl dsrl} --limits ${PEERS_LIMITS:-330 170} --steps ${PEERS_STEPS:-3} --out "$OUT" ${PEERS_EXTRA:-}
+      grep -a "^| \|dsrl step" "$OUT/peers.log" | tail -8 | tee -a "$SUMMARY"
       ;;
     *) note "unknown stage $s" ;;
   esac

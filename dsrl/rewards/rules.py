@@ -1,5 +1,6 @@
 """Reward functions: loaded by import path, called as fn(prompt, response, answer) -> float, or with
-`row=` (the whole dataset row) when they take it, or batched (`@batched`), or async."""
+`row=` (the whole dataset row) when they take it, or batched (`@batched`), or async, or with verl's
+interface (`pool.call_reward`)."""
 
 import importlib
 import re

@@ -1,0 +1,96 @@
+"""The harness beside verl (tools/peers), what of it runs without a GPU: the data and reward both frameworks get,
+and the table's reading of each framework's own metrics, from a harness run on an H200 (tests/data/peers, 1.5B,
+64 x 8 x 512): verl's console lines as its console logger printed them (one step: the call's time ran out in its
+second), the same step in its file logger's JSON-line format, and dsrl's per-step metrics as the harness kept them."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from transformers import AutoTokenizer
+
+from dsrl.config import DataConfig
+from dsrl.data import PromptDataset
+from dsrl.rewards.pool import call_reward
+from dsrl.tasks import toy
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools/peers"))
+DATA = ROOT / "tests/data/peers"
+
+import peers  # noqa: E402
+import report  # noqa: E402
+import verl_reward  # noqa: E402
+
+
+def test_both_frameworks_get_the_same_tokens_answers_and_rewards(tmp_path):
+    rows = toy.make_rows(6, seed=2)
+    path = peers.write_parquet(rows, tmp_path / "train.parquet")
+    tokenizer = AutoTokenizer.from_pretrained(peers.chat_model(ROOT / "examples/toy/model", tmp_path / "model"))
+    verl_row = pq.read_table(path).to_pylist()[0]
+    # verl: its dataset hands the row's messages to its agent loop, which applies the chat template
+    verl_ids = tokenizer.apply_chat_template(verl_row["prompt"], add_generation_prompt=True, tokenize=True)
+    verl_ids = verl_ids if isinstance(verl_ids, list) else verl_ids["input_ids"]  # (a dict in transformers 5)
+    prompt = PromptDataset(DataConfig(train_path=str(path), answer_key="reward_model.ground_truth"), tokenizer).prompts[
+        0
+    ]
+    assert prompt.prompt_ids == verl_ids == tokenizer(rows[0]["prompt"])["input_ids"]
+    assert prompt.answer == verl_row["reward_model"]["ground_truth"] == rows[0]["answer"]
+    for response in (rows[0]["answer"], rows[0]["answer"][:-1] + "x"):
+        verl_args = {k: verl_row[k] for k in ("data_source", "extra_info")}
+        by_verl = verl_reward.compute_score(solution_str=response, ground_truth=prompt.answer, **verl_args)
+        by_dsrl = call_reward(verl_reward.compute_score, prompt.text, response, prompt.answer, prompt.row)
+        assert by_verl == by_dsrl == toy.reward(prompt.text, response, rows[0]["answer"])
+
+
+def test_verl_metrics_from_its_file_and_console_loggers():
+    from_file = report.verl_steps(DATA / "verl_metrics.jsonl")
+    from_console = report.verl_steps(None, (DATA / "verl_console.log").read_text())
+    assert len(from_file) == len(from_console) == 1 and from_file == from_console
+    assert from_file[0]["timing_s/step"] == 129.692468648 and "training/global_step" not in from_file[0]
+    step = report.phases("verl", from_file[-1])
+    parts = sum(step[p] for p in (*report.PHASES, "other"))
+    assert math.isclose(parts, step["step"]) and step["generate"] == from_file[-1]["timing_s/gen"]
+
+
+def test_dsrl_metrics_from_tensorboard(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    logged = json.loads((DATA / "dsrl_steps.json").read_text())
+    writer = SummaryWriter(str(tmp_path / "tensorboard"))
+    for i, metrics in enumerate(logged, 1):
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, i)
+    writer.close()
+    steps = report.dsrl_steps(tmp_path)
+    assert len(steps) == len(logged) and math.isclose(steps[-1]["timing/step"], logged[-1]["timing/step"], rel_tol=1e-6)
+    step = report.phases("dsrl", steps[-1])
+    assert math.isclose(step["generate"], steps[-1]["timing/generate"] + steps[-1]["timing/release"])
+
+
+def test_the_table_puts_both_on_the_same_phases():
+    verl = report.verl_steps(DATA / "verl_metrics.jsonl")
+    dsrl = json.loads((DATA / "dsrl_steps.json").read_text())
+    same = {"workload": "step model_1.5b", "samples": 512, "gpu_peak_gb": 100.0, "host_peak_gb": 20.0}
+    record = {"runs": {"verl 1.5b": {"framework": "verl", "steps": verl, **same},
+                       "dsrl 1.5b": {"framework": "dsrl", "steps": dsrl, **same}}}  # fmt: skip
+    text = report.table(record)
+    # verl logged one step, dsrl two: the ratio is of the first steps, each run's steady mean where it has one
+    ratio = report.steady("dsrl", dsrl, first=True)["step"] / report.steady("verl", verl)["step"]
+    assert f"dsrl step / verl step = {ratio:.2f} (first steps)" in text
+    assert text.count("| verl 1.5b | verl |") == 1 and text.count("| dsrl 1.5b | dsrl |") == 2
+    assert "| 1 after the first | **17.15** |" in text and "failed" not in text
+
+
+def test_the_toy_tokenizer_gets_the_tokens_verls_qwen2_agent_loop_needs(tmp_path):
+    """verl's agent loop for a Qwen2 model asks for a one-token newline and <|im_end|> (the GPU run failed without):
+    two unused slots of the padded toy tokenizer take them, so every id stays in the model's vocabulary."""
+    src = tmp_path / "src"
+    toy.build_tokenizer(16).save_pretrained(src)
+    (src / "config.json").write_text((ROOT / "examples/toy/model/config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(peers.chat_model(src, tmp_path / "model"))
+    assert tokenizer.encode("\n", add_special_tokens=False) == [14]
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") == 15
+    assert tokenizer("394=")["input_ids"] == toy.build_tokenizer(16)("394=")["input_ids"]

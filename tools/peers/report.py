@@ -1,0 +1,229 @@
+"""Each framework's own step metrics, mapped to the same phases; the table and the PNGs of a harness run.
+
+verl logs `timing_s/<phase>` per step (its console logger: `step:3 - timing_s/gen:4.1 - ...`, and its file logger:
+one JSON line {"step", "data"} per step); dsrl logs `timing/<phase>` per step to tensorboard (and the last step to
+final_metrics.json). Both are reduced to the phases below, as the mean over the steps after the first (whose
+start-up costs are not a step's).
+
+    python tools/peers/report.py OUT_DIR     # the table of OUT_DIR/peers.json, and its PNGs into OUT_DIR
+"""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+PHASES = ("generate", "old log-probs", "reference", "update", "weight sync")
+"""The phases of one synchronous colocated GRPO step; the rest of the step is `other`."""
+
+TIMERS = {
+    # verl's `gen` ends with its servers put to sleep (sleep_replicas), so dsrl's `release` counts with generate.
+    "verl": {"generate": ("gen",), "old log-probs": ("old_log_prob",), "reference": ("ref",),
+             "update": ("update_actor",), "weight sync": ("update_weights",)},
+    "dsrl": {"generate": ("generate", "release"), "old log-probs": ("logprobs",), "reference": (),
+             "update": ("update",), "weight sync": ("sync",)},
+}  # fmt: skip
+"""Each framework's timers (its metric names less the prefix) that make up each phase."""
+
+PREFIX = {"verl": "timing_s/", "dsrl": "timing/"}
+REWARD = {"verl": "critic/score/mean", "dsrl": "reward/mean"}
+LENGTH = {"verl": "response_length/mean", "dsrl": "response/length_mean"}
+KEEP = re.compile(r"^(timing_s/|timing/|perf/|memory/|critic/score/|reward/mean|response_length/mean|response/length)")
+"""The per-step metrics a run's record keeps."""
+
+_CONSOLE = re.compile(r"step:(\d+) - (.*)$")
+
+
+def verl_steps(jsonl: Path | None = None, console: str = "") -> list[dict[str, float]]:
+    """verl's per-step metrics, from its file logger's JSON lines, else from its console lines."""
+    steps: dict[int, dict[str, float]] = {}
+    if jsonl is not None and jsonl.is_file():
+        for line in jsonl.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                steps[int(record["step"])] = {k: float(v) for k, v in record["data"].items() if _number(v)}
+    else:
+        for line in console.splitlines():
+            found = _CONSOLE.search(line)
+            if found:
+                pairs = (item.split(":", 1) for item in found.group(2).split(" - ") if ":" in item)
+                steps[int(found.group(1))] = {k.strip(): float(v) for k, v in pairs if _number(v)}
+    return [_kept(steps[k]) for k in sorted(steps)]
+
+
+def dsrl_steps(run_dir: Path) -> list[dict[str, float]]:
+    """dsrl's per-step metrics, from the run's tensorboard, else its last step from final_metrics.json."""
+    events_dir = run_dir / "tensorboard"
+    if events_dir.is_dir():
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(events_dir), size_guidance={"scalars": 0})
+        events.Reload()
+        steps: dict[int, dict[str, float]] = {}
+        for tag in events.Tags()["scalars"]:
+            for event in events.Scalars(tag):
+                steps.setdefault(event.step, {})[tag] = event.value
+        if steps:
+            return [_kept(steps[k]) for k in sorted(steps)]
+    final = run_dir / "final_metrics.json"
+    return [_kept(json.loads(final.read_text()))] if final.is_file() else []
+
+
+def _number(value) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _kept(metrics: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if KEEP.match(k) and _number(v)}
+
+
+def phases(framework: str, step: dict[str, float]) -> dict[str, float]:
+    """One step's seconds per phase, `other` (the step less the phases) and `step`."""
+    prefix = PREFIX[framework]
+    seconds = {p: sum(step.get(prefix + t, 0.0) for t in TIMERS[framework][p]) for p in PHASES}
+    total = step.get(prefix + "step", 0.0)
+    return seconds | {"other": max(total - sum(seconds.values()), 0.0), "step": total}
+
+
+def steady(framework: str, steps: list[dict[str, float]], first: bool = False) -> dict[str, float]:
+    """The mean of each phase over the steps after the first, or (`first`, or a run that logged one step) the first
+    step's, which carries start-up work (compilation, warm-up); the reward of the last step, and `steady_steps`:
+    how many steps the mean is of (0: the first step alone)."""
+    if not steps:
+        return {}
+    alone = first or len(steps) == 1
+    later = steps[:1] if alone else steps[1:]
+    each = [phases(framework, s) for s in later]
+    out = {k: sum(e[k] for e in each) / len(each) for k in each[0]}
+    out["reward"] = steps[-1].get(REWARD[framework], float("nan"))
+    out["length"] = sum(s.get(LENGTH[framework], 0.0) for s in later) / len(later)
+    out["steady_steps"] = 0 if alone else len(later)
+    return out
+
+
+def rows(record: dict, first: bool = False) -> list[dict]:
+    """One row per finished run of the harness's record (peers.json): its phases, memory, tokens/s; of the steady
+    steps, or (`first`) of the first step."""
+    out = []
+    for name, run in record.get("runs", {}).items():
+        summary = steady(run["framework"], run.get("steps", []), first)
+        if not summary:
+            out.append({"name": name, **run, "failed": True})
+            continue
+        samples = run.get("samples", 0)
+        tokens_per_s = samples * summary["length"] / summary["step"] if summary["step"] else 0.0
+        out.append({"name": name, **run, **summary, "tokens_per_s": tokens_per_s, "failed": False})
+    return out
+
+
+def table(record: dict) -> str:
+    """The markdown table of every run: the steady steps' means, and the first step of each run (start-up work
+    included) where a run logged no later step; each dsrl run's step time over verl's at the same workload, on the
+    steady steps where both have them, else on the first steps."""
+    lines = [
+        "| run | framework | mode | steps | step s | " + " | ".join(PHASES) + " | other | GPU peak GB "
+        "| host peak GB | tokens/s | reward (last) |",
+        "|---" * (11 + len(PHASES)) + "|",
+    ]
+    steady_rows, first_rows = rows(record), rows(record, first=True)
+    for r, r1 in zip(steady_rows, first_rows):
+        shown = [r1] if r["failed"] or not r["steady_steps"] else [r, r1]
+        for x in shown:
+            if x["failed"]:
+                lines.append(f"| {x['name']} | {x['framework']} | {x.get('mode', '')} | failed (rc {x.get('rc')}) |")
+                continue
+            which = f"{x['steady_steps']} after the first" if x["steady_steps"] else "the first"
+            cells = [f"{x[p]:.2f}" for p in (*PHASES, "other")]
+            lines.append(
+                f"| {x['name']} | {x['framework']} | {x.get('mode', '')} | {which} | **{x['step']:.2f}** | "
+                + " | ".join(cells) + f" | {x.get('gpu_peak_gb', 0):.1f} | {x.get('host_peak_gb', 0):.1f} "
+                f"| {x['tokens_per_s']:.0f} | {x['reward']:.3f} |"
+            )  # fmt: skip
+    for r, r1 in zip(steady_rows, first_rows):
+        if r["framework"] != "dsrl" or r["failed"]:
+            continue
+        for v, v1 in zip(steady_rows, first_rows):
+            if v["framework"] == "verl" and not v["failed"] and v.get("workload") == r.get("workload"):
+                both = r["steady_steps"] and v["steady_steps"]
+                mine, theirs, basis = (r, v, "steady steps") if both else (r1, v1, "first steps")
+                lines.append(f"\n{r['name']}: dsrl step / verl step = {mine['step'] / theirs['step']:.2f} ({basis})")
+                break
+    return "\n".join(lines)
+
+
+def plot_phases(record: dict, path: Path) -> None:
+    """Stacked bars, phase by phase: each run's first step, and the mean of its later steps where it has them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = []
+    for r, r1 in zip(rows(record), rows(record, first=True)):
+        if not r1["failed"]:
+            done.append(r1 | {"name": f"{r1['name']}, step 1"})
+        if not r["failed"] and r["steady_steps"]:
+            later = f"steps 2-{r['steady_steps'] + 1}" if r["steady_steps"] > 1 else "step 2"
+            done.append(r | {"name": f"{r['name']}, {later}"})
+    if not done:
+        return
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(done) + 1.5))
+    names = [r["name"] for r in done]
+    left = [0.0] * len(done)
+    for phase in (*PHASES, "other"):
+        widths = [r[phase] for r in done]
+        ax.barh(names, widths, left=left, label=phase)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per step (step 1 carries start-up work: compilation, warm-up)")
+    ax.legend(ncol=3, fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def plot_curves(record: dict, path: Path) -> None:
+    """Reward by step and by seconds of training, every run of the toy task (each framework, each seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(n, r) for n, r in record.get("runs", {}).items() if r["workload"].startswith("toy") and r.get("steps")]
+    if not runs:
+        return
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, run in runs:
+        framework = run["framework"]
+        rewards = [s.get(REWARD[framework], float("nan")) for s in run["steps"]]
+        clock, t = [], 0.0
+        for s in run["steps"]:
+            t += s.get(PREFIX[framework] + "step", 0.0)
+            clock.append(t)
+        style = "-" if framework == "dsrl" else "--"
+        by_step.plot(range(1, len(rewards) + 1), rewards, style, label=name)
+        by_time.plot(clock, rewards, style, label=name)
+    by_step.set_xlabel("step")
+    by_time.set_xlabel("seconds of training steps")
+    for ax in (by_step, by_time):
+        ax.set_ylabel("mean reward")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    record = json.loads((out / "peers.json").read_text())
+    print(table(record))
+    plot_phases(record, out / "phases.png")
+    plot_curves(record, out / "curves.png")
+
+
+if __name__ == "__main__":
+    main()
