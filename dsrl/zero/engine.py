@@ -144,10 +144,7 @@ def load_engine(
         dtype = next(p.dtype for p in model.parameters() if p.requires_grad)
         log.info("LoRA rank %d: %s trained parameters of %s (%.2f%%, %s), the base frozen", cfg.model.lora_rank,
                  f"{trained:,}", f"{total:,}", 100 * trained / total, dtype)  # fmt: skip
-    if cfg.trainer.gather_per_layer:
-        gather_per_layer(model)
-    else:
-        log.info("ZeRO-3 gathers each module's parameters on its own (--trainer.gather_per_layer false)")
+    gather_per_layer(model, cfg.trainer.gather_per_layer)
     if train:
         groups = model.param_groups(c.lr) if isinstance(model, PolicyAndValue) else None  # (two learning rates)
         engine, *_ = deepspeed.initialize(
@@ -178,16 +175,20 @@ def apply_liger(model_type: str) -> None:
     log.info("liger-kernel: fused RMSNorm, SwiGLU and RoPE for %s", model_type)
 
 
-def gather_per_layer(model: torch.nn.Module) -> None:
-    """Mark the decoder layers (HF's `_no_split_modules`) as ZeRO-3 leaf modules: DeepSpeed gathers a layer's
-    parameters once for its forward and once for its backward, not each submodule's, with one set of hooks.
+def gather_per_layer(model: torch.nn.Module, whole: bool = True) -> None:
+    """With `whole` (--trainer.gather_per_layer), mark the decoder layers (HF's `_no_split_modules`) as ZeRO-3 leaf
+    modules: DeepSpeed gathers a layer's parameters once for its forward and once for its backward, not each
+    submodule's, with one set of hooks; LoRA's adapters are gathered with their layer.
 
     A leaf's gradients are reduced by a full backward hook on the layer, which PyTorch calls once the gradients
     of the layer's inputs are computed, or, when no input needs one, before the layer's backward pass: with
-    LoRA's frozen embeddings the first layer's adapters were then reduced empty (DeepSpeed #5074 asks for
-    inputs that need gradients). `load_engine` makes the embeddings' output need one."""
+    LoRA's frozen embeddings the first layer's adapters were then reduced empty (deepspeedai/DeepSpeed PR 5074:
+    a leaf's inputs must need gradients). `load_engine` makes the embeddings' output need one."""
     from deepspeed.utils import set_z3_leaf_modules
 
+    if not whole:
+        log.info("ZeRO-3 gathers each module's parameters on its own (--trainer.gather_per_layer false)")
+        return
     classes = list(getattr(model, "_no_split_modules", None) or [])
     leaves = set_z3_leaf_modules(model, classes, raise_if_not_found=False) if classes else []
     adapters = sum(".lora_A." in name for name, _ in model.named_parameters())
