@@ -205,8 +205,8 @@ def run_engine(args, cfg, engine, name: str, budget, before) -> dict:
     for dist in args.dist:
         samples = synthetic(args.samples, dist, args.max_len, vocab, args.prompt_len)
         tokens = sum(len(s.prompt.prompt_ids) + len(s.response_ids) for s in samples)
-        agreement = {}  # each mode's logprobs, before any update moves the weights
-        for mode in args.modes if len(args.modes) > 1 else []:
+        agreement = {}  # each mode's logprobs, before any update moves the weights (and the kernels' warm-up)
+        for mode in args.modes:
             with mode_of(mode, cfg, engine, budget, before) as impl:
                 impl.compute_logprobs(engine, samples, "old_logprobs", cfg, pad_id=0)
             agreement[mode] = torch.cat([s.extras["old_logprobs"] for s in samples])
@@ -221,7 +221,7 @@ def run_engine(args, cfg, engine, name: str, budget, before) -> dict:
                 print(f"{dist:>9} {mode:>7}  out of memory: {str(e).splitlines()[0][:160]}  {name}")
                 torch.cuda.empty_cache()
                 continue
-            diff = (agreement[mode] - agreement[args.modes[0]]).abs() if agreement else torch.zeros(1)
+            diff = (agreement[mode] - agreement[args.modes[0]]).abs()
             agree = f"{diff.mean():12.2e} /{diff.max():9.2e}"
             seconds = r["logprobs_s"] + r["update_s"]
             mfu = 8 * params * tokens / seconds / (args.peak_tflops * 1e12)
