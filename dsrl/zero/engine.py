@@ -193,7 +193,7 @@ def gather_per_layer(model: torch.nn.Module, whole: bool = True) -> None:
     leaves = set_z3_leaf_modules(model, classes, raise_if_not_found=False) if classes else []
     adapters = sum(".lora_A." in name for name, _ in model.named_parameters())
     log.info("ZeRO-3 gathers %d layers (%s) whole%s", len(leaves), ", ".join(classes) or "none named by the model",
-             f", their {adapters} LoRA adapters with them" if adapters else "")  # fmt: skip
+             f", their {adapters} LoRA adapters with them, each one fused addmm" if adapters else "")  # fmt: skip
 
 
 def add_lora(model: torch.nn.Module, m: ModelConfig, critic: bool, checkpointing: bool) -> torch.nn.Module:
