@@ -205,8 +205,9 @@ for s in "$@"; do
           grep -a "final metrics" "$OUT/lora_${model}_$mode.log" | grep -o '"sync/bytes": [0-9.e-]*\|"sync/seconds": [0-9.e-]*\|"timing/sync": [0-9.e-]*\|"timing/step": [0-9.e-]*\|"timing/update": [0-9.e-]*\|"memory/[a-z_]*peak_gb": [0-9.e-]*\|"sync/probe_logprob_diff": [0-9.e-]*\|"mismatch/logprob_abs_diff": [0-9.e-]*\|"reward/mean": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
           [ "$TB" = true ] && python3 tools/step_report.py $run 2>&1 | grep -a "sync\|step " | head -4 | tee -a "$SUMMARY"
         done
-        for mode in ${LORA_MODES:-adapter merged full}; do
-          [ $mode != full ] && [ -f /tmp/runs/lora_${model}_$mode/final_metrics.json ] && [ -f /tmp/runs/lora_${model}_full/final_metrics.json ] \
+        for mode in ${LORA_MODES:-adapter merged full}; do  # (full among the modes: a warm machine keeps older runs)
+          [[ $mode != full && " ${LORA_MODES:-full} " == *" full "* ]] && [ -f /tmp/runs/lora_${model}_$mode/final_metrics.json ] \
+            && [ -f /tmp/runs/lora_${model}_full/final_metrics.json ] \
             && python3 tools/step_report.py /tmp/runs/lora_${model}_$mode --against /tmp/runs/lora_${model}_full 2>&1 | tail -1 | tee -a "$SUMMARY"
         done
       done
