@@ -145,8 +145,8 @@ def update_actor_and_critic(
     engine, samples: list[Sample], cfg: Config, pad_id: int, kl_coef: float, train_actor: bool, alongside=None
 ) -> dict[str, float]:
     """`PolicyAndValue`'s update: each micro-batch's loss is the critic's plus (after critic.warmup_steps) the
-    actor's, their gradients summed, one optimizer step per mini-batch, as many as either would take alone. The two
-    adapters share no parameter, so each gets the gradient of its own loss and Adam's steps are its own; they
+    actor's, their gradients summed, one optimizer step per mini-batch, as many as either would take alone. The
+    two adapters share no parameter, so each gets the gradient of its own loss and Adam's steps are its own; they
     are clipped together (trainer.grad_clip on the joint norm, reported as actor/grad_norm). `alongside`: as
     `run_updates`."""
     stash_engine_logprobs(samples)

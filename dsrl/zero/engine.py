@@ -134,9 +134,8 @@ def load_engine(
         budget = AutoCheckpointing(model.config, states, device_memory(cfg), width, cfg.model.liger_kernel)
     if checkpointing:
         model.gradient_checkpointing_enable()
-    if lora:  # the frozen embeddings' output must carry a gradient into the first layer (`gather_per_layer`)
-        model.enable_input_require_grads()
     if lora:  # new adapter parameters: deepspeed.initialize partitions them with the rest
+        model.enable_input_require_grads()  # a gradient into layer 0 from frozen embeddings (`gather_per_layer`)
         model = add_lora(model, cfg.model, critic_on_actor_base(cfg), checkpointing)
         fuse_adapters(model)
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
