@@ -41,10 +41,10 @@ def add_adapters(model: torch.nn.Module, m: ModelConfig) -> torch.nn.Module:
 
 class AdapterUpdate(torch.autograd.Function):
     """`result + scale * (x A^T) B^T` for PEFT's `lora.Linear` (`fuse_adapters`): the scale on the rank-r side, the
-    sum inside B's GEMM (addmm). PEFT's `lora_B(lora_A(x)) * scale` then `result +` writes and reads tensors of
-    the layer's output width four more times each way, as much memory traffic at 3B as the base's skipped weight
-    gradients save. A and B are saved as parameters, as DeepSpeed's ZeRO-3 linear does: gathered again for the
-    backward pass with their layer."""
+    sum inside B's GEMM (addmm). PEFT's `lora_B(lora_A(x)) * scale` then `result +` passes over tensors of the
+    layer's output width four more times forward and two more backward: at 3B about the memory traffic the base's
+    skipped weight gradients save. A and B are saved as parameters, as DeepSpeed's ZeRO-3 linear does: gathered
+    again for the backward pass with their layer."""
 
     @staticmethod
     def forward(ctx, result, x, a, b, scale: float):
