@@ -247,9 +247,9 @@ class TrainerConfig:
     gather_per_layer: bool = True
     """ZeRO-3 gathers and releases each decoder layer's parameters at once (DeepSpeed leaf modules: the model's
     `_no_split_modules` classes), one set of hooks per layer instead of one per submodule: the hooks' host-side
-    work bound the update at 3B (2.9x the tokens/s on a long-tail batch, one H200). false: per submodule,
-    DeepSpeed's default. Not with LoRA: in DeepSpeed 0.19.8 the backward pass of such a layer reads its
-    adapters empty."""
+    work bound the update at 3B (2.9x the tokens/s on a long-tail batch, one H200). With LoRA the adapters are
+    gathered with their layer (PEFT's adapted layer is five modules, each hooked alone otherwise). false: per
+    submodule, DeepSpeed's default."""
     offload_states: Literal["auto", "always", "never"] = "auto"
     """Colocated on GPUs: move the trainers' optimizer states and parameters to CPU while the servers generate.
     auto decides at start-up (and prints why) from the GPU's memory, the states' size and the servers'

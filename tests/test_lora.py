@@ -3,6 +3,7 @@ servers get the base once and then the adapter alone, which every request names 
 or the base with the adapters merged (`merged`). Real DeepSpeed (2 ranks), the real embedded engine."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from dsrl.serving.client import RolloutClient, ServedAdapter
 from dsrl.serving.embedded import BadRequest, Engine
+from dsrl.serving.servers import free_port
 from dsrl.tasks.toy import build_model_config, build_tokenizer
 from dsrl.zero.lora import ServedWeights, add_adapters, reference_off
 from tests.conftest import ROOT
@@ -90,7 +92,6 @@ def test_the_embedded_engine_serves_an_adapter_to_the_requests_that_name_it_and_
     from aiohttp import web
 
     from dsrl.serving.embedded import build_app
-    from dsrl.serving.servers import free_port
 
     server = Engine(str(base), lora=(4, None))
     server.adapters.load("dsrl-v1", str(tmp_path / "adapter"))
@@ -191,6 +192,30 @@ def test_each_way_of_serving_lora_leaves_the_servers_with_the_trainers_weights(m
     adapter = sum(p.numel() * 4 for n, p in lora_model(base).named_parameters() if ".lora_" in n)
     assert a["sync/bytes"][3] == (adapter if mode == "adapter" else full), (a["sync/bytes"][3], adapter, full)
     assert "step 3/3" in log
+
+
+@pytest.mark.parametrize("ranks", [2, 1])
+def test_adapters_in_layers_gathered_whole_get_a_plain_peft_models_gradients(ranks, tmp_path):
+    """ZeRO-3 gathers each decoder layer whole, adapters included (`gather_per_layer`), and every adapter runs as
+    one `AdapterUpdate`, for the actor and for the actor and critic adapters on one base (two backward passes,
+    gradient checkpointing): every adapter's gradient equals a plain PEFT model's, reduced over the ranks; the
+    policy is its policy and the reference its base."""
+    base, out = lora_base(tmp_path / "base"), tmp_path / "results.json"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_accelerators", str(ranks), "--master_port"]
+    cmd += [str(free_port()), "--no_local_rank", str(ROOT / "tests/_lora_worker.py"), str(base), str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["world"] == ranks
+    for case in ("actor", "critic"):
+        r = results[case]
+        assert r["leaves"] == r["layers"] == 2, f"{case}: every decoder layer is gathered whole"
+        assert r["fused"] == r["adapted"] * (2 if case == "critic" else 1) > 0, f"{case}: every adapter runs fused"
+        assert r["missing"] == [] and r["grad_min_norm"] > 1e-3, f"{case}: every adapter has a gradient"
+        assert r["grad_diff"] < 1e-5, f"{case}: adapters' gradients differ from PEFT's by {r['grad_diff']}"
+        assert r["policy_diff"] < 1e-5 and r["reference_diff"] < 1e-5 < 0.1 < r["adapters_change_policy"], r
+    assert len(results["critic"]["trained"]) == 2 * len(results["actor"]["trained"]) + 2, "two adapters and a head"
 
 
 def test_lora_resumes_bit_for_bit(tmp_path):

@@ -3,6 +3,13 @@ packing and chunked log-probs, in one run (one rank, DeepSpeed ZeRO-3).
 
     python tools/bench_trainer.py --model /tmp/models/3b --samples 256 --dist longtail     # GPU
     python tools/bench_trainer.py --model TOY_WEIGHTS --samples 32 --max-len 40 --prompt-len 8 --budget 400  # CPU
+    python tools/bench_trainer.py --model /tmp/models/3b --engines 16:module 16:layer 0:layer --peft-forward \
+        --samples 128 --dist uniform --max-len 512 --prompt-len 8 --modes packed  # LoRA against full, one call
+
+--engines RANK:GATHER ... (LoRA rank, 0 for full; ZeRO-3 gathering per layer or module) builds one engine after
+another, each destroyed before the next; LoRA per module is the path before whole-layer gathering (PEFT's
+forward, five hooked modules per adapted layer). A last `summary` line sets each engine's first row against the
+full engine's (0:...).
 
 Lengths: `longtail` = lognormal responses clipped to [32, max_len] (most short, a few at the limit, what
 async rollout produces), `uniform` = every response max_len/2. Prompts are --prompt-len tokens. Each mode runs the
@@ -17,7 +24,8 @@ logprob pass and one update (the PPO loss, token_mean) `--repeats` times; the be
           `dsrl/zero/varlen.py`: torch's flash varlen kernel on CUDA), no padding; the default on CUDA
 
 Figures: tokens/s (real tokens, no padding), MFU = (2 + 6) * params * tokens / seconds / --peak-tflops
-(forward of the logprob pass + forward and backward of the update), the padded fraction of the tokens the
+(forward of the logprob pass + forward and backward of the update; with LoRA the same count, the full model's
+work), the padded fraction of the tokens the
 model ran on, and the update's peak memory; and how far each mode's logprobs are from the first mode's (mean
 and max |difference| over the response tokens: the layouts agree to the precision's rounding).
 """
@@ -132,6 +140,10 @@ def main() -> None:
         choices=["layer", "module"],
         help="ZeRO-3 gathers per decoder layer (--trainer.gather_per_layer) or per module.",
     )
+    parser.add_argument("--engines", nargs="+", help="RANK:GATHER engines, one after another (see above).")
+    parser.add_argument(
+        "--peft-forward", action="store_true", help="LoRA gathered per layer: also PEFT's own adapter forward (A/B)."
+    )
     parser.add_argument("--logprob-chunk", type=int, default=actor.LOGPROB_CHUNK, help="actor.LOGPROB_CHUNK.")
     parser.add_argument("--modes", nargs="+", default=["before", "after"], choices=["before", "after", "packed"])
     args = parser.parse_args()
@@ -141,29 +153,59 @@ def main() -> None:
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
-    model = ModelConfig(path=args.model, gradient_checkpointing=args.checkpointing, lora_rank=args.lora_rank)
+    init_distributed(Config(model=ModelConfig(path=args.model), data=DataConfig(train_path="unused.jsonl")))
+    rows = {}
+    for spec in args.engines or [f"{args.lora_rank}:{args.gather}"]:
+        rank, gather = int(spec.split(":")[0]), spec.split(":")[1]
+        cfg = engine_config(args, rank, gather)
+        engine = load_engine(cfg, args.model, 1, train=True)
+        for peft in [False, True] if rank and gather == "layer" and args.peft_forward else [False]:
+            if peft:  # PEFT's own adapter forward (`dsrl.zero.lora.fuse_adapters` undone)
+                for module in engine.module.modules():
+                    module.__dict__.pop("forward", None)
+            name = f"{f'LoRA {rank}' if rank else 'full'} per {gather}{', PEFT forward' if peft else ''}"
+            rows[name] = run_engine(args, cfg, engine, name, budget, before)
+        engine.destroy()
+        del engine
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    full = next((r for name, r in rows.items() if name.startswith("full") and r), None)
+    if full and len(rows) > 1:
+        figures = [
+            f"{name}: " + ", ".join(f"{k} {r[k]:.2f} ({r[k] / full[k]:.2f}x)" for k in r)
+            for name, r in rows.items()
+            if r
+        ]
+        print("summary (against full):", "; ".join(figures))
+
+
+def engine_config(args, lora_rank: int, gather: str) -> Config:
+    model = ModelConfig(path=args.model, gradient_checkpointing=args.checkpointing, lora_rank=lora_rank)
     model.liger_kernel = args.liger
     cfg = Config(model=model, data=DataConfig(train_path="unused.jsonl"))
     cfg.rollout.prompts_per_step, cfg.rollout.n_samples = args.samples, 1
     cfg.trainer.lr, cfg.trainer.micro_batch_size = 1e-6, args.micro
-    cfg.trainer.gather_per_layer = args.gather == "layer"
-    init_distributed(cfg)
-    engine = load_engine(cfg, args.model, 1, train=True)
+    cfg.trainer.gather_per_layer = gather == "layer"
+    return cfg
+
+
+def run_engine(args, cfg, engine, name: str, budget, before) -> dict:
+    """Every --dist and --modes row of one engine, ending in `name`; returns the first row's seconds and peak."""
     params = sum(p.ds_numel for p in engine.module.parameters())
     vocab = engine.module.config.vocab_size
     print(
         f"model {args.model}: {params / 1e9:.2f}B parameters, vocabulary {vocab}, {args.samples} samples, "
-        f"ZeRO-3 gathers per {args.gather}{', checkpointing' if args.checkpointing else ''}"
+        f"{name}{', checkpointing' if args.checkpointing else ''}"
         f"{', liger-kernel' if args.liger else ''}, log-probs {args.logprob_chunk} positions a chunk; "
         f"packed rows' attention: "
         f"{varlen.describe(next(engine.module.parameters()).dtype, torch.cuda.is_available())}"
     )
     header = f"{'lengths':>9} {'mode':>7} {'logprobs s':>11} {'update s':>9} {'tokens/s':>9} {'MFU':>6}"
-    print(header + f" {'padded':>7} {'peak GB':>8} {'|dlogp| mean/max vs first':>26}")
+    print(header + f" {'padded':>7} {'peak GB':>8} {'|dlogp| mean/max vs first':>26}  engine")
+    first = None
     for dist in args.dist:
         samples = synthetic(args.samples, dist, args.max_len, vocab, args.prompt_len)
         tokens = sum(len(s.prompt.prompt_ids) + len(s.response_ids) for s in samples)
-        agreement = {}  # each mode's logprobs, before any update moves the weights
+        agreement = {}  # each mode's logprobs, before any update moves the weights (and the kernels' warm-up)
         for mode in args.modes:
             with mode_of(mode, cfg, engine, budget, before) as impl:
                 impl.compute_logprobs(engine, samples, "old_logprobs", cfg, pad_id=0)
@@ -176,7 +218,7 @@ def main() -> None:
                         print(f"== profile: {dist} {mode}, {args.profile} samples")
                         profile(impl, engine, samples[: args.profile], cfg)
             except torch.OutOfMemoryError as e:
-                print(f"{dist:>9} {mode:>7}  out of memory: {str(e).splitlines()[0][:160]}")
+                print(f"{dist:>9} {mode:>7}  out of memory: {str(e).splitlines()[0][:160]}  {name}")
                 torch.cuda.empty_cache()
                 continue
             diff = (agreement[mode] - agreement[args.modes[0]]).abs()
@@ -184,7 +226,9 @@ def main() -> None:
             seconds = r["logprobs_s"] + r["update_s"]
             mfu = 8 * params * tokens / seconds / (args.peak_tflops * 1e12)
             print(f"{dist:>9} {mode:>7} {r['logprobs_s']:11.2f} {r['update_s']:9.2f} {tokens / seconds:9.0f} "
-                  f"{mfu:6.1%} {r['padded']:7.1%} {r['peak_gb']:8.1f} {agree}")  # fmt: skip
+                  f"{mfu:6.1%} {r['padded']:7.1%} {r['peak_gb']:8.1f} {agree}  {name}")  # fmt: skip
+            first = first or {"logprobs_s": r["logprobs_s"], "update_s": r["update_s"], "peak_gb": r["peak_gb"]}
+    return first
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@
 #   source .gpu/setup.sh; MODELS="1.5b 3b" bash tools/gpu_run.sh setup lora          # 1 GPU (LoRA: adapter/merged/full)
 #   source .gpu/setup.sh; MODELS=1.5b bash tools/gpu_run.sh setup peers              # 1 GPU (verl beside dsrl:
 #                                                         tools/peers/; .peers/verl_site.tar.xz carried, see build_site.sh)
+#     (LoRA against full fine-tuning at 3B and 7B, LoRA PPO before/after: the calls in docs/benchmarks.md, "LoRA against full")
 #   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py;
 #                                                         ASYNC_EXTRA="--rollout.max_concurrency 768" passes flags on)
 # Pure-Python wheels the image lacks travel in .whl/ (carried; `setup` installs them into /tmp/site): peft, and
@@ -52,7 +53,7 @@ for s in "$@"; do
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$SUMMARY"
       python3 -c "import torch, sglang, deepspeed, transformers, aiohttp, jsonargparse, tqdm; print('torch', torch.__version__, 'sglang', sglang.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)" 2>&1 | tail -1 | tee -a "$SUMMARY"
       python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null || note "no tensorboard here: runs pass --logging.tensorboard false"
-      stage models 300 python3 tools/gpu_models.py /tmp/models ${MODELS:-0.5b 1.5b 3b}
+      stage models ${MODELS_LIMIT:-300} python3 tools/gpu_models.py /tmp/models ${MODELS:-0.5b 1.5b 3b}
       ;;
     smoke)
       stage smoke 300 python3 tools/gpu_sglang_smoke.py /tmp/models/0.5b
@@ -127,13 +128,22 @@ for s in "$@"; do
       grep -a "placed by Ray\|on Ray node\|weight-update group\|\[dsrl\] step\|Error" "$OUT/ray_fleet.log" | sed 's/.*\[dsrl\]//' | tail -12 | tee -a "$SUMMARY"
       grep -a "final metrics" "$OUT/ray_fleet.log" | grep -o '"sync/[a-z_]*": [0-9.e-]*\|"timing/sync[a-z_]*": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
       ;;
-    ppo)  # 1 GPU: PPO with a critic colocated with SGLang (actor + ref + critic + server share the GPU)
+    ppo)  # 1 GPU: PPO with a critic colocated with SGLang (actor + ref + critic + server share the GPU); PPO_GATHER="module
+      # layer": one run per ZeRO-3 gathering (--trainer.gather_per_layer), the last line the first against the second
       TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
-      stage ppo ${PPO_LIMIT:-420} python3 -m dsrl.cli train --config configs/gpu_colocate.yaml \
-        --model.path /tmp/models/${PPO_MODEL:-1.5b} --algorithm.advantage gae --algorithm.kl_coef 0.01 \
-        --critic.lr 1e-6 --trainer.total_steps ${PPO_STEPS:-4} --logging.tensorboard $TB --logging.run_dir /tmp/runs/ppo ${PPO_EXTRA:-}
-      grep -a "\[dsrl\] step\|Error" "$OUT/ppo.log" | sed 's/.*\[dsrl\]//' | tail -5 | tee -a "$SUMMARY"
-      grep -a "final metrics" "$OUT/ppo.log" | grep -o '"memory/[a-z_]*": [0-9.e-]*\|"timing/[a-z]*": [0-9.e-]*\|"critic/[a-z_]*": [0-9.e-]*\|"sync/probe_logprob_diff": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
+      runs=()
+      for gather in ${PPO_GATHER:-layer}; do
+        name=ppo$([ "${PPO_GATHER:-layer}" != layer ] && echo _$gather)
+        rm -rf /tmp/runs/$name; runs+=(/tmp/runs/$name)
+        stage $name ${PPO_LIMIT:-420} python3 -m dsrl.cli train --config configs/gpu_colocate.yaml \
+          --model.path /tmp/models/${PPO_MODEL:-1.5b} --algorithm.advantage gae --algorithm.kl_coef 0.01 \
+          --critic.lr 1e-6 --trainer.total_steps ${PPO_STEPS:-4} --logging.tensorboard $TB --logging.run_dir /tmp/runs/$name \
+          --trainer.gather_per_layer $([ $gather = layer ] && echo true || echo false) ${PPO_EXTRA:-}
+        grep -a "\[dsrl\] step\|Error" "$OUT/$name.log" | sed 's/.*\[dsrl\]//' | tail -5 | tee -a "$SUMMARY"
+        grep -a "final metrics" "$OUT/$name.log" | grep -o '"memory/[a-z_]*": [0-9.e-]*\|"timing/[a-z]*": [0-9.e-]*\|"critic/[a-z_]*": [0-9.e-]*\|"sync/probe_logprob_diff": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
+      done
+      [ ${#runs[@]} = 2 ] && [ -f ${runs[0]}/final_metrics.json ] && [ -f ${runs[1]}/final_metrics.json ] \
+        && python3 tools/step_report.py ${runs[0]} --against ${runs[1]} 2>&1 | tail -1 | tee -a "$SUMMARY"
       ;;
     readme)  # 1 GPU: README "On GPUs" as far as a machine with no internet goes: the machine's own environment
       # (its torch) takes the place of the new venv, and the other wheels are in /tmp/site, pruned (--no-index
@@ -176,20 +186,31 @@ for s in "$@"; do
       grep -a "colocated memory\|\[dsrl\] step\|Error" "$OUT/step_${STEP_MODEL:-3b}.log" | sed 's/.*\[dsrl\]//' | tail -6 | tee -a "$SUMMARY"
       python3 tools/step_report.py /tmp/runs/step | tee -a "$SUMMARY"
       ;;
-    lora)  # 1 GPU: LoRA colocated with SGLang, the adapter served on its own vs merged, and full fine-tuning
+    lora)  # 1 GPU: LoRA colocated with SGLang (modes: adapter served on its own, merged; before = merged, gathered per
+      # module, the path before whole-layer gathering) against full fine-tuning (LORA_FULL_EXTRA: its flags alone);
+      # LORA_EXTRA goes to every run. Last, one line per LoRA mode against full (tools/step_report.py --against).
       TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
       for model in ${LORA_MODELS:-1.5b 3b}; do
         for mode in ${LORA_MODES:-adapter merged full}; do
-          lora="--model.lora_rank ${LORA_RANK:-16} --trainer.lr 1e-5 --sync.lora $mode"
-          [ $mode = full ] && lora=""
-          rm -rf /tmp/runs/lora_$mode
+          case $mode in
+            full) lora="${LORA_FULL_EXTRA:-}" ;;
+            before) lora="--model.lora_rank ${LORA_RANK:-16} --trainer.lr 1e-5 --sync.lora merged --trainer.gather_per_layer false" ;;
+            *) lora="--model.lora_rank ${LORA_RANK:-16} --trainer.lr 1e-5 --sync.lora $mode" ;;
+          esac
+          run=/tmp/runs/lora_${model}_$mode
+          rm -rf $run
           stage lora_${model}_$mode ${LORA_LIMIT:-360} python3 -m dsrl.cli train --config configs/gpu_colocate.yaml \
             --model.path /tmp/models/$model --rollout.prompts_per_step ${LORA_PROMPTS:-16} --rollout.n_samples 8 \
             --rollout.max_new_tokens 256 --trainer.total_steps ${LORA_STEPS:-3} --logging.tensorboard $TB \
-            --logging.run_dir /tmp/runs/lora_$mode $lora ${LORA_EXTRA:-}
-          grep -a "LoRA rank\|Error" "$OUT/lora_${model}_$mode.log" | sed 's/.*\[dsrl\]//' | tail -3 | tee -a "$SUMMARY"
+            --logging.run_dir $run $lora ${LORA_EXTRA:-}
+          grep -a "LoRA rank\|ZeRO-3 gathers\|Error" "$OUT/lora_${model}_$mode.log" | sed 's/.*\[dsrl\]//' | tail -3 | tee -a "$SUMMARY"
           grep -a "final metrics" "$OUT/lora_${model}_$mode.log" | grep -o '"sync/bytes": [0-9.e-]*\|"sync/seconds": [0-9.e-]*\|"timing/sync": [0-9.e-]*\|"timing/step": [0-9.e-]*\|"timing/update": [0-9.e-]*\|"memory/[a-z_]*peak_gb": [0-9.e-]*\|"sync/probe_logprob_diff": [0-9.e-]*\|"mismatch/logprob_abs_diff": [0-9.e-]*\|"reward/mean": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
-          [ "$TB" = true ] && python3 tools/step_report.py /tmp/runs/lora_$mode 2>&1 | grep -a "sync\|step " | head -4 | tee -a "$SUMMARY"
+          [ "$TB" = true ] && python3 tools/step_report.py $run 2>&1 | grep -a "sync\|step " | head -4 | tee -a "$SUMMARY"
+        done
+        for mode in ${LORA_MODES:-adapter merged full}; do  # (full among the modes: a warm machine keeps older runs)
+          [[ $mode != full && " ${LORA_MODES:-full} " == *" full "* ]] && [ -f /tmp/runs/lora_${model}_$mode/final_metrics.json ] \
+            && [ -f /tmp/runs/lora_${model}_full/final_metrics.json ] \
+            && python3 tools/step_report.py /tmp/runs/lora_${model}_$mode --against /tmp/runs/lora_${model}_full 2>&1 | tail -1 | tee -a "$SUMMARY"
         done
       done
       ;;
@@ -246,8 +267,8 @@ for s in "$@"; do
       stage bench_trainer ${BENCH_TRAINER_LIMIT:-420} python3 tools/bench_trainer.py --model /tmp/models/${BENCH_TRAINER_MODEL:-3b} \
         --samples ${BENCH_TRAINER_SAMPLES:-128} --max-len ${BENCH_TRAINER_MAX_LEN:-2048} --micro ${BENCH_TRAINER_MICRO:-8} \
         --budget ${BENCH_TRAINER_BUDGET:-16384} --repeats ${BENCH_TRAINER_REPEATS:-1} ${BENCH_TRAINER_EXTRA:-}
-      grep -a -A8 "^model " "$OUT/bench_trainer.log" | tee -a "$SUMMARY"
-      grep -a "Error" "$OUT/bench_trainer.log" | tail -3 | tee -a "$SUMMARY"
+      grep -a "^model \|^ *lengths \|^ *longtail \|^ *uniform \|Error" "$OUT/bench_trainer.log" | tail -40 | tee -a "$SUMMARY"
+      grep -a "^summary" "$OUT/bench_trainer.log" | tee -a "$SUMMARY"
       ;;
     peers)  # 1 GPU: verl 0.9.1 and dsrl back to back on one model, parquet, reward and batch (tools/peers/peers.py).
       # verl's packages travel as .peers/verl_site.tar.xz (DEST=.peers bash tools/peers/build_site.sh); verl takes ~4 min

@@ -4,6 +4,8 @@
 first, from the run's tensorboard; the last step's `final_metrics.json` when there is none), the
 overhead (all but generate, logprobs and update) as seconds and as a fraction of the step, and the
 peak memory per phase. The GPU stages of `tools/gpu_run.sh` call it after their runs.
+`--against OTHER_RUN_DIR` prints one line instead: the step, its phases and the update's peak against the other
+run's (LoRA against full fine-tuning in the `lora` stage).
 """
 
 import argparse
@@ -63,11 +65,26 @@ def report(metrics: dict[str, float], steps: int) -> str:
     return "\n".join(lines)
 
 
+COMPARED = ("timing/step", "timing/update", "timing/logprobs", "timing/generate", "timing/sync", "timing/sync_verify")
+
+
+def compare(run_dir: Path, against: Path) -> str:
+    """One line: `run_dir`'s step, its work phases, sync and update peak against `against`'s, as ratios."""
+    (a, _), (b, _) = step_means(run_dir), step_means(against)
+    figures = []
+    for key in COMPARED + ("memory/update_peak_gb",):
+        if key in a and key in b:
+            ratio = f"{a[key] / b[key]:.2f}x" if b[key] else "-"
+            figures.append(f"{key.split('/')[1]} {a[key]:.3g} vs {b[key]:.3g} ({ratio})")
+    return f"{run_dir.name} against {against.name}: " + ", ".join(figures)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--against", type=Path, help="Print one line: run_dir's figures against this run's.")
     args = parser.parse_args()
-    print(report(*step_means(args.run_dir)))
+    print(compare(args.run_dir, args.against) if args.against else report(*step_means(args.run_dir)))
 
 
 if __name__ == "__main__":

@@ -145,8 +145,8 @@ def update_actor_and_critic(
     engine, samples: list[Sample], cfg: Config, pad_id: int, kl_coef: float, train_actor: bool, alongside=None
 ) -> dict[str, float]:
     """`PolicyAndValue`'s update: each micro-batch's loss is the critic's plus (after critic.warmup_steps) the
-    actor's, one backward pass, one optimizer step per mini-batch, as many as either would take alone. The two
-    adapters share no parameter, so each gets the gradient of its own loss and Adam's steps are its own; they
+    actor's, their gradients summed, one optimizer step per mini-batch, as many as either would take alone. The
+    two adapters share no parameter, so each gets the gradient of its own loss and Adam's steps are its own; they
     are clipped together (trainer.grad_clip on the joint norm, reported as actor/grad_norm). `alongside`: as
     `run_updates`."""
     stash_engine_logprobs(samples)
@@ -155,8 +155,10 @@ def update_actor_and_critic(
         total, stats, mask = critic_loss(engine, mb, cfg, num_tokens, num_seqs)
         stats = {f"critic/{k}": v for k, v in stats.items()}
         if train_actor:
-            actor, actor_stats, _ = micro_batch_loss(engine, mb, cfg, num_tokens, num_seqs, kl_coef)
-            total = total + actor
+            # Each pass over the base has a backward pass of its own: ZeRO-3 reduces a layer gathered whole
+            # (`gather_per_layer`) once per call of it, and a second call in one backward reduced it twice.
+            engine.backward(total, scale_wrt_gas=False)
+            total, actor_stats, _ = micro_batch_loss(engine, mb, cfg, num_tokens, num_seqs, kl_coef)
             stats |= {f"actor/{k}": v for k, v in actor_stats.items()}
         return total, stats, mask
 

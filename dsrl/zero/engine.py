@@ -19,7 +19,7 @@ from dsrl.zero import varlen
 from dsrl.zero.actor import LOGPROB_CHUNK
 from dsrl.zero.batches import packs, use_cuda
 from dsrl.zero.critic import PolicyAndValue
-from dsrl.zero.lora import add_adapters, lora_config
+from dsrl.zero.lora import add_adapters, fuse_adapters, lora_config
 
 log = logging.getLogger(__name__)
 
@@ -134,17 +134,16 @@ def load_engine(
         budget = AutoCheckpointing(model.config, states, device_memory(cfg), width, cfg.model.liger_kernel)
     if checkpointing:
         model.gradient_checkpointing_enable()
-        if lora:  # the frozen embeddings' output must carry a gradient into the checkpointed layers
-            model.enable_input_require_grads()
     if lora:  # new adapter parameters: deepspeed.initialize partitions them with the rest
+        model.enable_input_require_grads()  # a gradient into layer 0 from frozen embeddings (`gather_per_layer`)
         model = add_lora(model, cfg.model, critic_on_actor_base(cfg), checkpointing)
+        fuse_adapters(model)
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         dtype = next(p.dtype for p in model.parameters() if p.requires_grad)
         log.info("LoRA rank %d: %s trained parameters of %s (%.2f%%, %s), the base frozen", cfg.model.lora_rank,
                  f"{trained:,}", f"{total:,}", 100 * trained / total, dtype)  # fmt: skip
-    if cfg.trainer.gather_per_layer and not lora:  # (with LoRA, DeepSpeed 0.19.8's backward reads the adapters empty)
-        gather_per_layer(model)
+    gather_per_layer(model, cfg.trainer.gather_per_layer)
     if train:
         groups = model.param_groups(c.lr) if isinstance(model, PolicyAndValue) else None  # (two learning rates)
         engine, *_ = deepspeed.initialize(
@@ -175,14 +174,25 @@ def apply_liger(model_type: str) -> None:
     log.info("liger-kernel: fused RMSNorm, SwiGLU and RoPE for %s", model_type)
 
 
-def gather_per_layer(model: torch.nn.Module) -> None:
-    """Mark the decoder layers (HF's `_no_split_modules`) as ZeRO-3 leaf modules: DeepSpeed gathers a layer's
-    parameters once for its forward and once for its backward, not each submodule's, with one set of hooks."""
+def gather_per_layer(model: torch.nn.Module, whole: bool = True) -> None:
+    """With `whole` (--trainer.gather_per_layer), mark the decoder layers (HF's `_no_split_modules`) as ZeRO-3 leaf
+    modules: DeepSpeed gathers a layer's parameters once for its forward and once for its backward, not each
+    submodule's, with one set of hooks; LoRA's adapters are gathered with their layer.
+
+    A leaf's gradients are reduced by a full backward hook on the layer, which PyTorch calls once the gradients
+    of the layer's inputs are computed, or, when no input needs one, before the layer's backward pass: with
+    LoRA's frozen embeddings the first layer's adapters were then reduced empty (deepspeedai/DeepSpeed PR 5074:
+    a leaf's inputs must need gradients). `load_engine` makes the embeddings' output need one."""
     from deepspeed.utils import set_z3_leaf_modules
 
+    if not whole:
+        log.info("ZeRO-3 gathers each module's parameters on its own (--trainer.gather_per_layer false)")
+        return
     classes = list(getattr(model, "_no_split_modules", None) or [])
     leaves = set_z3_leaf_modules(model, classes, raise_if_not_found=False) if classes else []
-    log.info("ZeRO-3 gathers %d layers (%s) whole", len(leaves), ", ".join(classes) or "none named by the model")
+    adapters = sum(".lora_A." in name for name, _ in model.named_parameters())
+    log.info("ZeRO-3 gathers %d layers (%s) whole%s", len(leaves), ", ".join(classes) or "none named by the model",
+             f", their {adapters} LoRA adapters with them, each one fused addmm" if adapters else "")  # fmt: skip
 
 
 def add_lora(model: torch.nn.Module, m: ModelConfig, critic: bool, checkpointing: bool) -> torch.nn.Module:
