@@ -79,6 +79,8 @@ class Renderer:
 
     def cap(self, text: str, limit: int, side: str) -> str:
         """`text` cut to `limit` tokens (agent.max_observation_tokens), keeping the side(s) asked for."""
+        if len(text.encode()) < limit:  # fewer tokens than bytes (+1: a leading space token)
+            return text
         ids = self.encode(text)
         if len(ids) <= limit:
             return text
@@ -137,12 +139,14 @@ class Episode:
     stop: str | None = None
     error: str | None = None
     counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("tool_calls", "tool_errors", "tool_timeouts", "env_s", "tool_s"), 0.0))  # fmt: skip
+        ("tool_calls", "tool_errors", "tool_timeouts", "env_s", "tool_s", "between_s"), 0.0))  # fmt: skip
     started: float = field(default_factory=time.monotonic)
 
     def record(self) -> dict:
         """What the sample keeps of the episode (extras["episode"]): metrics and the reward."""
-        return {"turns": self.turns, "stop": self.stop, "reward": self.reward, "error": self.error, **self.counts}
+        seconds = time.monotonic() - self.started
+        return {"turns": self.turns, "stop": self.stop, "reward": self.reward, "error": self.error, "seconds": seconds,
+                **self.counts}  # fmt: skip
 
 
 Request = Callable[[Episode, dict], Awaitable[tuple[Any, int]]]
@@ -192,7 +196,9 @@ class EpisodeRunner:
             if not await self.model_turn(episode, request):
                 return False
             if episode.stop is None:
+                start = time.monotonic()
                 await self.env_turn(episode)
+                episode.counts["between_s"] += time.monotonic() - start
         if self.env_cls is not None:
             episode.sample.extras["episode"] = episode.record()
         if self.env_pool is not None and episode.env is not None:
@@ -381,6 +387,9 @@ def episode_metrics(samples: list[Sample]) -> dict[str, float]:
         "agent/tool_timeouts": float(sum(r["tool_timeouts"] for r in records)),
         "agent/env_s_mean": sum(r["env_s"] for r in records) / n,
         "agent/tool_s_mean": sum(r["tool_s"] for r in records) / n,
+        "agent/between_s_mean": sum(r["between_s"] for r in records) / n,
+        "agent/between_turns_frac": sum(r["between_s"] for r in records)
+        / max(sum(r["seconds"] for r in records), 1e-9),
         "agent/masked_token_frac": sum(len(s.response_ids) - s.model_tokens() for s in samples) / max(tokens, 1),
     }
     out.update({f"agent/stop_{why}_frac": sum(r["stop"] == why for r in records) / n for why in STOP_REASONS})
