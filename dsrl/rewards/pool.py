@@ -276,6 +276,7 @@ class StickyPool:
         self.load, self.released = [0] * workers, [[] for _ in range(workers)]
         self.placed: dict[int, int] = {}  # key -> its worker
         self.keys = itertools.count()
+        self.closed = False
 
     def place(self, owner) -> tuple[int, int]:
         """(worker, key) for `owner`: the least loaded worker, released with `owner` (or by `release`)."""
@@ -291,8 +292,8 @@ class StickyPool:
             self.load[worker] -= 1
             self.released[worker].append(key)
 
-    async def call(self, worker: int, item: tuple) -> tuple[object, str | None]:
-        """(value, None) or (None, why it failed) of fn(released keys, *item) in `worker`."""
+    def submit(self, worker: int, item: tuple) -> asyncio.Future:
+        """A future of (value, None) or (None, why it failed): fn(released keys, *item) in `worker`."""
         released, self.released[worker] = self.released[worker], []
         data = pickle.dumps((0, [(released, *item)]))
         frame = len(data).to_bytes(4, "big") + data  # multiprocessing.Connection's framing
@@ -302,12 +303,15 @@ class StickyPool:
             self.streams[worker][1].write(frame)
         if self.serving[worker] is None:
             self.serving[worker] = asyncio.create_task(self._serve(worker))
-        return await future
+        return future
 
     async def _serve(self, worker: int) -> None:
         pending = self.pending[worker]
         try:
             while pending:
+                if self.closed:  # (runner.close(): no episode waits any more; a stopped worker is not replaced)
+                    _settle(pending.popleft()[1], (None, "its worker processes were stopped"))
+                    continue
                 process, sock = self.workers[worker]
                 try:
                     if self.streams[worker] is None:  # a new process: its imports are not timed
@@ -329,18 +333,23 @@ class StickyPool:
                 process.wait(5)
                 if self.streams[worker] is not None:
                     self.streams[worker][1].close()
-                self.workers[worker], self.streams[worker] = spawn_worker(self.spec, plain=True), None
-                self.released[worker] = []
+                self.streams[worker], self.released[worker] = None, []
+                if not self.closed:
+                    self.workers[worker] = spawn_worker(self.spec, plain=True)
+        except Exception as e:  # every caller hears of it: a dead reader would leave them waiting forever
+            log.exception("the environment workers' reader failed")
+            while pending:
+                _settle(pending.popleft()[1], (None, f"the worker pool failed: {e!r}"))
         finally:
             self.serving[worker] = None
 
     def close(self) -> None:
+        self.closed = True  # a reader that sees its process go now replaces it no more
         for (process, sock), streams in zip(self.workers, self.streams):
             process.kill()
             process.wait(5)
             if streams is None:
                 sock.close()
-        self.workers = []
 
 
 def _settle(future: asyncio.Future, outcome: tuple) -> None:

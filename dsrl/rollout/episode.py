@@ -285,38 +285,48 @@ class EpisodeRunner:
 
     async def call_env(self, episode: Episode, text: str, left: float) -> tuple[Step | None, str | None]:
         """The environment's step on the model's turn `text`: (step, None), (None, why it failed), or (None, None)
-        when the episode's deadline passed first. The environment is made from the row on the first turn."""
-        g = self.agent
-        timeout = left if self.env_pool is not None else min(left, g.env_timeout_s)  # a worker times its calls
+        when the episode's deadline passed first. The environment is made from the row on the first turn. Each
+        wait is on a future, not a new task: one trip through the event loop's queue, which a burst of turns
+        ending together makes long, instead of three."""
+        ends = time.monotonic() + left
         try:
-            return await asyncio.wait_for(self.env_step(episode, text), timeout)
-        except TimeoutError:
-            if timeout < left:
-                return None, f"took longer than --agent.env_timeout_s={g.env_timeout_s:g}s"
-            episode.stop = "deadline"  # the episode's deadline passed while the environment thought
+            if self.env_pool is None:
+                return await self.step_in_process(episode, text, left)
+            first = episode.env is None
+            if first:  # one worker for the whole episode: its environment never leaves it
+                episode.env = self.env_pool.place(episode)
+            worker, key = episode.env
+            item = (key, self.env_spec, self.env_args, episode.sample.prompt.row)
+            step, error = await asyncio.wait_for(self.env_pool.submit(worker, (*item, [text], first)), left)
+            if step is None and error is None:  # its worker was replaced (another episode's step crashed or hung)
+                again = self.env_pool.submit(worker, (*item, episode.responses, True))
+                step, error = await asyncio.wait_for(again, ends - time.monotonic())
+            return step, error
+        except TimeoutError:  # the episode's deadline passed while the environment thought
+            episode.stop = "deadline"
             return None, None
 
-    async def env_step(self, episode: Episode, text: str) -> tuple[Step | None, str | None]:
-        if self.env_pool is None:  # in this process: a plain step in a thread, the event loop goes on meanwhile
-            try:
-                if episode.env is None:
-                    episode.env = self.env_cls(episode.sample.prompt.row, **self.env_args)
-                step = episode.env.step
-                step = await (step(text) if inspect.iscoroutinefunction(step) else asyncio.to_thread(step, text))
-            except Exception as e:  # noqa: BLE001 -- reported as the episode's failure, naming the row
+    async def step_in_process(self, episode: Episode, text: str, left: float) -> tuple[Step | None, str | None]:
+        """An `in_process` environment's step: a plain one in a thread (the event loop goes on), an async one here."""
+        timeout, future = min(left, self.agent.env_timeout_s), None
+        try:
+            if episode.env is None:
+                episode.env = self.env_cls(episode.sample.prompt.row, **self.env_args)
+            step = episode.env.step
+            if inspect.iscoroutinefunction(step):
+                future = asyncio.ensure_future(step(text))
+            else:
+                future = asyncio.get_running_loop().run_in_executor(None, step, text)
+            value = await asyncio.wait_for(future, timeout)
+        except Exception as e:  # noqa: BLE001 -- reported as the episode's failure, naming the row
+            if not (isinstance(e, TimeoutError) and future is not None and future.cancelled()):  # it raised
                 return None, repr(e)
-            if not isinstance(step, Step):
-                return None, f"{self.env_spec}.step returned {type(step).__name__}, not a dsrl.Step"
-            return step, None
-        first = episode.env is None
-        if first:  # one worker for the whole episode: its environment never leaves it
-            episode.env = self.env_pool.place(episode)
-        worker, key = episode.env
-        item = (key, self.env_spec, self.env_args, episode.sample.prompt.row)
-        step, error = await self.env_pool.call(worker, (*item, [text], first))
-        if step is None and error is None:  # its worker was replaced (another episode's step crashed or hung)
-            step, error = await self.env_pool.call(worker, (*item, episode.responses, True))
-        return step, error
+            if timeout == left:
+                raise
+            return None, f"took longer than --agent.env_timeout_s={timeout:g}s"
+        if not isinstance(value, Step):
+            return None, f"{self.env_spec}.step returned {type(value).__name__}, not a dsrl.Step"
+        return value, None
 
     async def run_tools(self, episode: Episode, calls: list[ToolCall], left: float) -> list[dict]:
         """Each call's result as a `tool` message, in order; at most agent.max_parallel_calls at once. A call
