@@ -259,13 +259,12 @@ class RewardPool:
 
 
 class StickyPool:
-    """Worker processes that keep what a caller left there: `place` binds a caller (an agent's episode) to one
-    worker, and each of its calls goes there. Calls are sent as they come, on the caller's event loop (the
-    rollout client's: no thread between them), and a worker answers them in order; each has `timeout_s` from
-    when the one before it answered. The function gets the keys released since the last call (what it may
-    forget), then the call's arguments. A call that outlasts its time or whose process exits fails alone: the
-    process is replaced, the calls behind it go to the new one, and what the old one kept for other callers
-    is gone (their next call finds nothing and says so: `dsrl.rollout.agents.env_step`)."""
+    """Worker processes that keep what a caller left there (an agent's episode: its environment). `place` binds
+    a caller to one worker; its calls are sent there from the caller's event loop (no thread between them) and
+    answered in order, each within `timeout_s` of the one before. The function gets the keys released since
+    its last call (what it may forget), then the call's arguments. A call that outlasts its time or whose
+    process exits fails alone: the process is replaced, the calls behind it go to the new one, and what the
+    old one kept for other callers is gone (their next call finds nothing: `dsrl.rollout.agents.env_step`)."""
 
     def __init__(self, spec: str, workers: int, timeout_s: float, timeout_flag: str):
         self.spec, self.timeout_s, self.timeout_flag = spec, timeout_s, timeout_flag
@@ -273,27 +272,22 @@ class StickyPool:
         self.streams: list[tuple | None] = [None] * workers  # (reader, writer) once it is ready
         self.pending: list[deque] = [deque() for _ in range(workers)]  # (frame, future) sent, not answered
         self.serving: list[asyncio.Task | None] = [None] * workers  # reads the answers while calls are pending
-        self.load, self.released = [0] * workers, [[] for _ in range(workers)]
-        self.placed: dict[int, int] = {}  # key -> its worker
+        self.released: list[list[int]] = [[] for _ in range(workers)]  # keys, for the worker's next call
         self.keys = itertools.count()
         self.closed = False
 
     def place(self, owner) -> tuple[int, int]:
-        """(worker, key) for `owner`: the least loaded worker, released with `owner` (or by `release`)."""
-        worker, key = min(range(len(self.load)), key=self.load.__getitem__), next(self.keys)
-        self.load[worker] += 1
-        self.placed[key] = worker
+        """(worker, key) for `owner`, the workers in turn; released with `owner` (or by `release`)."""
+        key = next(self.keys)
         weakref.finalize(owner, self.release, key)  # an episode dropped midway (a restarted group) frees it too
-        return worker, key
+        return key % len(self.workers), key
 
     def release(self, key: int) -> None:
-        worker = self.placed.pop(key, None)
-        if worker is not None:
-            self.load[worker] -= 1
-            self.released[worker].append(key)
+        self.released[key % len(self.workers)].append(key)
 
     def submit(self, worker: int, item: tuple) -> asyncio.Future:
-        """A future of (value, None) or (None, why it failed): fn(released keys, *item) in `worker`."""
+        """A future of (value, None, when it came back) or (None, why it failed, when): fn(released keys, *item)
+        in `worker`."""
         released, self.released[worker] = self.released[worker], []
         data = pickle.dumps((0, [(released, *item)]))
         frame = len(data).to_bytes(4, "big") + data  # multiprocessing.Connection's framing
@@ -310,7 +304,7 @@ class StickyPool:
         try:
             while pending:
                 if self.closed:  # (runner.close(): no episode waits any more; a stopped worker is not replaced)
-                    _settle(pending.popleft()[1], (None, "its worker processes were stopped"))
+                    _settle(pending.popleft()[1], None, "its worker processes were stopped")
                     continue
                 process, sock = self.workers[worker]
                 try:
@@ -326,9 +320,9 @@ class StickyPool:
                     why = f"its process exited (code {await asyncio.to_thread(process.wait, 5)}) while running it"
                 else:
                     _, values, error = pickle.loads(reply)
-                    _settle(pending.popleft()[1], (None, error) if error is not None else (values[0], None))
+                    _settle(pending.popleft()[1], None if error is not None else values[0], error)
                     continue
-                _settle(pending.popleft()[1], (None, why))
+                _settle(pending.popleft()[1], None, why)
                 process.kill()
                 process.wait(5)
                 if self.streams[worker] is not None:
@@ -339,7 +333,7 @@ class StickyPool:
         except Exception as e:  # every caller hears of it: a dead reader would leave them waiting forever
             log.exception("the environment workers' reader failed")
             while pending:
-                _settle(pending.popleft()[1], (None, f"the worker pool failed: {e!r}"))
+                _settle(pending.popleft()[1], None, f"the worker pool failed: {e!r}")
         finally:
             self.serving[worker] = None
 
@@ -352,9 +346,9 @@ class StickyPool:
                 sock.close()
 
 
-def _settle(future: asyncio.Future, outcome: tuple) -> None:
+def _settle(future: asyncio.Future, value, error: str | None) -> None:
     if not future.done():  # (its caller may have stopped waiting: the episode's deadline)
-        future.set_result(outcome)
+        future.set_result((value, error, time.monotonic()))
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> bytes:

@@ -24,10 +24,7 @@ in worker processes (`--agent.tool_workers`), each with a timeout and an output 
 come back as `tool` messages. A turn without a tool call is the answer, scored by `ToolEnv.reward`.
 """
 
-import asyncio
 import contextlib
-import functools
-import inspect
 import io
 import json
 import re
@@ -66,10 +63,9 @@ class Environment:
     """Functions decorated with `@dsrl.tool` the model may call; their schemas go into the prompt
     (the chat template's `tools`)."""
     in_process: bool = False
-    """Cheap, trusted code: `step` runs in the trainer's process (a plain one in a thread, an `async def` one
-    on the event loop) with the same timeouts, instead of in a worker process: no process hop a turn, but
-    no isolation either (a step that crashes takes the trainer with it; one that hangs is abandoned at
-    `--agent.env_timeout_s`, still running). Tools always run in their worker processes."""
+    """Cheap, trusted code: `step` runs in the trainer's process (a plain one in a thread, an `async def` one on
+    the event loop), within `--agent.env_timeout_s`, not in a worker process: no process hop, no isolation (a
+    step that crashes takes the trainer along; one that hangs is abandoned, running). Tools stay in theirs."""
 
     def __init__(self, row: dict, **options):
         self.row = row
@@ -163,14 +159,10 @@ def env_step(released: list[int], key: int, env_spec: str, options: dict, row: d
         env = _ENVS[key] = load_function(env_spec, "rollout.env")(row, **options)
     for response in responses:
         step = env.step(response)
-        if inspect.isawaitable(step):  # an async step, on this worker's own loop
-            step = _loop().run_until_complete(step)
     if not isinstance(step, Step):
-        raise TypeError(f"{env_spec}.step returned {type(step).__name__}, not a dsrl.Step")
+        why = " (an `async def` step runs in process only: in_process = True)" if hasattr(step, "__await__") else ""
+        raise TypeError(f"{env_spec}.step returned {type(step).__name__}, not a dsrl.Step{why}")
     return step
-
-
-_loop = functools.cache(asyncio.new_event_loop)
 
 
 def cap_text(text: str, limit: int, side: str) -> str:

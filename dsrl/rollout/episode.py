@@ -155,9 +155,8 @@ model turn's request, built from the episode's tokens so far by the schedule."""
 
 
 class EpisodeRunner:
-    """Plays episodes: model turns through the schedule's `request`, environment turns in a worker process per
-    episode (or in this one: `Environment.in_process`), tool calls in others, observations rendered by
-    `Renderer`."""
+    """Plays episodes: model turns through the schedule's `request`, environment turns in one worker process per
+    episode (or in this one: `Environment.in_process`), tool calls in others, observations by `Renderer`."""
 
     def __init__(self, cfg: Config | None = None, tokenizer=None):
         """Episodes of `cfg.rollout.env`; without one (or without `cfg`), single responses."""
@@ -256,7 +255,6 @@ class EpisodeRunner:
         episode.responses.append(text)
         start = time.monotonic()
         step, error = await self.call_env(episode, text, left)
-        episode.counts["env_s"] += time.monotonic() - start
         if error is not None:
             episode.stop, episode.error = "error", f"the environment failed on turn {episode.turns}: {error}"
         if step is None:
@@ -285,28 +283,31 @@ class EpisodeRunner:
 
     async def call_env(self, episode: Episode, text: str, left: float) -> tuple[Step | None, str | None]:
         """The environment's step on the model's turn `text`: (step, None), (None, why it failed), or (None, None)
-        when the episode's deadline passed first. The environment is made from the row on the first turn. Each
-        wait is on a future, not a new task: one trip through the event loop's queue, which a burst of turns
-        ending together makes long, instead of three."""
-        ends = time.monotonic() + left
+        when the episode's deadline passed first. The environment is made from the row on the first turn. Its
+        time (agent/env_s) runs until the answer is here, not until the event loop, busy with the other
+        episodes' turns, comes back to this one (agent/between_s counts that too)."""
+        start = time.monotonic()
         try:
             if self.env_pool is None:
-                return await self.step_in_process(episode, text, left)
-            first = episode.env is None
-            if first:  # one worker for the whole episode: its environment never leaves it
-                episode.env = self.env_pool.place(episode)
-            worker, key = episode.env
-            item = (key, self.env_spec, self.env_args, episode.sample.prompt.row)
-            step, error = await asyncio.wait_for(self.env_pool.submit(worker, (*item, [text], first)), left)
-            if step is None and error is None:  # its worker was replaced (another episode's step crashed or hung)
-                again = self.env_pool.submit(worker, (*item, episode.responses, True))
-                step, error = await asyncio.wait_for(again, ends - time.monotonic())
-            return step, error
+                step, error, answered = await self.step_in_process(episode, text, left)
+            else:
+                first = episode.env is None
+                if first:  # one worker for the whole episode: its environment never leaves it
+                    episode.env = self.env_pool.place(episode)
+                worker, key = episode.env
+                item = (key, self.env_spec, self.env_args, episode.sample.prompt.row)
+                call = self.env_pool.submit(worker, (*item, [text], first))
+                step, error, answered = await asyncio.wait_for(call, left)
+                if step is None and error is None:  # its worker was replaced (another episode's step crashed or hung)
+                    again = self.env_pool.submit(worker, (*item, episode.responses, True))
+                    step, error, answered = await asyncio.wait_for(again, start + left - time.monotonic())
         except TimeoutError:  # the episode's deadline passed while the environment thought
+            step, error, answered = None, None, time.monotonic()
             episode.stop = "deadline"
-            return None, None
+        episode.counts["env_s"] += answered - start
+        return step, error
 
-    async def step_in_process(self, episode: Episode, text: str, left: float) -> tuple[Step | None, str | None]:
+    async def step_in_process(self, episode: Episode, text: str, left: float) -> tuple[Step | None, str | None, float]:
         """An `in_process` environment's step: a plain one in a thread (the event loop goes on), an async one here."""
         timeout, future = min(left, self.agent.env_timeout_s), None
         try:
@@ -314,19 +315,19 @@ class EpisodeRunner:
                 episode.env = self.env_cls(episode.sample.prompt.row, **self.env_args)
             step = episode.env.step
             if inspect.iscoroutinefunction(step):
-                future = asyncio.ensure_future(step(text))
+                future = asyncio.ensure_future(_answered(step(text)))
             else:
-                future = asyncio.get_running_loop().run_in_executor(None, step, text)
-            value = await asyncio.wait_for(future, timeout)
+                future = asyncio.get_running_loop().run_in_executor(None, lambda: (step(text), time.monotonic()))
+            value, answered = await asyncio.wait_for(future, timeout)
         except Exception as e:  # noqa: BLE001 -- reported as the episode's failure, naming the row
             if not (isinstance(e, TimeoutError) and future is not None and future.cancelled()):  # it raised
-                return None, repr(e)
+                return None, repr(e), time.monotonic()
             if timeout == left:
                 raise
-            return None, f"took longer than --agent.env_timeout_s={timeout:g}s"
+            return None, f"took longer than --agent.env_timeout_s={timeout:g}s", time.monotonic()
         if not isinstance(value, Step):
-            return None, f"{self.env_spec}.step returned {type(value).__name__}, not a dsrl.Step"
-        return value, None
+            return None, f"{self.env_spec}.step returned {type(value).__name__}, not a dsrl.Step", answered
+        return value, None, answered
 
     async def run_tools(self, episode: Episode, calls: list[ToolCall], left: float) -> list[dict]:
         """Each call's result as a `tool` message, in order; at most agent.max_parallel_calls at once. A call
@@ -356,6 +357,10 @@ class EpisodeRunner:
         messages = list(await asyncio.gather(*(one(c) for c in calls)))
         counts["tool_s"] += time.monotonic() - start
         return messages
+
+
+async def _answered(step: Awaitable) -> tuple[Any, float]:
+    return await step, time.monotonic()
 
 
 def observation_messages(observation, templated: bool) -> list[dict]:
