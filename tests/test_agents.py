@@ -273,7 +273,7 @@ def scripted_config(tmp_path, interrupt: str) -> Config:
         2,
     )
     r.max_staleness, r.interrupt, r.placement = 2, interrupt, "disaggregate"
-    cfg.agent.env_workers = 0  # in a thread: quick to start, and the runner's pickling is covered elsewhere
+    cfg.agent.env_workers = 0  # in this process: quick to start (the worker processes are tested above)
     return cfg
 
 

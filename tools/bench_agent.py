@@ -182,7 +182,7 @@ def main() -> None:
             client.close()
     print("\n=== bench_agent summary")
     print(HEAD)
-    for row, floor in rows:
+    for row, floor in sorted(rows, key=lambda r: 0 if r[0].name == "single" else int(r[0].name.split()[0])):
         print(show(row, args.episodes, rows[0][0], floor))
 
 
