@@ -11,7 +11,7 @@
 #   source .gpu/setup.sh; MODELS=1.5b bash tools/gpu_run.sh setup ppo                 # 1 GPU (PPO, critic)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup ray_fleet routes               # 2 GPUs, Ray importable
 #   source .gpu/setup.sh; MODELS="0.5b-chat" bash tools/gpu_run.sh setup agent_toy agent_calc bench_agent  # 1 GPU
-#   source .gpu/setup.sh; MODELS="0.5b-chat 1.5b-chat" MODELS_LIMIT=80 bash tools/gpu_run.sh setup bench_agent agent_calc8
+#   source .gpu/setup.sh; MODELS="0.5b-chat 1.5b-chat" MODELS_LIMIT=100 bash tools/gpu_run.sh setup bench_agent agent_calc8
 #                         # 1 GPU, one call of < 560 s: multi-turn rollout cost and the 8-turn calculator agent (issue 38)
 #   source .gpu/setup.sh; MODELS=3b bash tools/gpu_run.sh setup bench_trainer       # 1 GPU (tools/bench_trainer.py)
 #   source .gpu/setup.sh; MODELS="1.5b 3b" bash tools/gpu_run.sh setup lora          # 1 GPU (LoRA: adapter/merged/full)
