@@ -173,11 +173,11 @@ class AgentConfig:
     truncate_side: Literal["head", "tail", "middle"] = "middle"
     """What a cut tool output or observation keeps: its head, its tail, or both ends."""
     env_workers: int = 4
-    """Processes per trainer rank the environment's `step` runs in (its state is pickled between turns);
-    0: in the trainer's process, in a thread (no timeout; for environments that cannot pickle)."""
+    """Processes per trainer rank the environments run in: each episode's lives in one of them from its first
+    turn to its last. 0: every environment in the trainer's process, as one that sets `in_process` does."""
     env_timeout_s: float = 60.0
     """Seconds one call of the environment's `step` may take; a step that fails or hangs fails the episode
-    (as a reward function that fails: `algorithm.on_reward_error`)."""
+    (as a reward function that fails: `algorithm.on_reward_error`), and its worker process is replaced."""
     tool_workers: int = 4
     """Processes per trainer rank that run tool calls."""
     max_parallel_calls: int = 4

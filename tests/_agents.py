@@ -110,3 +110,25 @@ class EchoThrice(ToolEnv):
         if self.turn > 2:
             return Step(reward=1.0, done=True)
         return Step(tool_calls=[ToolCall("echo", {"text": f"turn {self.turn - 1}"})])
+
+
+class Pids(Environment):
+    """3 turns, each observation the id of the process its step ran in; the reward is how many processes
+    stepped this environment object. The row whose answer is `crash` kills its process on its second turn;
+    `sleep_s` makes each step that slow."""
+
+    def __init__(self, row: dict, crash: str = "", sleep_s: float = 0.0):
+        self.crash, self.sleep_s, self.pids = row["answer"] == crash, sleep_s, []
+
+    def step(self, response: str) -> Step:
+        time.sleep(self.sleep_s)
+        self.pids.append(os.getpid())
+        if self.crash and len(self.pids) == 2:
+            os._exit(3)
+        if len(self.pids) == 3:
+            return Step(reward=len(set(self.pids)), done=True)
+        return Step(observation=f" pid {os.getpid()}.")
+
+
+class PidsInProcess(Pids):
+    in_process = True

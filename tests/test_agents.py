@@ -3,6 +3,8 @@ misbehave, deadlines, a chat template that cannot render turn by turn, episodes 
 updates (partial, pause) that finish with the same tokens, and the toy agent task learning end to end."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -177,6 +179,47 @@ def test_an_environment_that_raises_fails_its_row_or_skips_its_group(chat_model,
     assert rewarder.failed == 2 and all(s.extras["skip"] and s.extras["episode"]["stop"] == "error" for s in samples)
 
 
+def played(cfg, tokenizer, client, rows: int) -> list:
+    """The episodes of the first `rows` rows, scored; each sample's observed process ids with it."""
+    runner = EpisodeRunner(cfg, tokenizer)
+    try:
+        prompts = PromptDataset(cfg.data, tokenizer).prompts[:rows]
+        samples = generate(client, prompts, cfg.rollout, rewarder=Rewarder(cfg.algorithm, tokenizer, env=True),
+                           runner=runner)  # fmt: skip
+    finally:
+        runner.close()
+    return [(s, {int(p) for p in re.findall(r"pid (\d+)", tokenizer.decode(s.response_ids))}) for s in samples]
+
+
+def test_an_episode_lives_in_one_worker_and_a_worker_crash_fails_only_its_row(chat_model, chat_server):
+    """Each episode's environment is made and stepped in one worker process (not this one) for all its turns;
+    a worker that dies mid-episode fails that episode's row alone: the other episodes it held are played
+    again in its replacement and finish."""
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    cfg = agent_config(chat_model, "tests._agents:Pids", env_workers=2)
+    cfg.rollout.env_args, cfg.algorithm.on_reward_error = {"crash": "6863"}, "skip"  # test.jsonl's second row
+    samples = played(cfg, tokenizer, chat_server, 4)
+    crashed = [s for s, _ in samples if s.prompt.row["answer"] == "6863"]
+    assert len(crashed) == 2 and all(s.extras["skip"] for s in crashed)
+    assert all("its process exited (code 3)" in s.extras["episode"]["error"] for s in crashed)
+    for s, _ in samples:
+        if s not in crashed:  # reward: how many processes stepped its environment
+            assert s.extras["episode"]["stop"] == "done" and not s.extras.get("skip") and s.reward == 1.0
+    pids = set().union(*(p for _, p in samples))
+    assert len(pids) >= 2 and os.getpid() not in pids
+
+
+def test_an_in_process_environment_steps_in_the_trainer_within_its_timeout(chat_model, chat_server):
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    cfg = agent_config(chat_model, "tests._agents:PidsInProcess", env_timeout_s=0.5)
+    cfg.algorithm.on_reward_error = "skip"
+    samples = played(cfg, tokenizer, chat_server, 2)
+    assert all(s.reward == 1.0 and pids == {os.getpid()} for s, pids in samples)
+    cfg.rollout.env_args = {"sleep_s": 2.0}
+    samples = played(cfg, tokenizer, chat_server, 1)
+    assert all("took longer than --agent.env_timeout_s=0.5s" in s.extras["episode"]["error"] for s, _ in samples)
+
+
 def test_a_template_that_renders_turns_differently_whole_is_refused(chat_model):
     """A template whose rendering of a turn depends on what follows it (Qwen3's, which drops earlier turns'
     reasoning, is one) would make the trainer see tokens the model never did."""
@@ -230,7 +273,7 @@ def scripted_config(tmp_path, interrupt: str) -> Config:
         2,
     )
     r.max_staleness, r.interrupt, r.placement = 2, interrupt, "disaggregate"
-    cfg.agent.env_workers = 0  # in a thread: quick to start, and the runner's pickling is covered elsewhere
+    cfg.agent.env_workers = 0  # in this process: quick to start (the worker processes are tested above)
     return cfg
 
 

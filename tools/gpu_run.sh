@@ -12,6 +12,8 @@
 #   source .gpu/setup.sh; MODELS=1.5b bash tools/gpu_run.sh setup ppo                 # 1 GPU (PPO, critic)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup ray_fleet routes               # 2 GPUs, Ray importable
 #   source .gpu/setup.sh; MODELS="0.5b-chat" bash tools/gpu_run.sh setup agent_toy agent_calc bench_agent  # 1 GPU
+#   source .gpu/setup.sh; MODELS="0.5b-chat 1.5b-chat" MODELS_LIMIT=100 bash tools/gpu_run.sh setup bench_agent agent_calc8
+#                         # 1 GPU, one call of < 560 s: multi-turn rollout cost and the 8-turn calculator agent (issue 38)
 #   source .gpu/setup.sh; MODELS=3b bash tools/gpu_run.sh setup bench_trainer       # 1 GPU (tools/bench_trainer.py)
 #   source .gpu/setup.sh; MODELS="1.5b 3b" bash tools/gpu_run.sh setup lora          # 1 GPU (LoRA: adapter/merged/full)
 #   source .gpu/setup.sh; MODELS=1.5b bash tools/gpu_run.sh setup peers              # 1 GPU (verl beside dsrl:
@@ -257,11 +259,29 @@ for s in "$@"; do
       grep -a "final metrics" "$OUT/agent_calc.log" | grep -o '"agent/[a-z_]*": [0-9.e-]*\|"mismatch/[a-z_]*": [0-9.e-]*\|"timing/[a-z]*": [0-9.e-]*\|"response/length_mean": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
       python3 -c "import json; r = [json.loads(l) for l in open('/tmp/runs/agent_calc/generations.jsonl')][-1]; print('episode:', json.dumps(r['episode'])[:1500])" 2>&1 | tee -a "$SUMMARY"
       ;;
-    bench_agent)  # 1 GPU: episodes of 1-16 turns at equal model tokens against single responses (tools/bench_agent.py)
-      stage bench_agent ${BENCH_AGENT_LIMIT:-420} python3 tools/bench_agent.py --model /tmp/models/${BENCH_AGENT_MODEL:-0.5b-chat} \
-        --engine sglang --tokens ${BENCH_AGENT_TOKENS:-1024} --episodes ${BENCH_AGENT_EPISODES:-256} --repeats 2 \
-        --server-args '{"attention_backend": "triton", "sampling_backend": "pytorch", "mem_fraction_static": 0.6}'
-      grep -a -A8 "^model tokens per episode" "$OUT/bench_agent.log" | tee -a "$SUMMARY"
+    bench_agent)  # 1 GPU: episodes of 1-16 turns at equal model tokens against single responses and their raw
+      # floors (tools/bench_agent.py), once per SGLang --schedule-policy in BENCH_AGENT_POLICIES (SGLang's default: fcfs)
+      for policy in ${BENCH_AGENT_POLICIES:-fcfs}; do
+        stage bench_agent_$policy ${BENCH_AGENT_LIMIT:-170} python3 tools/bench_agent.py \
+          --model /tmp/models/${BENCH_AGENT_MODEL:-0.5b-chat} --engine sglang --tokens ${BENCH_AGENT_TOKENS:-1024} \
+          --episodes ${BENCH_AGENT_EPISODES:-256} --turns ${BENCH_AGENT_TURNS:-8 2 4 16} --repeats ${BENCH_AGENT_REPEATS:-1} \
+          --schedule-policy $policy ${BENCH_AGENT_EXTRA:-} \
+          --server-args '{"attention_backend": "triton", "sampling_backend": "pytorch", "mem_fraction_static": 0.6}'
+        grep -a "^model tokens per episode\|^ *turns \|^ *single \|^ *[0-9]" "$OUT/bench_agent_$policy.log" | tail -10 | tee -a "$SUMMARY"
+        grep -a "Error" "$OUT/bench_agent_$policy.log" | tail -3 | tee -a "$SUMMARY"
+      done
+      ;;
+    agent_calc8)  # 1 GPU: the calculator agent on the 1.5B chat shape (MODELS must include 1.5b-chat), colocated: 8 turns,
+      # the first 7 calling the calculator (scripted_calls 7), the step's phases and the share of an episode between turns
+      TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
+      rm -rf /tmp/runs/agent_calc8
+      stage agent_calc8 ${CALC8_LIMIT:-200} python3 -m dsrl.cli train --config configs/gpu_calculator_agent.yaml \
+        --model.path /tmp/models/${CALC8_MODEL:-1.5b-chat} --agent.max_turns 8 --rollout.max_new_tokens ${CALC8_TOKENS:-64} \
+        --agent.max_episode_tokens 2048 --rollout.env_args '{"scripted_calls": 7}' --trainer.total_steps ${CALC8_STEPS:-3} \
+        --eval.path null --logging.export_hf false --logging.tensorboard $TB --logging.run_dir /tmp/runs/agent_calc8 ${CALC8_EXTRA:-}
+      grep -a "\[dsrl\] step\|Error" "$OUT/agent_calc8.log" | sed 's/.*\[dsrl\]//' | tail -4 | tee -a "$SUMMARY"
+      grep -a "final metrics" "$OUT/agent_calc8.log" | grep -o '"agent/[a-z_]*": [0-9.e-]*\|"timing/[a-z]*": [0-9.e-]*\|"rollout/tokens_per_s": [0-9.e-]*\|"response/length_mean": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
+      [ "$TB" = true ] && python3 tools/step_report.py /tmp/runs/agent_calc8 2>&1 | tee -a "$SUMMARY"
       ;;
     bench_trainer)  # 1 GPU: the trainer before/after micro-batches by tokens, packing and chunked log-probs
       stage bench_trainer ${BENCH_TRAINER_LIMIT:-420} python3 tools/bench_trainer.py --model /tmp/models/${BENCH_TRAINER_MODEL:-3b} \

@@ -14,13 +14,16 @@ this module, which imports nothing heavy, and the reward function by its `module
 
 import asyncio
 import inspect
+import itertools
 import logging
 import os
+import pickle
 import socket
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -85,6 +88,17 @@ def _worker(spec: str, conn: Connection, plain: bool) -> None:
         return
 
 
+def spawn_worker(spec: str, plain: bool) -> tuple[subprocess.Popen, socket.socket]:
+    """A worker: a fresh interpreter (never a fork of a trainer: CUDA, threads), on a socket pair."""
+    ours, theirs = socket.socketpair()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # as spawn: the same imports
+    cmd = [sys.executable, "-m", "dsrl.rewards.pool", spec, str(theirs.fileno()), str(int(plain))]
+    fds = (theirs.fileno(), *member_fds())  # it holds the run directory while it lives
+    process = subprocess.Popen(cmd, pass_fds=fds, env=env, start_new_session=True, preexec_fn=die_with_parent)
+    theirs.close()
+    return process, ours
+
+
 @dataclass
 class _Request:
     """One caller's items; its future resolves once every call of it has an outcome."""
@@ -130,14 +144,8 @@ class RewardPool:
         self.thread.start()
 
     def _spawn(self) -> tuple[subprocess.Popen, Connection]:
-        """A worker: a fresh interpreter (never a fork of a trainer: CUDA, threads), on a socket pair."""
-        ours, theirs = socket.socketpair()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # as spawn: the same imports
-        cmd = [sys.executable, "-m", "dsrl.rewards.pool", self.spec, str(theirs.fileno()), str(int(self.plain))]
-        fds = (theirs.fileno(), *member_fds())  # it holds the run directory while it lives
-        process = subprocess.Popen(cmd, pass_fds=fds, env=env, start_new_session=True, preexec_fn=die_with_parent)
-        theirs.close()
-        return process, Connection(ours.detach())
+        process, sock = spawn_worker(self.spec, self.plain)
+        return process, Connection(sock.detach())
 
     def submit(self, items: list[Item], fail_fast: bool = False) -> Future:
         """A future of (value, None) or (None, why it failed) per item; a batched reward function gets them
@@ -255,6 +263,103 @@ class RewardPool:
             except subprocess.TimeoutExpired:
                 process.kill()
         self.workers = []
+
+
+class StickyPool:
+    """Worker processes that keep what a caller left there (an agent's episode: its environment). `place` binds
+    a caller to one worker; its calls are sent there from the caller's event loop (no thread between them) and
+    answered in order, each within `timeout_s` of the one before. The function gets the keys released since
+    its last call (what it may forget), then the call's arguments. A call that outlasts its time or whose
+    process exits fails alone: the process is replaced, the calls behind it go to the new one, and what the
+    old one kept for other callers is gone (their next call finds nothing: `dsrl.rollout.agents.env_step`)."""
+
+    def __init__(self, spec: str, workers: int, timeout_s: float, timeout_flag: str):
+        self.spec, self.timeout_s, self.timeout_flag = spec, timeout_s, timeout_flag
+        self.workers = [spawn_worker(spec, plain=True) for _ in range(workers)]
+        self.streams: list[tuple | None] = [None] * workers  # (reader, writer) once it is ready
+        self.pending: list[deque] = [deque() for _ in range(workers)]  # (frame, future) sent, not answered
+        self.serving: list[asyncio.Task | None] = [None] * workers  # reads the answers while calls are pending
+        self.released: list[list[int]] = [[] for _ in range(workers)]  # keys, for the worker's next call
+        self.keys = itertools.count()
+        self.closed = False
+
+    def place(self, owner) -> tuple[int, int]:
+        """(worker, key) for `owner`, the workers in turn; released with `owner` (or by `release`)."""
+        key = next(self.keys)
+        weakref.finalize(owner, self.release, key)  # an episode dropped midway (a restarted group) frees it too
+        return key % len(self.workers), key
+
+    def release(self, key: int) -> None:
+        self.released[key % len(self.workers)].append(key)
+
+    def submit(self, worker: int, item: tuple) -> asyncio.Future:
+        """A future of (value, None, when it came back) or (None, why it failed, when): fn(released keys, *item)
+        in `worker`."""
+        released, self.released[worker] = self.released[worker], []
+        data = pickle.dumps((0, [(released, *item)]))
+        frame = len(data).to_bytes(4, "big") + data  # multiprocessing.Connection's framing
+        future = asyncio.get_running_loop().create_future()
+        self.pending[worker].append((frame, future))
+        if self.streams[worker] is not None:  # else `_serve` sends it once the worker is ready
+            self.streams[worker][1].write(frame)
+        if self.serving[worker] is None:
+            self.serving[worker] = asyncio.create_task(self._serve(worker))
+        return future
+
+    async def _serve(self, worker: int) -> None:
+        pending = self.pending[worker]
+        try:
+            while pending:
+                if self.closed:  # (runner.close(): no episode waits any more; a stopped worker is not replaced)
+                    _settle(pending.popleft()[1], None, "its worker processes were stopped")
+                    continue
+                process, sock = self.workers[worker]
+                try:
+                    if self.streams[worker] is None:  # a new process: its imports are not timed
+                        reader, writer = await asyncio.open_connection(sock=sock)
+                        await _read_frame(reader)
+                        self.streams[worker] = reader, writer
+                        writer.writelines(frame for frame, _ in pending)
+                    reply = await asyncio.wait_for(_read_frame(self.streams[worker][0]), self.timeout_s)
+                except TimeoutError:
+                    why = f"took longer than {self.timeout_flag}={self.timeout_s:g}s (its process was replaced)"
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    why = f"its process exited (code {await asyncio.to_thread(process.wait, 5)}) while running it"
+                else:
+                    _, values, error = pickle.loads(reply)
+                    _settle(pending.popleft()[1], None if error is not None else values[0], error)
+                    continue
+                _settle(pending.popleft()[1], None, why)
+                process.kill()
+                process.wait(5)
+                if self.streams[worker] is not None:
+                    self.streams[worker][1].close()
+                self.streams[worker], self.released[worker] = None, []
+                if not self.closed:
+                    self.workers[worker] = spawn_worker(self.spec, plain=True)
+        except Exception as e:  # every caller hears of it: a dead reader would leave them waiting forever
+            log.exception("the environment workers' reader failed")
+            while pending:
+                _settle(pending.popleft()[1], None, f"the worker pool failed: {e!r}")
+        finally:
+            self.serving[worker] = None
+
+    def close(self) -> None:
+        self.closed = True  # a reader that sees its process go now replaces it no more
+        for (process, sock), streams in zip(self.workers, self.streams):
+            process.kill()
+            process.wait(5)
+            if streams is None:
+                sock.close()
+
+
+def _settle(future: asyncio.Future, value, error: str | None) -> None:
+    if not future.done():  # (its caller may have stopped waiting: the episode's deadline)
+        future.set_result((value, error, time.monotonic()))
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> bytes:
+    return await reader.readexactly(int.from_bytes(await reader.readexactly(4), "big"))
 
 
 if __name__ == "__main__":  # a worker: python -m dsrl.rewards.pool module:function FD PLAIN

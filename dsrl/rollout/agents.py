@@ -13,8 +13,9 @@ An environment is user code in ~20 lines; it never sees tokens, servers or DeepS
 `step` gets each of the model's turns and returns the next observation (a string, or chat messages
 such as tool results and user turns), tool calls for dsrl to run, or the end of the episode with a
 reward. dsrl renders the observation into tokens, once, and owns the token state, masks, versions,
-limits and deadlines around it. Environments run in worker processes (`--agent.env_workers`), so an
-environment object must pickle; its state travels with the episode between turns.
+limits and deadlines around it. An episode's environment lives in one worker process (`--agent.env_workers`)
+from its first turn to its last; one that is cheap and trusted may say `in_process = True` and run in
+the trainer's process instead.
 
 Tools are plain functions, made tools by `@dsrl.tool` (their JSON schema comes from the type hints and
 the docstring). `ToolEnv` is the built-in tool-calling environment: it reads Hermes/Qwen
@@ -26,10 +27,8 @@ come back as `tool` messages. A turn without a tool call is the answer, scored b
 import contextlib
 import io
 import json
-import pickle
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 from dsrl.rewards.rules import load_function
 
@@ -63,6 +62,10 @@ class Environment:
     tools: list = []
     """Functions decorated with `@dsrl.tool` the model may call; their schemas go into the prompt
     (the chat template's `tools`)."""
+    in_process: bool = False
+    """Cheap, trusted code: `step` runs in the trainer's process (a plain one in a thread, an `async def` one on
+    the event loop), within `--agent.env_timeout_s`, not in a worker process: no process hop, no isolation (a
+    step that crashes takes the trainer along; one that hangs is abandoned, running). Tools stay in theirs."""
 
     def __init__(self, row: dict, **options):
         self.row = row
@@ -138,17 +141,28 @@ class ToolEnv(Environment):
 # -- run in worker processes (dsrl.rewards.pool, plain mode) ----------------------------------------
 
 
-def env_step(env_spec: str, options: dict, state: Any, row: dict, response: str, pickled: bool) -> tuple[Any, Step]:
-    """One turn of an environment: it is made from the row on the episode's first turn, else restored from
-    `state`; returns its state after the step (pickled where it crosses processes) and the step."""
-    if state is None:
-        env = load_function(env_spec, "rollout.env")(row, **options)
-    else:
-        env = pickle.loads(state) if pickled else state
-    step = env.step(response)
+_ENVS: dict[int, Environment] = {}
+"""A worker's environments, by the key of the episode they belong to (`dsrl.rewards.pool.StickyPool`)."""
+
+
+def env_step(released: list[int], key: int, env_spec: str, options: dict, row: dict, responses: list[str],
+             first: bool) -> Step | None:  # fmt: skip
+    """Episode `key`'s environment, kept in this worker process, on the model's turns `responses`; made from the
+    row when `first` (then `responses` are every turn so far: one, or all when its worker was replaced and the
+    episode is played again here). None: this process does not hold it (it replaced the one that did)."""
+    for done in released:
+        _ENVS.pop(done, None)
+    env = _ENVS.get(key)
+    if env is None:
+        if not first:
+            return None
+        env = _ENVS[key] = load_function(env_spec, "rollout.env")(row, **options)
+    for response in responses:
+        step = env.step(response)
     if not isinstance(step, Step):
-        raise TypeError(f"{env_spec}.step returned {type(step).__name__}, not a dsrl.Step")
-    return (pickle.dumps(env) if pickled else env), step
+        why = " (an `async def` step runs in process only: in_process = True)" if hasattr(step, "__await__") else ""
+        raise TypeError(f"{env_spec}.step returned {type(step).__name__}, not a dsrl.Step{why}")
+    return step
 
 
 def cap_text(text: str, limit: int, side: str) -> str:

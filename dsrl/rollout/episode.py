@@ -15,6 +15,7 @@ whole conversation. Observation tokens get loss mask 0 and logprob 0; consecutiv
 """
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -23,9 +24,9 @@ from typing import Any
 
 from dsrl.config import Config, function_spec
 from dsrl.data import Prompt, Sample
-from dsrl.rewards.pool import RewardPool
+from dsrl.rewards.pool import RewardPool, StickyPool
 from dsrl.rewards.rules import load_function
-from dsrl.rollout.agents import Step, ToolCall, cap_text, env_step, tool_schema
+from dsrl.rollout.agents import Step, ToolCall, cap_text, tool_schema
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class Renderer:
 
     def cap(self, text: str, limit: int, side: str) -> str:
         """`text` cut to `limit` tokens (agent.max_observation_tokens), keeping the side(s) asked for."""
+        if len(text.encode()) < limit:  # fewer tokens than bytes (+1: a leading space token)
+            return text
         ids = self.encode(text)
         if len(ids) <= limit:
             return text
@@ -124,21 +127,26 @@ class Episode:
     sampling: dict
     """The sampling parameters of its model turns (the prompt's own overrides applied)."""
     env: Any = None
-    """The environment between turns (pickled when it lives in worker processes); None before its first."""
+    """Its environment: the object (in process), or (worker, key) of where it lives; None before its first turn."""
+    responses: list[str] = field(default_factory=list)
+    """The model's turns as the environment got them (played again if its worker process was replaced)."""
     turns: int = 0
     """Model turns completed."""
     turn_tokens: int = 0
-    """Tokens of the model turn in progress (one a weight update interrupted)."""
+    """Tokens of the model turn in progress (one a weight update interrupted), or of the last one until the
+    environment answers it."""
     reward: float = 0.0
     stop: str | None = None
     error: str | None = None
     counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("tool_calls", "tool_errors", "tool_timeouts", "env_s", "tool_s"), 0.0))  # fmt: skip
+        ("tool_calls", "tool_errors", "tool_timeouts", "env_s", "tool_s", "between_s"), 0.0))  # fmt: skip
     started: float = field(default_factory=time.monotonic)
 
     def record(self) -> dict:
         """What the sample keeps of the episode (extras["episode"]): metrics and the reward."""
-        return {"turns": self.turns, "stop": self.stop, "reward": self.reward, "error": self.error, **self.counts}
+        seconds = time.monotonic() - self.started
+        return {"turns": self.turns, "stop": self.stop, "reward": self.reward, "error": self.error, "seconds": seconds,
+                **self.counts}  # fmt: skip
 
 
 Request = Callable[[Episode, dict], Awaitable[tuple[Any, int]]]
@@ -147,8 +155,8 @@ model turn's request, built from the episode's tokens so far by the schedule."""
 
 
 class EpisodeRunner:
-    """Plays episodes: model turns through the schedule's `request`, environment turns in worker processes,
-    tool calls in others, observations rendered by `Renderer`."""
+    """Plays episodes: model turns through the schedule's `request`, environment turns in one worker process per
+    episode (or in this one: `Environment.in_process`), tool calls in others, observations by `Renderer`."""
 
     def __init__(self, cfg: Config | None = None, tokenizer=None):
         """Episodes of `cfg.rollout.env`; without one (or without `cfg`), single responses."""
@@ -165,8 +173,8 @@ class EpisodeRunner:
         self.renderer = Renderer(tokenizer, self.tool_schemas, cfg.data.apply_chat_template)
         check_rendering(self.renderer)
         g = self.agent
-        if g.env_workers:
-            self.env_pool = RewardPool("dsrl.rollout.agents:env_step", g.env_workers, g.env_timeout_s, True,
+        if g.env_workers and not getattr(self.env_cls, "in_process", False):
+            self.env_pool = StickyPool("dsrl.rollout.agents:env_step", g.env_workers, g.env_timeout_s,
                                        "--agent.env_timeout_s")  # fmt: skip
         if self.tools:
             self.tool_pool = RewardPool("dsrl.rollout.agents:call_tool", g.tool_workers, g.tool_timeout_s, True,
@@ -187,9 +195,13 @@ class EpisodeRunner:
             if not await self.model_turn(episode, request):
                 return False
             if episode.stop is None:
+                start = time.monotonic()
                 await self.env_turn(episode)
+                episode.counts["between_s"] += time.monotonic() - start
         if self.env_cls is not None:
             episode.sample.extras["episode"] = episode.record()
+        if self.env_pool is not None and episode.env is not None:
+            self.env_pool.release(episode.env[1])
         return True
 
     async def model_turn(self, episode: Episode, request: Request) -> bool:
@@ -209,10 +221,10 @@ class EpisodeRunner:
             s.extras["spans"].append((len(s.response_ids), min(sent_under, finished_under)))
             if finished_under > sent_under:  # paused through an update: where the newer tokens start is unseen
                 s.extras["spans"].append((None, finished_under))
-            s.response_ids = s.response_ids + tokens
-            s.engine_logprobs = s.engine_logprobs + reply.logprobs[: len(tokens)]
+            s.response_ids += tokens  # in place: a turn costs its own tokens, not the episode's so far
+            s.engine_logprobs += reply.logprobs[: len(tokens)]
             if s.loss_mask is not None:
-                s.loss_mask = s.loss_mask + [1] * len(tokens)
+                s.loss_mask += [1] * len(tokens)
             episode.turn_tokens += len(tokens)
         if reply.finish_reason == "abort":
             return False
@@ -225,7 +237,6 @@ class EpisodeRunner:
         if not s.extras["spans"]:
             s.extras["spans"].append((0, version))
         episode.turns += 1
-        episode.turn_tokens = 0
         if self.env_cls is None:
             episode.stop = "done"
         elif len(s.response_ids) >= self.agent.max_episode_tokens:
@@ -238,11 +249,12 @@ class EpisodeRunner:
         if left <= 0:
             episode.stop = "deadline"
             return
-        turn = s.response_ids[len(s.response_ids) - self.last_turn_length(s) :]
+        turn = s.response_ids[len(s.response_ids) - episode.turn_tokens :]
+        episode.turn_tokens = 0
         text = self.tokenizer.decode(turn, skip_special_tokens=True)
+        episode.responses.append(text)
         start = time.monotonic()
         step, error = await self.call_env(episode, text, left)
-        episode.counts["env_s"] += time.monotonic() - start
         if error is not None:
             episode.stop, episode.error = "error", f"the environment failed on turn {episode.turns}: {error}"
         if step is None:
@@ -265,41 +277,57 @@ class EpisodeRunner:
             return
         if s.loss_mask is None:
             s.loss_mask = [1] * len(s.response_ids)
-        s.response_ids = s.response_ids + ids
-        s.engine_logprobs = s.engine_logprobs + [0.0] * len(ids)
-        s.loss_mask = s.loss_mask + [0] * len(ids)
-
-    @staticmethod
-    def last_turn_length(s: Sample) -> int:
-        mask = s.mask()
-        n = 0
-        while n < len(mask) and mask[len(mask) - 1 - n]:
-            n += 1
-        return n
+        s.response_ids += ids
+        s.engine_logprobs += [0.0] * len(ids)
+        s.loss_mask += [0] * len(ids)
 
     async def call_env(self, episode: Episode, text: str, left: float) -> tuple[Step | None, str | None]:
         """The environment's step on the model's turn `text`: (step, None), (None, why it failed), or (None, None)
-        when the episode's deadline passed first. The environment is made from the row on the first turn."""
-        row = episode.sample.prompt.row
-        args = (self.env_spec, self.env_args, episode.env, row, text, self.env_pool is not None)
+        when the episode's deadline passed first. The environment is made from the row on the first turn. Its
+        time (agent/env_s) runs until the answer is here, not until the event loop, busy with the other
+        episodes' turns, comes back to this one (agent/between_s counts that too)."""
+        start = time.monotonic()
         try:
-            if self.env_pool is None:  # in this process, in a thread: the event loop goes on meanwhile
-                if episode.env is None:  # the class itself (it may be one given from Python, not importable)
-                    value, error = _call(self.env_cls, (row,), self.env_args)
-                    episode.env = value
-                    if error is not None:
-                        return None, error
-                    args = (self.env_spec, self.env_args, episode.env, row, text, False)
-                value, error = await asyncio.wait_for(asyncio.to_thread(_call, env_step, args), left)
+            if self.env_pool is None:
+                step, error, answered = await self.step_in_process(episode, text, left)
             else:
-                ((value, error),) = await asyncio.wait_for(self.env_pool.score_async([args]), left)
+                first = episode.env is None
+                if first:  # one worker for the whole episode: its environment never leaves it
+                    episode.env = self.env_pool.place(episode)
+                worker, key = episode.env
+                item = (key, self.env_spec, self.env_args, episode.sample.prompt.row)
+                call = self.env_pool.submit(worker, (*item, [text], first))
+                step, error, answered = await asyncio.wait_for(call, left)
+                if step is None and error is None:  # its worker was replaced (another episode's step crashed or hung)
+                    again = self.env_pool.submit(worker, (*item, episode.responses, True))
+                    step, error, answered = await asyncio.wait_for(again, start + left - time.monotonic())
         except TimeoutError:  # the episode's deadline passed while the environment thought
+            step, error, answered = None, None, time.monotonic()
             episode.stop = "deadline"
-            return None, None
-        if error is not None:
-            return None, error
-        episode.env, step = value
-        return step, None
+        episode.counts["env_s"] += answered - start
+        return step, error
+
+    async def step_in_process(self, episode: Episode, text: str, left: float) -> tuple[Step | None, str | None, float]:
+        """An `in_process` environment's step: a plain one in a thread (the event loop goes on), an async one here."""
+        timeout, future = min(left, self.agent.env_timeout_s), None
+        try:
+            if episode.env is None:
+                episode.env = self.env_cls(episode.sample.prompt.row, **self.env_args)
+            step = episode.env.step
+            if inspect.iscoroutinefunction(step):
+                future = asyncio.ensure_future(_answered(step(text)))
+            else:
+                future = asyncio.get_running_loop().run_in_executor(None, lambda: (step(text), time.monotonic()))
+            value, answered = await asyncio.wait_for(future, timeout)
+        except Exception as e:  # noqa: BLE001 -- reported as the episode's failure, naming the row
+            if not (isinstance(e, TimeoutError) and future is not None and future.cancelled()):  # it raised
+                return None, repr(e), time.monotonic()
+            if timeout == left:
+                raise
+            return None, f"took longer than --agent.env_timeout_s={timeout:g}s", time.monotonic()
+        if not isinstance(value, Step):
+            return None, f"{self.env_spec}.step returned {type(value).__name__}, not a dsrl.Step", answered
+        return value, None, answered
 
     async def run_tools(self, episode: Episode, calls: list[ToolCall], left: float) -> list[dict]:
         """Each call's result as a `tool` message, in order; at most agent.max_parallel_calls at once. A call
@@ -331,11 +359,8 @@ class EpisodeRunner:
         return messages
 
 
-def _call(fn, args: tuple, kwargs: dict | None = None) -> tuple[Any, str | None]:
-    try:
-        return fn(*args, **(kwargs or {})), None
-    except Exception as e:  # noqa: BLE001 -- reported as the episode's failure, naming the row
-        return None, repr(e)
+async def _answered(step: Awaitable) -> tuple[Any, float]:
+    return await step, time.monotonic()
 
 
 def observation_messages(observation, templated: bool) -> list[dict]:
@@ -377,6 +402,9 @@ def episode_metrics(samples: list[Sample]) -> dict[str, float]:
         "agent/tool_timeouts": float(sum(r["tool_timeouts"] for r in records)),
         "agent/env_s_mean": sum(r["env_s"] for r in records) / n,
         "agent/tool_s_mean": sum(r["tool_s"] for r in records) / n,
+        "agent/between_s_mean": sum(r["between_s"] for r in records) / n,
+        "agent/between_turns_frac": sum(r["between_s"] for r in records)
+        / max(sum(r["seconds"] for r in records), 1e-9),
         "agent/masked_token_frac": sum(len(s.response_ids) - s.model_tokens() for s in samples) / max(tokens, 1),
     }
     out.update({f"agent/stop_{why}_frac": sum(r["stop"] == why for r in records) / n for why in STOP_REASONS})

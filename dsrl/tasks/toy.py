@@ -94,6 +94,8 @@ class KeyLookupEnv(Environment):
     fraction of right digits) / 2: an answer without a tool call, or after a call without the key, is
     worth nothing, and a guessed answer no more than the call that led to it."""
 
+    in_process = True  # a few string operations of dsrl's own: no worker process needed
+
     def __init__(self, row: dict, **options):
         self.key = str(row["answer"])
         self.call_score: float | None = None
