@@ -196,10 +196,9 @@ def test_each_way_of_serving_lora_leaves_the_servers_with_the_trainers_weights(m
 
 @pytest.mark.parametrize("ranks", [2, 1])
 def test_adapters_in_layers_gathered_whole_get_a_plain_peft_models_gradients(ranks, tmp_path):
-    """ZeRO-3 gathers each decoder layer whole, adapters included (`gather_per_layer`), and every adapter runs as
-    one `AdapterUpdate`, for the actor and for the actor and critic adapters on one base (two backward passes,
-    gradient checkpointing): every adapter's gradient equals a plain PEFT model's, reduced over the ranks; the
-    policy is its policy and the reference its base."""
+    """ZeRO-3 gathers each decoder layer whole, adapters included (`gather_per_layer`), for the actor and for the
+    actor and critic adapters on one base (two backward passes, gradient checkpointing): every adapter's gradient
+    equals a plain PEFT model's, reduced over the ranks; the policy is its policy and the reference its base."""
     base, out = lora_base(tmp_path / "base"), tmp_path / "results.json"
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_accelerators", str(ranks), "--master_port"]
@@ -211,7 +210,6 @@ def test_adapters_in_layers_gathered_whole_get_a_plain_peft_models_gradients(ran
     for case in ("actor", "critic"):
         r = results[case]
         assert r["leaves"] == r["layers"] == 2, f"{case}: every decoder layer is gathered whole"
-        assert r["fused"] == r["adapted"] * (2 if case == "critic" else 1) > 0, f"{case}: every adapter runs fused"
         assert r["missing"] == [] and r["grad_min_norm"] > 1e-3, f"{case}: every adapter has a gradient"
         assert r["grad_diff"] < 1e-5, f"{case}: adapters' gradients differ from PEFT's by {r['grad_diff']}"
         assert r["policy_diff"] < 1e-5 and r["reference_diff"] < 1e-5 < 0.1 < r["adapters_change_policy"], r

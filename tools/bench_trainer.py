@@ -3,7 +3,7 @@ packing and chunked log-probs, in one run (one rank, DeepSpeed ZeRO-3).
 
     python tools/bench_trainer.py --model /tmp/models/3b --samples 256 --dist longtail     # GPU
     python tools/bench_trainer.py --model TOY_WEIGHTS --samples 32 --max-len 40 --prompt-len 8 --budget 400  # CPU
-    python tools/bench_trainer.py --model /tmp/models/3b --engines 16:module 16:layer 0:layer --peft-forward \
+    python tools/bench_trainer.py --model /tmp/models/3b --engines 16:module 16:layer 0:layer \
         --samples 128 --dist uniform --max-len 512 --prompt-len 8 --modes packed  # LoRA against full, one call
 
 --engines RANK:GATHER ... (LoRA rank, 0 for full; ZeRO-3 gathering per layer or module) builds one engine after
@@ -141,9 +141,6 @@ def main() -> None:
         help="ZeRO-3 gathers per decoder layer (--trainer.gather_per_layer) or per module.",
     )
     parser.add_argument("--engines", nargs="+", help="RANK:GATHER engines, one after another (see above).")
-    parser.add_argument(
-        "--peft-forward", action="store_true", help="LoRA gathered per layer: also PEFT's own adapter forward (A/B)."
-    )
     parser.add_argument("--logprob-chunk", type=int, default=actor.LOGPROB_CHUNK, help="actor.LOGPROB_CHUNK.")
     parser.add_argument("--modes", nargs="+", default=["before", "after"], choices=["before", "after", "packed"])
     args = parser.parse_args()
@@ -159,12 +156,8 @@ def main() -> None:
         rank, gather = int(spec.split(":")[0]), spec.split(":")[1]
         cfg = engine_config(args, rank, gather)
         engine = load_engine(cfg, args.model, 1, train=True)
-        for peft in [False, True] if rank and gather == "layer" and args.peft_forward else [False]:
-            if peft:  # PEFT's own adapter forward (`dsrl.zero.lora.fuse_adapters` undone)
-                for module in engine.module.modules():
-                    module.__dict__.pop("forward", None)
-            name = f"{f'LoRA {rank}' if rank else 'full'} per {gather}{', PEFT forward' if peft else ''}"
-            rows[name] = run_engine(args, cfg, engine, name, budget, before)
+        name = f"{f'LoRA {rank}' if rank else 'full'} per {gather}"
+        rows[name] = run_engine(args, cfg, engine, name, budget, before)
         engine.destroy()
         del engine
         torch.cuda.empty_cache() if torch.cuda.is_available() else None

@@ -19,7 +19,7 @@ from dsrl.zero import varlen
 from dsrl.zero.actor import LOGPROB_CHUNK
 from dsrl.zero.batches import packs, use_cuda
 from dsrl.zero.critic import PolicyAndValue
-from dsrl.zero.lora import add_adapters, fuse_adapters, lora_config
+from dsrl.zero.lora import add_adapters, lora_config
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,6 @@ def load_engine(
     if lora:  # new adapter parameters: deepspeed.initialize partitions them with the rest
         model.enable_input_require_grads()  # a gradient into layer 0 from frozen embeddings (`gather_per_layer`)
         model = add_lora(model, cfg.model, critic_on_actor_base(cfg), checkpointing)
-        fuse_adapters(model)
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         dtype = next(p.dtype for p in model.parameters() if p.requires_grad)
@@ -192,7 +191,7 @@ def gather_per_layer(model: torch.nn.Module, whole: bool = True) -> None:
     leaves = set_z3_leaf_modules(model, classes, raise_if_not_found=False) if classes else []
     adapters = sum(".lora_A." in name for name, _ in model.named_parameters())
     log.info("ZeRO-3 gathers %d layers (%s) whole%s", len(leaves), ", ".join(classes) or "none named by the model",
-             f", their {adapters} LoRA adapters with them, each one fused addmm" if adapters else "")  # fmt: skip
+             f", their {adapters} LoRA adapters with them" if adapters else "")  # fmt: skip
 
 
 def add_lora(model: torch.nn.Module, m: ModelConfig, critic: bool, checkpointing: bool) -> torch.nn.Module:

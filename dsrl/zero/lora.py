@@ -16,7 +16,6 @@ from merge to unmerge.
 
 import contextlib
 import shutil
-import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,52 +36,6 @@ def add_adapters(model: torch.nn.Module, m: ModelConfig) -> torch.nn.Module:
     from peft import get_peft_model
 
     return get_peft_model(model, lora_config(m), autocast_adapter_dtype=False)
-
-
-class AdapterUpdate(torch.autograd.Function):
-    """`result + scale * (x A^T) B^T` for PEFT's `lora.Linear` (`fuse_adapters`): the scale on the rank-r side, the
-    sum inside B's GEMM (addmm). PEFT's `lora_B(lora_A(x)) * scale` then `result +` passes over tensors of the
-    layer's output width four more times forward and two more backward: at 3B about the memory traffic the base's
-    skipped weight gradients save. A and B are saved as parameters, as DeepSpeed's ZeRO-3 linear does: gathered
-    again for the backward pass with their layer."""
-
-    @staticmethod
-    def forward(ctx, result, x, a, b, scale: float):
-        flat = x.reshape(-1, x.shape[-1])
-        h = (flat @ a.t()).mul_(scale)
-        ctx.save_for_backward(flat, h, a, b)
-        ctx.scale = scale
-        return torch.addmm(result.reshape(-1, result.shape[-1]), h, b.t()).view_as(result)
-
-    @staticmethod
-    def backward(ctx, grad):
-        flat, h, a, b = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1])
-        gh = (g @ b).mul_(ctx.scale)
-        return grad, (gh @ a).view(*grad.shape[:-1], a.shape[1]), gh.t() @ flat, g.t() @ h, None
-
-
-def fused_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """PEFT's `lora.Linear.forward` as one `AdapterUpdate` when one adapter is on, without dropout, and its weights
-    are gathered with their decoder layer (`gather_per_layer`) or not partitioned; anything else as PEFT does it
-    (per-module gathering: the adapters' own modules fetch their weights)."""
-    name = layer.active_adapters[0]
-    on = not (layer.disable_adapters or layer.merged or args or kwargs or len(layer.active_adapters) > 1)
-    if on and name in layer.lora_A and name not in layer.lora_variant:
-        a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
-        whole = all(hasattr(p, "ds_z3_leaf_module") or not hasattr(p, "ds_id") for p in (a, b))
-        if whole and isinstance(layer.lora_dropout[name], torch.nn.Identity):
-            return AdapterUpdate.apply(layer.base_layer(x), x, a, b, layer.scaling[name])
-    return type(layer).forward(layer, x, *args, **kwargs)
-
-
-def fuse_adapters(model: torch.nn.Module) -> None:
-    """Every adapted linear layer of `model` runs `fused_forward`."""
-    from peft.tuners.lora import Linear
-
-    for module in model.modules():
-        if type(module) is Linear:
-            module.forward = types.MethodType(fused_forward, module)
 
 
 def lora_config(m: ModelConfig):
