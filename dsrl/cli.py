@@ -61,6 +61,7 @@ def train(argv: list[str]) -> int:
     try:
         check_data(cfg, engine)
         check_lora_targets(cfg)
+        check_reward_model(cfg)
         lock = RunLock(run_dir).acquire("dsrl train")  # before anything is written there
     except (DatasetError, RunDirLocked, ValueError, TypeError) as e:  # a bad row, an environment, its template
         print(f"dsrl train: error: {e}", file=sys.stderr)
@@ -87,6 +88,23 @@ def check_data(cfg, engine: str) -> None:
         tools = tool_schemas(load_function(cfg.rollout.env, "rollout.env"))
         check_rendering(Renderer(tokenizer, tools, cfg.data.apply_chat_template))
     check_datasets(cfg, tokenizer, server_context(cfg, cfg.model.path, engine), tools)
+
+
+def check_reward_model(cfg) -> None:
+    """The reward model's tokenizer against the policy's (its token ids must mean the same tokens), and a judge's
+    parse function importable, here before any rank starts."""
+    if not cfg.reward_model.path:
+        return
+    from transformers import AutoTokenizer
+
+    from dsrl.rewards.models import sends_token_ids
+    from dsrl.rewards.rules import load_function
+
+    m, remote = cfg.reward_model, cfg.model.trust_remote_code
+    policy = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=remote)
+    sends_token_ids(m, policy, AutoTokenizer.from_pretrained(m.path, trust_remote_code=remote))
+    if m.judge_template:
+        load_function(m.judge_parse_fn, "reward_model.judge_parse_fn")
 
 
 def check_lora_targets(cfg) -> None:

@@ -383,6 +383,52 @@ class CriticConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    path: str | None = None
+    """A reward model scoring every response (unset: rewards come from `algorithm.reward_fn` alone): a Hugging Face
+    sequence classifier with one label (*ForSequenceClassification, *ForRewardModel), served by SGLang with
+    --is-embedding (its /classify endpoint; the embedded engine on CPU); or, with `judge_template`, a causal LM
+    that judges each response (/generate, greedy and seeded) and `judge_parse_fn` turns its text into a number."""
+    server_urls: list[str] = field(default_factory=list)
+    """Running servers of that model to use instead of starting any (`path` still gives its tokenizer)."""
+    num_servers: int = 1
+    """Servers dsrl starts for it: beside the rollout servers on their GPUs (colocated: it sleeps and wakes with
+    them, and the memory planner counts it), or on GPUs of its own from `first_gpu` (disaggregated)."""
+    first_gpu: int = 0
+    """GPU of the first started server; servers take consecutive GPUs."""
+    mem_fraction_static: float = 0.2
+    """Fraction of GPU memory a started SGLang server takes for its weights and KV cache."""
+    server_args: dict[str, Any] = field(default_factory=dict)
+    """Extra launch arguments for its started servers, as rollout.server_args."""
+    w_model: float = 1.0
+    """reward = w_model * the model's score (+ w_rule * the rule reward)."""
+    w_rule: float | None = None
+    """Weight of `algorithm.reward_fn`'s reward (or the environment's) beside the model's; null: it is not computed.
+    0 computes and logs it (reward/rule_mean) without training on it."""
+    normalize: Literal["none", "running"] = "none"
+    """The model's scores as they are, or minus their running mean over the run, divided by its running std
+    (checkpointed); reward/model_mean logs them raw."""
+    timeout_s: float = 60.0
+    """Seconds one group's request may take; a failure follows `algorithm.on_reward_error`."""
+    max_length: int | None = None
+    """Most tokens scored per response, prompt included (default: the model's context); longer ones are cut at
+    `truncate_side`."""
+    truncate_side: Literal["left", "right"] = "left"
+    """What a cut conversation loses: its start (left; a reward model reads the score at its last token) or end."""
+    input: Literal["auto", "token_ids", "text"] = "auto"
+    """What the reward model reads: token_ids = the policy's prompt and response tokens as they are (the vocabularies
+    must match); text = prompt and response re-rendered with the reward model's chat template and tokenizer;
+    auto = token_ids when the two tokenizers' vocabularies match, else text."""
+    judge_template: str | None = None
+    """Makes `path` a judge: its prompt, with {prompt}, {response} and {answer} filled in (its chat template
+    applied when it has one)."""
+    judge_parse_fn: str = "dsrl.rewards.rules:extract_final_number"
+    """The judge's verdict as a number: `module:function`, called as fn(text) -> float."""
+    judge_max_new_tokens: int = 16
+    """Longest verdict, in tokens."""
+
+
+@dataclass
 class EvalConfig:
     path: str | None = None
     """Held-out prompts (.jsonl, .json or .parquet, the fields of data.train_path) scored with the reward
@@ -454,6 +500,8 @@ class Config:
     """Advantages, policy loss, KL."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model, used with --algorithm.advantage gae."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """A reward model or an LLM judge, served beside the rollouts."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation of the policy on held-out prompts."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -656,6 +704,7 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     check(r.rollout_fn is None or r.placement == "colocate", "rollout.rollout_fn", r.rollout_fn,
           "custom rollouts run in colocated schedules (disaggregated ones resume dsrl's own requests)")  # fmt: skip
     validate_agent(cfg, check)
+    validate_reward_model(cfg, check, check_paths)
     check(s.bucket_bytes > 0, "sync.bucket_bytes", s.bucket_bytes, "must be > 0")
     check(s.timeout_s > 0, "sync.timeout_s", s.timeout_s, "must be > 0")
     check(s.probe_tolerance > 0, "sync.probe_tolerance", s.probe_tolerance, "must be > 0")
@@ -717,6 +766,69 @@ def validate_agent(cfg: Config, check) -> None:
     check(g.env_workers >= 0, "agent.env_workers", g.env_workers, "must be >= 0 (0: in the trainer's process)")
     for name in ("env_timeout_s", "tool_timeout_s", "episode_timeout_s"):
         check(getattr(g, name) > 0, f"agent.{name}", getattr(g, name), "must be > 0")
+
+
+def validate_reward_model(cfg: Config, check, check_paths: bool) -> None:
+    m, r = cfg.reward_model, cfg.rollout
+    if m.path is None:
+        check(not m.server_urls, "reward_model.server_urls", m.server_urls, "needs --reward_model.path (its tokenizer)")
+        return
+    if check_paths:
+        kind, what = reward_model_kind(m.path)
+        want = "judge" if m.judge_template else "classifier"
+        allowed = ("with --reward_model.judge_template it must be a causal LM (*ForCausalLM)" if m.judge_template else
+                   "a reward model is a *ForSequenceClassification with one label (num_labels 1) or a *ForRewardModel "
+                   "(a causal LM judges with --reward_model.judge_template)")  # fmt: skip
+        check(kind == want, "reward_model.path", m.path, f"{what}: {allowed}")
+    check(m.judge_template is None or is_function_spec(m.judge_parse_fn), "reward_model.judge_parse_fn",
+          m.judge_parse_fn, "must be module:function")  # fmt: skip
+    for url in m.server_urls:
+        check(url.startswith(("http://", "https://")), "reward_model.server_urls", url, "must start with http://")
+    check(m.num_servers >= 1, "reward_model.num_servers", m.num_servers, "must be >= 1")
+    check(m.timeout_s > 0, "reward_model.timeout_s", m.timeout_s, "must be > 0")
+    check(m.max_length is None or m.max_length > 1, "reward_model.max_length", m.max_length, "must be > 1")
+    check(m.judge_max_new_tokens >= 1, "reward_model.judge_max_new_tokens", m.judge_max_new_tokens, "must be >= 1")
+    colocated = reward_beside_rollouts(cfg)
+    check(0 < m.mem_fraction_static < 1 - (r.mem_fraction_static if colocated else 0),
+          "reward_model.mem_fraction_static", m.mem_fraction_static, f"must be in (0, 1 - rollout.mem_fraction_static="
+          f"{r.mem_fraction_static}) beside the rollout servers" if colocated else "must be in (0, 1)")  # fmt: skip
+
+
+def reward_model_kind(path: str) -> tuple[str | None, str]:
+    """What config.json says a model directory is: 'classifier' (one label, or a *ForRewardModel), 'judge' (a
+    causal LM) or None; and in words."""
+    import json
+
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return None, f"no readable config.json ({e})"
+    arch = (config.get("architectures") or ["model with no architectures"])[0]
+    labels = len(config["id2label"]) if config.get("id2label") else config.get("num_labels", 2)
+    if arch.endswith("ForRewardModel") or (arch.endswith("ForSequenceClassification") and labels == 1):
+        return "classifier", f"a {arch}"
+    what = f"a {arch} with {labels} labels" if arch.endswith("ForSequenceClassification") else f"a {arch}"
+    return ("judge" if arch.endswith("ForCausalLM") else None), what
+
+
+def reward_beside_rollouts(cfg: Config) -> bool:
+    """Whether dsrl starts the reward model's servers on the rollout servers' GPUs, colocated with the trainer: they
+    sleep and wake with the rollout servers, and the memory planner counts them."""
+    m, r = cfg.reward_model, cfg.rollout
+    return bool(m.path) and not m.server_urls and r.placement == "colocate" and m.first_gpu == r.first_gpu
+
+
+def reward_rollout(cfg: Config, used: float = 0.0) -> RolloutConfig:
+    """The servers of the reward model, as the rollout servers' config: its own count, GPUs, memory and arguments.
+    Colocated, they keep a copy of the weights on the host to sleep (SGLang drops released weights' contents).
+    `used`: the share of the GPU other tenants hold when they start; SGLang fills a GPU up to its mem_fraction_static,
+    so that is their share plus this."""
+    m = cfg.reward_model
+    args = {"is_embedding": not m.judge_template, "enable_weights_cpu_backup": cfg.rollout.placement == "colocate"}
+    share = min(0.95, m.mem_fraction_static + used)
+    return replace(cfg.rollout, server_urls=m.server_urls, fleet="external" if m.server_urls else "local",
+                   num_servers=m.num_servers, first_gpu=m.first_gpu, tp_size=1, interrupt="wait",
+                   mem_fraction_static=share, server_args=args | m.server_args)  # fmt: skip
 
 
 def build_parser(prog: str = "dsrl train") -> ArgumentParser:

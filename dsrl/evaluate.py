@@ -10,6 +10,7 @@ other ranks wait for rank 0 in the next step's collectives. The generations go t
 import json
 import logging
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -60,6 +61,7 @@ class Evaluator:
             "eval/response_length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
             "eval/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
             "timing/eval": time.perf_counter() - start,
+            **self.rewarder.metrics(samples, "eval/"),  # the reward model's and the rule's scores, raw
         }
         n = self.rollout.n_samples
         if n > 1:  # best of n per prompt (generate keeps each prompt's samples together)
@@ -89,26 +91,32 @@ class Evaluator:
 
 
 def evaluate_model(cfg: Config, model_dir: str, engine: str) -> dict[str, float]:
-    """`dsrl eval`: score the weights in `model_dir` on --eval.path with the run's reward and sampling,
-    on a server started for it (SGLang on GPU, the embedded engine on CPU); the responses go to
+    """`dsrl eval`: score the weights in `model_dir` on --eval.path with the run's reward (its reward model's servers
+    started beside), on a server started for it (SGLang on GPU, the embedded engine on CPU); the responses go to
     <run_dir>/eval/step_0.jsonl."""
     from transformers import AutoTokenizer
 
+    from dsrl.config import reward_beside_rollouts, reward_rollout
+    from dsrl.rewards.models import RewardModel
     from dsrl.serving.fleet import start_fleet
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env))
-    run_dir = Path(cfg.logging.run_dir)
-    evaluator = Evaluator(cfg, tokenizer, rewarder, run_dir)
-    try:
-        with start_fleet(cfg.rollout, model_dir, run_dir, cfg.seed, engine) as fleet:
-            r = cfg.rollout
-            client = RolloutClient(fleet.urls, r.max_concurrency, r.request_timeout_s, api_key=r.api_key)
-            try:  # the weights the servers loaded are version 0 of this evaluation
-                client.call_all("/update_weight_version", {"new_version": "0", "abort_all_requests": False})
-                return evaluator(client, 0)
-            finally:
-                client.close()
-    finally:
-        rewarder.close()
-        evaluator.runner.close()
+    run_dir, r = Path(cfg.logging.run_dir), cfg.rollout
+    with ExitStack() as stack:
+        fleet = stack.enter_context(start_fleet(r, model_dir, run_dir, cfg.seed, engine))
+        client = RolloutClient(fleet.urls, r.max_concurrency, r.request_timeout_s, api_key=r.api_key)
+        stack.callback(client.close)
+        model = None
+        if cfg.reward_model.path:
+            free, total = torch.cuda.mem_get_info() if engine == "sglang" and reward_beside_rollouts(cfg) else (1, 1)
+            servers = reward_rollout(cfg, 1 - free / total)  # (the policy's server holds the rest: `reward_rollout`)
+            path = cfg.reward_model.path
+            reward_fleet = stack.enter_context(start_fleet(servers, path, run_dir, cfg.seed, engine, role="reward"))
+            model = RewardModel(cfg, tokenizer, client, reward_fleet, rank0=True)
+        rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env), model=model)
+        stack.callback(rewarder.close)
+        evaluator = Evaluator(cfg, tokenizer, rewarder, run_dir)
+        stack.callback(evaluator.runner.close)
+        # the weights the servers loaded are version 0 of this evaluation
+        client.call_all("/update_weight_version", {"new_version": "0", "abort_all_requests": False})
+        return evaluator(client, 0)

@@ -29,12 +29,15 @@ from dsrl.config import (
     dump_config,
     fleet_kind,
     parse_config,
+    reward_beside_rollouts,
+    reward_rollout,
     rollout_engine,
     validate,
 )
 from dsrl.data import DatasetError, Sample, check_datasets, server_context
 from dsrl.evaluate import Evaluator
 from dsrl.metrics import MetricsWriter, Timer, gather_lists, mean_across_ranks, reduce_across_ranks, summary_line
+from dsrl.rewards.models import RewardModel
 from dsrl.rewards.rewarder import Rewarder
 from dsrl.rollout.episode import EpisodeRunner, episode_metrics, episode_row
 from dsrl.rollout.manager import PromptStream, RolloutManager
@@ -192,8 +195,6 @@ def setup(cfg: Config) -> Run:
     runner = EpisodeRunner(cfg, tokenizer)  # checks the chat template, with an environment
     context = server_context(cfg, model_dir, rollout_engine(cfg, use_cuda(cfg)))
     dataset, held_out = check_datasets(cfg, tokenizer, context, runner.tool_schemas)  # every rank: the same errors
-    rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env))
-    evaluator = Evaluator(cfg, tokenizer, rewarder, run_dir, held_out, runner) if held_out else None
     check_host_memory(cfg, model_dir, world)  # ZeRO-Offload's states, before DeepSpeed allocates them
     actor = load_engine(cfg, model_dir, world, train=True)
     ref = None  # the reference policy; with LoRA the actor itself, its adapters off (`reference_off`)
@@ -213,9 +214,10 @@ def setup(cfg: Config) -> Run:
     fleet = start_rollout_fleet(cfg, model_dir, run_dir, rank)
     r = cfg.rollout
     client = RolloutClient(fleet.urls, r.max_concurrency, r.request_timeout_s, api_key=r.api_key, route=r.route)
-    backend = "nccl" if use_cuda(cfg) else "gloo"
-    transport = make_checkpoint_engine(sync_cfg, client, run_dir, backend, r.tp_size)
-    weights = WeightSync(cfg, actor, fleet, client, transport, offload, critic)
+    rewarder = start_rewarder(cfg, tokenizer, client, run_dir, rank, rank_state)
+    evaluator = Evaluator(cfg, tokenizer, rewarder.frozen(), run_dir, held_out, runner) if held_out else None
+    transport = make_checkpoint_engine(sync_cfg, client, run_dir, "nccl" if use_cuda(cfg) else "gloo", r.tp_size)
+    weights = WeightSync(cfg, actor, fleet, client, transport, offload, critic, rewarder.model if rank == 0 else None)
     control = None
     if rank == 0:  # servers join and leave the live run through it (dsrl fleet add/remove)
         frozen = "CUDA IPC ties each server to a trainer rank's GPU: this run's fleet cannot change"
@@ -232,6 +234,17 @@ def setup(cfg: Config) -> Run:
     writer = MetricsWriter(run_dir, rank == 0, cfg.logging, tracker_config(cfg))
     return Run(cfg, rank, world, run_dir, model_dir, tokenizer, pad_id, actor, ref, critic, kl, fleet, client, weights,
                rewarder, runner, rollouts, evaluator, writer, start_step, stop, control, lock)  # fmt: skip
+
+
+def start_rewarder(cfg: Config, tokenizer, client: RolloutClient, run_dir: Path, rank: int, rank_state: dict | None):
+    """The run's rewarder, as a checkpoint left it; with --reward_model.path its servers start beside the rollouts'."""
+    model = None
+    if cfg.reward_model.path:
+        fleet = start_rollout_fleet(cfg, cfg.reward_model.path, run_dir, rank, role="reward")
+        model = RewardModel(cfg, tokenizer, client, fleet, rank == 0)
+    rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env), model=model)
+    rewarder.restore((rank_state or {}).get("rewarder"))
+    return rewarder
 
 
 def take_run_dir(cfg: Config, run_dir: Path, rank: int) -> RunLock | None:
@@ -304,7 +317,7 @@ def checkpoint(run: Run, step: int) -> None:
     if run.weights.offload:
         run.weights.reload_trainers()
     state = {"step": step, "weight_version": step, "kl_coef": run.kl.value}
-    rank_state = {"rollouts": run.rollouts.state()}
+    rank_state = {"rollouts": run.rollouts.state(), "rewarder": run.rewarder.state()}
     save_checkpoint(run.actor, run.run_dir, state, rank_state, run.cfg.logging.keep_last, run.critic)
     if run.weights.offload:
         run.weights.offload_trainers(params=True)
@@ -418,6 +431,7 @@ def log_step(run: Run, step: int, batch: Batch, local: dict, rank0: dict) -> dic
         **rollout_metrics(samples, step),
         **episode_metrics(samples),
         **logprob_mismatch(samples),
+        **run.rewarder.metrics(samples),
         **local,
         "rollout/tokens_per_s": tokens_per_s,
     }
@@ -483,12 +497,18 @@ def finish(run: Run, metrics: dict[str, float]) -> None:
             save_adapter(run.actor.module, run.run_dir / "adapter", run.rank == 0)
 
 
-def start_rollout_fleet(cfg: Config, model_dir: str, run_dir: Path, rank: int) -> Fleet:
+def start_rollout_fleet(cfg: Config, model_dir: str, run_dir: Path, rank: int, role: str = "rollout") -> Fleet:
     """Rank 0 starts the servers (here, or on Ray) or takes external URLs; every rank learns their URLs
-    (on the other ranks the fleet is only that list: rank 0 alone changes it)."""
+    (on the other ranks the fleet is only that list: rank 0 alone changes it). `role` reward: the reward model's."""
     multi_node = bool(cfg.trainer.hostfile)  # servers here must be reachable from the other nodes' ranks
     engine = rollout_engine(cfg, use_cuda(cfg))
-    fleet = [start_fleet(cfg.rollout, model_dir, run_dir, cfg.seed, engine, multi_node) if rank == 0 else None]
+    r = cfg.rollout
+    if (
+        role == "reward"
+    ):  # SGLang fills its GPU up to mem_fraction_static: what the trainer and rollout servers hold counts
+        free, total = torch.cuda.mem_get_info() if use_cuda(cfg) and reward_beside_rollouts(cfg) else (1, 1)
+        r = reward_rollout(cfg, 1 - free / total)
+    fleet = [start_fleet(r, model_dir, run_dir, cfg.seed, engine, multi_node, role) if rank == 0 else None]
     urls = [fleet[0].urls if rank == 0 else None]
     dist.broadcast_object_list(urls, src=0)
     return fleet[0] or ServerFleet(urls=urls[0])

@@ -1,4 +1,5 @@
-"""Random-init Qwen2-architecture models of the 0.5B, 1.5B, 3B and 7B shapes, bf16, for GPU runs.
+"""Random-init Qwen2-architecture models of the 0.5B, 1.5B, 3B and 7B shapes, bf16, for GPU runs; `<size>-rm`
+(e.g. 1.5b-rm) is a reward model of that shape, a Qwen2ForSequenceClassification with one label.
 
 Nothing can be downloaded on the GPU machine, so the models are built from their configs (on the
 GPU, which is fast) with a tokenizer of the matching vocabulary (the toy tokenizer, padded).
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen2Config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -32,7 +33,8 @@ def build(out: Path, size: str, vocab: int = 151936) -> Path:
         return out
     if size.endswith("-chat"):
         return build_chat(out, size.removesuffix("-chat"))
-    hidden, inter, layers, heads, kv = SHAPES[size]
+    reward_model = size.endswith("-rm")  # the policy's tokenizer: dsrl sends it the policy's token ids
+    hidden, inter, layers, heads, kv = SHAPES[size.removesuffix("-rm")]
     config = Qwen2Config(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -45,11 +47,13 @@ def build(out: Path, size: str, vocab: int = 151936) -> Path:
         eos_token_id=VOCAB.index("<eos>"),
         pad_token_id=VOCAB.index("<pad>"),
         bos_token_id=None,
+        **({"num_labels": 1} if reward_model else {}),
     )
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    auto = AutoModelForSequenceClassification if reward_model else AutoModelForCausalLM
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = auto.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out)
     build_tokenizer(vocab).save_pretrained(out)
     return out

@@ -19,6 +19,7 @@
 #   source .gpu/setup.sh; MODELS=1.5b bash tools/gpu_run.sh setup peers              # 1 GPU (verl beside dsrl:
 #                                                         tools/peers/; .peers/verl_site.tar.xz carried, see build_site.sh)
 #     (LoRA against full fine-tuning at 3B and 7B, LoRA PPO before/after: the calls in docs/benchmarks.md, "LoRA against full")
+#   source .gpu/setup.sh; MODELS="1.5b 1.5b-rm" bash tools/gpu_run.sh setup rm       # 1 GPU (reward model, 3 tenants)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py;
 #                                                         ASYNC_EXTRA="--rollout.max_concurrency 768" passes flags on)
 # Pure-Python wheels the image lacks travel in .whl/ (carried; `setup` installs them into /tmp/site): peft, and
@@ -298,6 +299,22 @@ for s in "$@"; do
       stage peers ${PEERS_LIMIT:-540} python3 tools/peers/peers.py --model /tmp/models/${PEERS_MODEL:-1.5b} \
         --runs ${PEERS_RUNS:-verl dsrl} --limits ${PEERS_LIMITS:-330 170} --steps ${PEERS_STEPS:-3} --out "$OUT" ${PEERS_EXTRA:-}
       grep -a "^| \|dsrl step" "$OUT/peers.log" | tail -8 | tee -a "$SUMMARY"
+      ;;
+    rm)  # 1 GPU: GRPO 64x8x512 colocated with SGLang, rewarded by a 1.5B reward model on its own SGLang server
+      # (--is-embedding, /classify) on the same GPU: three tenants. The memory plan, the phases, and the reward model's
+      # scoring time (reward/model_seconds) with the part of it left after the last group generated (model_exposed_s)
+      TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
+      rm -rf /tmp/runs/rm
+      stage rm ${RM_LIMIT:-420} python3 -m dsrl.cli train --config configs/gpu_colocate.yaml \
+        --model.path /tmp/models/${RM_POLICY:-1.5b} --reward_model.path /tmp/models/${RM_MODEL:-1.5b-rm} \
+        --reward_model.w_rule 0 --reward_model.server_args '{"attention_backend": "triton"}' \
+        --rollout.prompts_per_step 64 --rollout.n_samples 8 --rollout.max_new_tokens 512 \
+        --rollout.mem_fraction_static ${RM_MEM:-0.35} --reward_model.mem_fraction_static ${RM_RM_MEM:-0.15} \
+        --trainer.total_steps ${RM_STEPS:-3} --logging.tensorboard $TB --logging.run_dir /tmp/runs/rm ${RM_EXTRA:-}
+      grep -a "colocated memory\|reward server ready\|\[dsrl\] step\|Error" "$OUT/rm.log" | sed 's/.*\[dsrl\]//' | tail -7 | tee -a "$SUMMARY"
+      grep -a "final metrics" "$OUT/rm.log" | grep -o '"reward/[a-z_]*": [0-9.e-]*\|"timing/[a-z]*": [0-9.e-]*\|"memory/[a-z]*_peak_gb": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
+      python3 tools/step_report.py /tmp/runs/rm | tee -a "$SUMMARY"
+      tail -c 100000 /tmp/runs/rm/logs/reward_server_0.log > "$OUT/rm_reward_server.log" 2>/dev/null
       ;;
     *) note "unknown stage $s" ;;
   esac

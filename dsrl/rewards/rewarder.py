@@ -1,12 +1,16 @@
-"""The run's reward: rule functions in worker processes (or a thread), one group at a time as it completes."""
+"""The run's reward: rule functions in worker processes (or a thread) and reward models, a group at a time as it
+completes."""
 
 import asyncio
+import copy
 import logging
 import math
 import numbers
+import statistics
 
 from dsrl.config import AlgorithmConfig
 from dsrl.data import Sample
+from dsrl.rewards.models import RewardModel
 from dsrl.rewards.pool import NOT_SCORED, RewardPool, call_reward
 from dsrl.rewards.rules import RewardFn, load_function
 
@@ -27,6 +31,14 @@ def reward_item(sample: Sample, tokenizer) -> tuple:
     return sample.prompt.text, response, sample.prompt.answer, sample.prompt.row
 
 
+def _checked(samples: list[Sample], results: list[tuple], source: str) -> list[float]:
+    """The group's rewards from one source, or the error of the row that failed first (not of those left unscored
+    after it)."""
+    for i in sorted(range(len(samples)), key=lambda i: results[i][1] == NOT_SCORED):
+        check_reward(samples[i].prompt.index, *results[i], source)
+    return [float(value) for value, _ in results]
+
+
 def check_reward(row: int, value, error: str | None, source: str = "reward function") -> float:
     """The reward as a float, or the error naming the row."""
     if error is not None:
@@ -37,15 +49,17 @@ def check_reward(row: int, value, error: str | None, source: str = "reward funct
 
 
 class Rewarder:
-    """The run's reward function: in worker processes with a timeout per call (`reward_workers` > 0), or
-    in a thread of this process; off the client's event loop either way. With an environment
-    (`rollout.env`) the episodes carry their rewards, and an episode whose environment failed counts as a
-    failed reward. A row whose reward fails stops the run naming it, or (on_reward_error skip) its group
+    """The run's reward: the rule function (or with `rollout.env` the episodes' own rewards), a reward model or
+    judge (`model`), or both, reward = w_model * model + w_rule * rule. The rule function runs in worker
+    processes with a timeout per call (`reward_workers` > 0), or in a thread of this process; off the client's
+    event loop either way. A row whose reward fails stops the run naming it, or (on_reward_error skip) its group
     leaves the loss and is counted."""
 
-    def __init__(self, cfg: AlgorithmConfig, tokenizer, fn=None, env: bool = False):
-        self.env, self.pool = env, None
-        if not env:
+    def __init__(self, cfg: AlgorithmConfig, tokenizer, fn=None, env: bool = False, model: RewardModel | None = None):
+        self.env, self.pool, self.model = env, None, model
+        self.rule = model is None or model.cfg.w_rule is not None
+        """Whether the rule reward is computed (with a reward model, only when --reward_model.w_rule is set)."""
+        if self.rule and not env:
             fn = fn or cfg.reward_fn
             self.fn = load_function(fn, "algorithm.reward_fn")
             spec = fn if isinstance(fn, str) else importable_spec(fn)  # a lambda or closure: in a thread here
@@ -54,39 +68,94 @@ class Rewarder:
         self.tokenizer, self.skip = tokenizer, cfg.on_reward_error == "skip"
         self.failed = 0
         """Rows failed (and skipped) so far."""
+        self.moments = [0, 0.0, 0.0]
+        """The model's scores so far (--reward_model.normalize running): count, mean, sum of squared deviations."""
+        self.learn = True
+        """Whether scored groups update `moments` (not an evaluation's: `frozen`)."""
 
     async def score_group(self, samples: list[Sample]) -> None:
+        """The group's rewards, its rule and model scores computed side by side."""
+        jobs = ([self._rule(samples)] if self.rule else []) + ([self._model(samples)] if self.model else [])
+        self.settle(samples, dict(await asyncio.gather(*jobs)))
+
+    async def _rule(self, samples: list[Sample]) -> tuple[str, tuple[str, list]]:
         if self.env:
-            records = [s.extras["episode"] for s in samples]
-            self.settle(samples, [(r["reward"], r["error"]) for r in records], "the environment")
-            return
+            return "rule", ("the environment", [(s.extras["episode"]["reward"], s.extras["episode"]["error"])
+                                                for s in samples])  # fmt: skip
         items = [reward_item(s, self.tokenizer) for s in samples]
         if self.pool is not None:
             results = await self.pool.score_async(items, fail_fast=True)  # one failed row skips the group
         else:
             results = await asyncio.to_thread(lambda: [_call_in_process(self.fn, item) for item in items])
-        self.settle(samples, results, "reward function")
+        return "rule", ("reward function", results)
 
-    def settle(self, samples: list[Sample], results: list[tuple], source: str) -> None:
-        """Set the group's rewards from (value, error) pairs, or fail or skip it (on_reward_error)."""
-        try:  # the row that failed first, not the ones left unscored after it
-            for i in sorted(range(len(samples)), key=lambda i: results[i][1] == NOT_SCORED):
-                check_reward(samples[i].prompt.index, *results[i], source)
-            rewards = [float(value) for value, _ in results]
+    async def _model(self, samples: list[Sample]) -> tuple[str, tuple[str, list]]:
+        return "model", ("judge" if self.model.parse else "reward model", await self.model.score(samples))
+
+    def settle(self, samples: list[Sample], parts: dict[str, tuple[str, list[tuple]]]) -> None:
+        """Set the group's rewards from each part's (value, error) pairs, or fail or skip it (on_reward_error)."""
+        try:
+            values = {kind: _checked(samples, results, source) for kind, (source, results) in parts.items()}
         except RewardError as e:
             if not self.skip:
                 raise type(e)(f"{e} (--algorithm.on_reward_error skip would skip the row instead)") from None
             self.failed += 1
             log.warning("%s; the row's group is skipped (--algorithm.on_reward_error skip)", e)
-            rewards = [0.0] * len(samples)
             for s in samples:
-                s.extras["skip"] = True
-        for s, reward in zip(samples, rewards):
-            s.reward = reward
+                s.reward, s.extras["skip"] = 0.0, True
+            return
+        rule, model = values.get("rule"), values.get("model")
+        scores = self.normalize(model) if model is not None else None
+        for i, s in enumerate(samples):
+            if model is None:
+                s.reward = rule[i]
+                continue
+            s.extras["reward_model"], s.reward = model[i], self.model.cfg.w_model * scores[i]
+            if rule is not None:
+                s.extras["reward_rule"] = rule[i]
+                s.reward += self.model.cfg.w_rule * rule[i]
+
+    def normalize(self, scores: list[float]) -> list[float]:
+        """--reward_model.normalize running: minus the running mean, over the running std (Welford's update)."""
+        if self.model.cfg.normalize == "none":
+            return scores
+        for x in scores if self.learn else ():
+            n, mean, m2 = self.moments
+            delta = x - mean
+            mean += delta / (n + 1)
+            self.moments = [n + 1, mean, m2 + delta * (x - mean)]
+        n, mean, m2 = self.moments
+        std = (m2 / (n - 1)) ** 0.5 if n > 1 else 0.0
+        return [(x - mean) / (std or 1.0) for x in scores]
+
+    def metrics(self, samples: list[Sample], prefix: str = "reward/") -> dict[str, float]:
+        """The batch's model and rule scores, raw (the same keys on every rank); the model's timing (`take_timing`)."""
+        if self.model is None:
+            return {}
+        out = self.model.take_timing() if prefix == "reward/" else {}
+        for kind in ("model", "rule") if self.rule else ("model",):
+            values = [s.extras[f"reward_{kind}"] for s in samples if f"reward_{kind}" in s.extras] or [0.0]
+            out[f"{prefix}{kind}_mean"] = statistics.fmean(values)
+            out[f"{prefix}{kind}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
+        return out
+
+    def frozen(self) -> "Rewarder":
+        """This rewarder, scoring without moving the running normalisation (an evaluation's)."""
+        view = copy.copy(self)
+        view.learn = False
+        return view
+
+    def state(self) -> dict:
+        return {"moments": list(self.moments)}
+
+    def restore(self, state: dict | None) -> None:
+        self.moments = list((state or {}).get("moments", self.moments))
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+        if self.model is not None:
+            self.model.fleet.stop()
 
 
 def importable_spec(fn) -> str | None:

@@ -171,16 +171,19 @@ class Engine:
         deterministic: bool = False,
         crash_marker: str | None = None,
         lora: tuple[int | None, list[str] | None] | None = None,
+        is_embedding: bool = False,
+        weights_backup: bool = False,
     ):
-        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
-        self.model_path = model_path
+        self.model_path, self.is_embedding, self.weights_backup = model_path, is_embedding, weights_backup
         config = AutoConfig.from_pretrained(model_path)
         torch.manual_seed(seed)
+        auto = AutoModelForSequenceClassification if is_embedding else AutoModelForCausalLM  # (a reward model)
         if any(Path(model_path).glob("*.safetensors")) or any(Path(model_path).glob("*.bin")):
-            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            self.model = auto.from_pretrained(model_path, dtype=torch.float32)
         else:  # a config-only directory: random weights until the trainer's first sync
-            self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            self.model = auto.from_config(config, dtype=torch.float32)
         self.model.eval()
         self.params = dict(self.model.named_parameters())
         self.storage, self.offsets = _flatten_parameters(self.model)
@@ -296,6 +299,19 @@ class Engine:
         req.finish(finish_reason, self.weight_version)
 
     @torch.no_grad()
+    def classify(self, batch: list[list[int]]) -> list[list[float]]:
+        """A sequence classifier's logits at each sequence's last token, as SGLang's reward models pool (HF's own
+        pooling skips trailing pad-id tokens, which a sampled response may end with)."""
+        width = max(map(len, batch))
+        ids = torch.tensor([[self.pad_id] * (width - len(seq)) + seq for seq in batch])
+        mask = torch.tensor([[0] * (width - len(seq)) + [1] * len(seq) for seq in batch])
+        with self.model_lock:
+            hidden = self.model.base_model(
+                input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)
+            )
+            return self.model.score(hidden.last_hidden_state[:, -1]).float().tolist()
+
+    @torch.no_grad()
     def prompt_logprobs(self, input_ids: list[int], start: int, adapter: Adapter | None = None) -> list[list]:
         """SGLang's input_token_logprobs: unscaled logprob of each prompt token given the ones before it."""
         with self.model_lock:
@@ -390,8 +406,8 @@ class Engine:
             if tags - self.released:
                 raise BadRequest(f"memory tags {sorted(tags - self.released)} were not released")
             self.released -= tags
-            if "weights" in tags:  # as SGLang's memory saver: released weights come back without their contents
-                with self.model_lock:
+            if "weights" in tags and not self.weights_backup:  # as SGLang's memory saver (without a CPU backup):
+                with self.model_lock:  # released weights come back without their contents
                     self.storage.fill_(0xFF)  # NaN in every float dtype
             self.cond.notify_all()
 
@@ -599,6 +615,7 @@ class Api:
     def routes(self) -> list[web.RouteDef]:
         return [
             web.post("/generate", self.generate),
+            web.post("/classify", self.classify),
             web.get("/health", self.health),
             web.get("/model_info", self.model_info),
             web.get("/server_info", self.server_info),
@@ -659,6 +676,26 @@ class Api:
                 )
         return web.json_response(results if batched else results[0])
 
+    async def classify(self, request: web.Request) -> web.Response:
+        """A reward model's scores (`--is-embedding`): SGLang's EmbeddingReqInput in (input_ids: one sequence or a
+        list), {embedding: the logits, meta_info} out per sequence."""
+        body, engine, start = await body_of(request), self.engine, time.monotonic()
+        if not engine.is_embedding:
+            raise BadRequest("/classify needs a model served with --is-embedding")
+        input_ids = body.get("input_ids")
+        if not input_ids or "text" in body:
+            raise BadRequest("input_ids is required (the embedded engine is token-in)")
+        if engine.released:
+            raise BadRequest(f"memory {sorted(engine.released)} is released; /resume_memory_occupation first")
+        batched = isinstance(input_ids[0], list)
+        batch = input_ids if batched else [input_ids]
+        scores = await asyncio.to_thread(engine.classify, batch)
+        meta = {"finish_reason": {"type": "length", "length": 0}, "weight_version": engine.weight_version}
+        results = [{"embedding": score, "meta_info": {**meta, "id": rid, "prompt_tokens": len(ids),
+                    "e2e_latency": time.monotonic() - start}} for score, ids, rid in
+                   zip(scores, batch, request_ids(body, len(batch)))]  # fmt: skip
+        return web.json_response(results if batched else results[0])
+
     async def health(self, request: web.Request) -> web.Response:
         if self.engine.released:  # SGLang's /health generates a token, and its scheduler dies doing so asleep
             log.error(
@@ -673,7 +710,7 @@ class Api:
             {
                 "model_path": self.engine.model_path,
                 "tokenizer_path": self.engine.model_path,
-                "is_generation": True,
+                "is_generation": not self.engine.is_embedding,
                 "weight_version": self.engine.weight_version,
                 "model_type": config.model_type,
                 "architectures": config.architectures,
@@ -788,6 +825,8 @@ def main(argv: list[str] | None = None) -> None:
         args.enable_deterministic_inference,
         args.crash_marker,
         (args.max_lora_rank, args.lora_target_modules) if args.enable_lora else None,
+        args.is_embedding,
+        args.enable_weights_cpu_backup,
     )
     log.info("embedded engine for %s on http://%s:%d (pid %d)", args.model_path, args.host, args.port, os.getpid())
     if os.environ.get("DSRL_PARENT_PID"):

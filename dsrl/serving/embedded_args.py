@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--enable-lora", action="store_true", help="Serve LoRA adapters (/load_lora_adapter).")
     parser.add_argument("--max-lora-rank", type=int, default=None, help="The largest adapter rank accepted.")
     parser.add_argument("--lora-target-modules", nargs="*", default=None, help="Layer names adapters may adapt.")
+    parser.add_argument("--is-embedding", action="store_true", help="Serve a sequence classifier on /classify.")
+    parser.add_argument(
+        "--enable-weights-cpu-backup", action="store_true", help="Released weights come back with their contents."
+    )
     parser.add_argument("--max-loras-per-batch", type=int, default=8, help="Accepted as SGLang's; no slots here.")
     return parser
 

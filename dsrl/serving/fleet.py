@@ -21,10 +21,17 @@ log = logging.getLogger(__name__)
 
 
 def start_fleet(
-    cfg: RolloutConfig, model_path: str, run_dir: Path, seed: int, engine: str, multi_node: bool = False
+    cfg: RolloutConfig,
+    model_path: str,
+    run_dir: Path,
+    seed: int,
+    engine: str,
+    multi_node: bool = False,
+    role: str = "rollout",
 ) -> Fleet:
     """The run's servers: external URLs, Ray actors, or `cfg.num_servers` subprocesses here (the
-    embedded engine, or SGLang on consecutive GPUs from `first_gpu`)."""
+    embedded engine, or SGLang on consecutive GPUs from `first_gpu`). The reward model's (`role` reward) log to
+    reward_server_<i>.log and keep their port when restarted: every trainer rank holds their URLs."""
     kind = fleet_kind(cfg)
     if kind == "external":
         for url in cfg.server_urls:
@@ -42,13 +49,14 @@ def start_fleet(
         return RayFleet.start(cfg, model_path, run_dir, seed, engine)
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    env, host = server_env(engine), server_host(cfg, multi_node)
+    env, host, ports = server_env(engine), server_host(cfg, multi_node), {}
 
     def launch(i: int) -> ServerProcess:
-        port = free_port(host)
+        port = ports[i] = (ports.get(i) if role == "reward" else None) or free_port(host)
         cmd = server_command(cfg, engine, model_path, host, port, seed + i, cfg.first_gpu + i * cfg.tp_size, log_dir)
-        log.info("starting rollout server %d: %s", i, " ".join(cmd))
-        return spawn(cmd, env, log_dir / f"server_{i}.log", f"http://{host}:{port}")
+        log.info("starting %s server %d: %s", role, i, " ".join(cmd))
+        prefix = "reward_" if role == "reward" else ""
+        return spawn(cmd, env, log_dir / f"{prefix}server_{i}.log", f"http://{host}:{port}")
 
     fleet = ServerFleet(urls=[], launch=launch, startup_timeout_s=cfg.startup_timeout_s)
     try:
@@ -58,7 +66,7 @@ def start_fleet(
             fleet.urls.append(server.url)
         for i in range(len(fleet.processes)):
             fleet.wait_started(i)
-            log.info("rollout server ready at %s (log: %s)", fleet.urls[i], fleet.processes[i].log_path)
+            log.info("%s server ready at %s (log: %s)", role, fleet.urls[i], fleet.processes[i].log_path)
     except BaseException:
         fleet.stop()
         raise

@@ -57,12 +57,15 @@ class WeightSync:
         transport: CheckpointEngine,
         offload: bool,
         critic=None,
+        reward=None,
     ):
         self.cfg, self.actor, self.fleet, self.client, self.transport = cfg, actor, fleet, client, transport
         self.trainers = [actor] + ([critic] if critic is not None else [])
         """The engines that lend the GPU to the servers between updates (colocated): actor, critic."""
         self.rank0 = dist.get_rank() == 0
         """Only trainer rank 0 talks to the servers; the fields below marked (rank 0) are empty elsewhere."""
+        self.reward = reward
+        """(rank 0) The reward model's servers (`RewardModel`): colocated, they sleep and wake with the rollouts'."""
         self.colocated = cfg.rollout.placement == "colocate"
         self.offload = offload
         """Colocated on GPUs: the trainers' states leave the GPU while the servers generate."""
@@ -161,6 +164,8 @@ class WeightSync:
         if self.rank0:
             self.client.call_all("/release_memory_occupation", {"tags": list(self.sleep_tags)})
             self.released = {url: set(self.sleep_tags) for url in self.client.live_urls()}
+            if self.reward is not None:
+                self.reward.sleep(self.sleep_tags)
         if self.offload:
             self.reload_trainers()
 
@@ -237,7 +242,10 @@ class WeightSync:
             self.client.call_all(path, payload)
 
     def _wake(self, tag: str) -> None:
-        """Colocated: the servers that released `tag` take it back (none otherwise)."""
+        """Colocated: the servers that released `tag` take it back (none otherwise); with the KV cache, the reward
+        model's servers wake whole (after the trainer's memory has gone)."""
+        if tag == "kv_cache" and self.reward is not None:
+            self.reward.wake()
         asleep = [url for url in self.client.live_urls() if tag in self.released.get(url, ())] if self.rank0 else []
         if asleep:
             self.client.run(self.client.all_servers("/resume_memory_occupation", {"tags": [tag]}, urls=asleep))

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from transformers.integrations import HfDeepSpeedConfig
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from dsrl.config import Config, ModelConfig, critic_on_actor_base
+from dsrl.config import Config, ModelConfig, critic_on_actor_base, reward_beside_rollouts
 from dsrl.zero import varlen
 from dsrl.zero.actor import LOGPROB_CHUNK
 from dsrl.zero.batches import packs, use_cuda
@@ -412,7 +412,8 @@ def decide_offload(cfg: Config, engines: list) -> bool:
     trained = sum(getattr(p, "ds_tensor", p).numel() for p in params if p.requires_grad)  # (LoRA: the adapters)
     states = state_bytes(cfg, weights, trained)
     total = torch.cuda.mem_get_info()[1]
-    servers = cfg.rollout.mem_fraction_static * total
+    reward = cfg.reward_model.mem_fraction_static * total if reward_beside_rollouts(cfg) else 0  # the third tenant
+    servers = cfg.rollout.mem_fraction_static * total + reward
     margin = 0.05 * total + (4 << 30)  # the servers' activations, CUDA graphs, the allocator's slack
     keep = states + servers + margin < total
     if not keep and cfg.rollout.max_staleness > 0:
@@ -430,9 +431,10 @@ def decide_offload(cfg: Config, engines: list) -> bool:
                  "" if keep else ": raise --trainer.offload_optimizer_ratio or lower mem_fraction_static")  # fmt: skip
         return False
     log.info(
-        "colocated memory: trainers' states %.1f GB + servers %.1f GB (mem_fraction_static %.2f) + margin %.1f GB "
-        "%s the GPU's %.1f GB: the states %s (--trainer.offload_states auto)",
-        states / 1e9, servers / 1e9, cfg.rollout.mem_fraction_static, margin / 1e9, "fit in" if keep else "exceed",
-        total / 1e9, "stay on the GPU" if keep else "leave the GPU while the servers generate",
+        "colocated memory: trainers' states %.1f GB + servers %.1f GB (mem_fraction_static %.2f; of them the reward "
+        "model's %.1f GB) + margin %.1f GB %s the GPU's %.1f GB: the states %s (--trainer.offload_states auto)",
+        states / 1e9, servers / 1e9, cfg.rollout.mem_fraction_static, reward / 1e9, margin / 1e9,
+        "fit in" if keep else "exceed", total / 1e9,
+        "stay on the GPU" if keep else "leave the GPU while the servers generate",
     )  # fmt: skip
     return not keep
