@@ -503,9 +503,7 @@ def start_rollout_fleet(cfg: Config, model_dir: str, run_dir: Path, rank: int, r
     multi_node = bool(cfg.trainer.hostfile)  # servers here must be reachable from the other nodes' ranks
     engine = rollout_engine(cfg, use_cuda(cfg))
     r = cfg.rollout
-    if (
-        role == "reward"
-    ):  # SGLang fills its GPU up to mem_fraction_static: what the trainer and rollout servers hold counts
+    if role == "reward":  # SGLang fills its GPU up to mem_fraction_static: what the other tenants hold counts
         free, total = torch.cuda.mem_get_info() if use_cuda(cfg) and reward_beside_rollouts(cfg) else (1, 1)
         r = reward_rollout(cfg, 1 - free / total)
     fleet = [start_fleet(r, model_dir, run_dir, cfg.seed, engine, multi_node, role) if rank == 0 else None]
