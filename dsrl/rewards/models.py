@@ -45,9 +45,9 @@ class RewardModel:
             params = {"temperature": 0.0, "max_new_tokens": self.cfg.judge_max_new_tokens, "sampling_seed": 0}
             body = {"input_ids": inputs, "sampling_params": params, "lora_path": None}  # (not the policy's adapter)
             replies = await self.post("/generate", body, samples[0].prompt.index)
-        except ServerError as e:
-            return [(None, f"--reward_model.path={self.cfg.path!r}: {e}")] * len(samples)
-        return [self.verdict(reply) for reply in replies]
+            return [self.verdict(reply) for reply in replies]
+        except (ServerError, KeyError, IndexError, TypeError) as e:  # (a reply of another shape: not a reward model's)
+            return [(None, f"--reward_model.path={self.cfg.path!r}: {e!r}")] * len(samples)
 
     def conversation(self, s: Sample) -> list[int]:
         """What the model reads: the policy's tokens as they are (prompt and response, or a whole episode), or
