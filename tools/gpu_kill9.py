@@ -4,7 +4,8 @@
 
 Starts `dsrl train --config configs/gpu_colocate.yaml` (ZeRO-3 and SGLang on one GPU), SIGKILLs the CLI once step
 2 is under way (mid-step: generation or update of step 3), then polls nvidia-smi every 0.5 s and prints when the
-run's processes and its memory were gone.
+run's processes and its memory were gone. Give it 240 s: a 0.5B run took over 120 s to its second step on an H200
+(SGLang's start with CUDA graphs, DeepSpeed's init), and a stage limit of 120 s ended it before the kill.
 """
 
 import argparse

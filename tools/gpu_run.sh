@@ -67,7 +67,7 @@ for s in "$@"; do
       grep -a "^RESULT\|^killing\|Error" "$OUT/crash.log" | tee -a "$SUMMARY"
       ;;
     kill9)  # kill -9 of dsrl train mid-step: the run's processes and GPU memory gone within 15 s (tools/gpu_kill9.py)
-      stage kill9 ${KILL9_LIMIT:-150} python3 tools/gpu_kill9.py --model /tmp/models/${KILL9_MODEL:-0.5b}
+      stage kill9 ${KILL9_LIMIT:-240} python3 tools/gpu_kill9.py --model /tmp/models/${KILL9_MODEL:-0.5b}
       grep -a "^before\|^RESULT\|Error" "$OUT/kill9.log" | tee -a "$SUMMARY"
       ;;
     smoke_nosaver)
