@@ -43,7 +43,7 @@ def train(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"dsrl train: error: {e}", file=sys.stderr)
         return 2
-    from dsrl.config import fleet_kind
+    from dsrl.config import fleet_kind, reward_rollout
     from dsrl.serving.servers import check_server_args
 
     cuda = trainer_on_cuda(cfg.trainer, cuda_available)
@@ -51,6 +51,8 @@ def train(argv: list[str]) -> int:
     try:
         if fleet_kind(cfg.rollout) != "external":
             check_server_args(cfg.rollout, engine)
+        if cfg.reward_model.path and not cfg.reward_model.server_urls:
+            check_server_args(reward_rollout(cfg), engine, "--reward_model.server_args")
     except ConfigError as e:
         print(f"dsrl train: error: {e}", file=sys.stderr)
         return 2

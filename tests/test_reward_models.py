@@ -148,7 +148,8 @@ def test_a_reward_server_that_dies_is_restarted_at_its_url_and_its_rows_scored_a
 
 def test_bad_input_reward_models_that_cannot_work_stop_dsrl_train_before_launch(capsys, tmp_path):
     """One line each, exit status 2, nothing launched: a directory that is not a reward model, a reward model whose
-    vocabulary is not the policy's when token ids are sent, a judge whose parse function does not import."""
+    vocabulary is not the policy's when token ids are sent, a judge whose parse function does not import, a server
+    argument the reward model's server does not know."""
     other = tiny(vocab_size=20, num_labels=1, architectures=["Qwen2ForSequenceClassification"])
     other.save_pretrained(tmp_path / "other")
     toy.build_tokenizer(20).save_pretrained(tmp_path / "other")
@@ -167,6 +168,9 @@ def test_bad_input_reward_models_that_cannot_work_stop_dsrl_train_before_launch(
         (["--reward_model.path", str(tmp_path / "judge"), "--reward_model.judge_template", "{response}",
           "--reward_model.judge_parse_fn", "no_such_module:parse"],
          "--reward_model.judge_parse_fn='no_such_module:parse': cannot import module 'no_such_module'"),
+        (["--reward_model.path", str(tmp_path / "other"), "--reward_model.server_args", '{"decode_delay_msx": 1}'],
+         "--reward_model.server_args: 'decode_delay_msx' is not an argument of the embedded server; did you mean "
+         "decode_delay_ms?"),
     ]  # fmt: skip
     for argv, line in cases:
         assert dsrl_main([*train, *argv]) == 2

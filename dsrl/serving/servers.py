@@ -98,9 +98,9 @@ def wait_healthy(server: "ServerProcess | str", timeout_s: float) -> None:
     )
 
 
-def check_server_args(cfg: RolloutConfig, engine: str) -> None:
-    """A key of --rollout.server_args the engine does not know fails here, naming it, before any server
-    starts (SGLang's own `ServerArgs` fields, when SGLang is installed here)."""
+def check_server_args(cfg: RolloutConfig, engine: str, flag: str = "--rollout.server_args") -> None:
+    """A key of `flag` (--rollout.server_args, or --reward_model.server_args) the engine does not know fails here,
+    naming it, before any server starts (SGLang's own `ServerArgs` fields, when SGLang is installed here)."""
     import difflib
     from dataclasses import fields
 
@@ -119,7 +119,7 @@ def check_server_args(cfg: RolloutConfig, engine: str) -> None:
         if key.replace("-", "_") not in known:
             close = difflib.get_close_matches(key.replace("-", "_"), sorted(known), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            errors.append(f"--rollout.server_args: {key!r} is not an argument of the {engine} server{hint}")
+            errors.append(f"{flag}: {key!r} is not an argument of the {engine} server{hint}")
     if errors:
         from dsrl.config import ConfigError
 
