@@ -96,8 +96,7 @@ def evaluate_model(cfg: Config, model_dir: str, engine: str) -> dict[str, float]
     <run_dir>/eval/step_0.jsonl."""
     from transformers import AutoTokenizer
 
-    from dsrl.config import reward_beside_rollouts, reward_rollout
-    from dsrl.rewards.models import RewardModel
+    from dsrl.rewards.models import RewardModel, reward_servers
     from dsrl.serving.fleet import start_fleet
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
@@ -108,8 +107,7 @@ def evaluate_model(cfg: Config, model_dir: str, engine: str) -> dict[str, float]
         stack.callback(client.close)
         model = None
         if cfg.reward_model.path:
-            free, total = torch.cuda.mem_get_info() if engine == "sglang" and reward_beside_rollouts(cfg) else (1, 1)
-            servers = reward_rollout(cfg, 1 - free / total)  # (the policy's server holds the rest: `reward_rollout`)
+            servers = reward_servers(cfg, engine == "sglang")
             path = cfg.reward_model.path
             reward_fleet = stack.enter_context(start_fleet(servers, path, run_dir, cfg.seed, engine, role="reward"))
             model = RewardModel(cfg, tokenizer, client, reward_fleet, rank0=True)

@@ -29,15 +29,13 @@ from dsrl.config import (
     dump_config,
     fleet_kind,
     parse_config,
-    reward_beside_rollouts,
-    reward_rollout,
     rollout_engine,
     validate,
 )
 from dsrl.data import DatasetError, Sample, check_datasets, server_context
 from dsrl.evaluate import Evaluator
 from dsrl.metrics import MetricsWriter, Timer, gather_lists, mean_across_ranks, reduce_across_ranks, summary_line
-from dsrl.rewards.models import RewardModel
+from dsrl.rewards.models import RewardModel, reward_servers
 from dsrl.rewards.rewarder import Rewarder
 from dsrl.rollout.episode import EpisodeRunner, episode_metrics, episode_row
 from dsrl.rollout.manager import PromptStream, RolloutManager
@@ -502,10 +500,7 @@ def start_rollout_fleet(cfg: Config, model_dir: str, run_dir: Path, rank: int, r
     (on the other ranks the fleet is only that list: rank 0 alone changes it). `role` reward: the reward model's."""
     multi_node = bool(cfg.trainer.hostfile)  # servers here must be reachable from the other nodes' ranks
     engine = rollout_engine(cfg, use_cuda(cfg))
-    r = cfg.rollout
-    if role == "reward":  # SGLang fills its GPU up to mem_fraction_static: what the other tenants hold counts
-        free, total = torch.cuda.mem_get_info() if use_cuda(cfg) and reward_beside_rollouts(cfg) else (1, 1)
-        r = reward_rollout(cfg, 1 - free / total)
+    r = reward_servers(cfg, use_cuda(cfg)) if role == "reward" else cfg.rollout
     fleet = [start_fleet(r, model_dir, run_dir, cfg.seed, engine, multi_node, role) if rank == 0 else None]
     urls = [fleet[0].urls if rank == 0 else None]
     dist.broadcast_object_list(urls, src=0)

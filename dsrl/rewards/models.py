@@ -7,7 +7,7 @@ import asyncio
 import threading
 import time
 
-from dsrl.config import Config, RewardModelConfig, reward_beside_rollouts
+from dsrl.config import Config, RewardModelConfig, RolloutConfig, reward_beside_rollouts, reward_rollout
 from dsrl.data import Sample
 from dsrl.rewards.rules import load_function
 from dsrl.serving.client import RolloutClient, ServerError
@@ -146,6 +146,18 @@ class RewardModel:
                 self.client.all_servers("/resume_memory_occupation", {"tags": list(self.released)}, urls=urls)
             )
             self.released = ()
+
+
+def reward_servers(cfg: Config, cuda: bool) -> RolloutConfig:
+    """The reward model's servers' config. SGLang fills its GPU up to mem_fraction_static, so colocated on a GPU
+    their share counts what the other tenants hold when they start (`reward_rollout`)."""
+    used = 0.0
+    if cuda and reward_beside_rollouts(cfg):
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        used = 1 - free / total
+    return reward_rollout(cfg, used)
 
 
 def sends_token_ids(m: RewardModelConfig, policy, own) -> bool:
