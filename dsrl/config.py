@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_parsing_settings
 
+from dsrl.rundir import write_private
+
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 
@@ -879,8 +881,4 @@ def dump_config(cfg: Config, path: str | os.PathLike) -> None:
     values["rollout"]["rollout_fn"] = function_spec(cfg.rollout.rollout_fn)
     values["rollout"]["env"] = function_spec(cfg.rollout.env)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    text = parser.dump(parser.parse_object(values), skip_none=False)
-    mode = 0o600 if cfg.rollout.api_key else 0o644  # --rollout.api_key: readable by this user alone
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
-        f.write(text)
-    os.chmod(path, mode)  # (a file written before keeps its mode otherwise)
+    write_private(Path(path), parser.dump(parser.parse_object(values), skip_none=False), bool(cfg.rollout.api_key))

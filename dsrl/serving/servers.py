@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsrl.config import RolloutConfig
-from dsrl.rundir import die_with_parent, member_fds
+from dsrl.rundir import die_with_parent, member_fds, write_private
 
 log = logging.getLogger(__name__)
 
@@ -419,8 +419,7 @@ def server_command(
     if not cfg.api_key:
         return cmd
     key_file = key_dir / ".server_api_key.yaml"
-    with open(os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        f.write(json.dumps({"api-key": cfg.api_key}))  # JSON is YAML
+    write_private(key_file, json.dumps({"api-key": cfg.api_key}))  # JSON is YAML
     return cmd + ["--config", str(key_file)]
 
 
