@@ -66,8 +66,8 @@ for s in "$@"; do
       stage crash 300 python3 tools/gpu_server_crash.py --workdir /tmp/crash
       grep -a "^RESULT\|^killing\|Error" "$OUT/crash.log" | tee -a "$SUMMARY"
       ;;
-    kill9)  # kill -9 of dsrl train mid-step: the run's processes and GPU memory gone within 15 s (tools/gpu_kill9.py)
-      stage kill9 ${KILL9_LIMIT:-240} python3 tools/gpu_kill9.py --model /tmp/models/${KILL9_MODEL:-0.5b}
+    kill9)  # kill -9 of dsrl train mid-step: the run's processes and GPU memory gone within 15 s (tools/bench_kill9.py)
+      stage kill9 ${KILL9_LIMIT:-240} python3 tools/bench_kill9.py --config configs/gpu_colocate.yaml --model /tmp/models/${KILL9_MODEL:-0.5b}
       grep -a "^before\|^RESULT\|Error" "$OUT/kill9.log" | tee -a "$SUMMARY"
       ;;
     smoke_nosaver)
