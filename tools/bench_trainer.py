@@ -6,8 +6,8 @@ packing and chunked log-probs, in one run (one rank, DeepSpeed ZeRO-3).
     python tools/bench_trainer.py --model /tmp/models/3b --engines 16:module 16:layer 0:layer \
         --samples 128 --dist uniform --max-len 512 --prompt-len 8 --modes packed  # LoRA against full, one call
 
---engines RANK:GATHER ... (LoRA rank, 0 for full; ZeRO-3 gathering per layer or module) builds one engine after
-another, each destroyed before the next; LoRA per module is the path before whole-layer gathering (PEFT's
+--engines RANK:GATHER[:torch] ... (LoRA rank, 0 for full; ZeRO-3 gathering per layer or module; `torch`: torch's own
+F.linear, ZeRO-3's `memory_efficient_linear` off) builds one engine after another, each destroyed before the next; LoRA per module is the path before whole-layer gathering (PEFT's
 forward, five hooked modules per adapted layer). A last `summary` line sets each engine's first row against the
 full engine's (0:...).
 
@@ -42,6 +42,7 @@ import torch
 from dsrl.config import Config, DataConfig, ModelConfig
 from dsrl.data import Prompt, Sample
 from dsrl.zero import actor, varlen
+from dsrl.zero import engine as engine_module
 from dsrl.zero.engine import init_distributed, load_engine
 
 
@@ -153,10 +154,12 @@ def main() -> None:
     init_distributed(Config(model=ModelConfig(path=args.model), data=DataConfig(train_path="unused.jsonl")))
     rows = {}
     for spec in args.engines or [f"{args.lora_rank}:{args.gather}"]:
-        rank, gather = int(spec.split(":")[0]), spec.split(":")[1]
+        rank, gather, *linear = spec.split(":")
+        rank, torch_linear = int(rank), linear == ["torch"]
         cfg = engine_config(args, rank, gather)
-        engine = load_engine(cfg, args.model, 1, train=True)
-        name = f"{f'LoRA {rank}' if rank else 'full'} per {gather}"
+        with zero_linear(not torch_linear):
+            engine = load_engine(cfg, args.model, 1, train=True)
+        name = f"{f'LoRA {rank}' if rank else 'full'} per {gather}{', torch linear' if torch_linear else ''}"
         rows[name] = run_engine(args, cfg, engine, name, budget, before)
         engine.destroy()
         del engine
@@ -169,6 +172,27 @@ def main() -> None:
             if r
         ]
         print("summary (against full):", "; ".join(figures))
+
+
+@contextlib.contextmanager
+def zero_linear(memory_efficient: bool):
+    """ZeRO-3's `memory_efficient_linear` for the next engine. DeepSpeed swaps `F.linear` for its own autograd
+    function when the first engine is built with it on and never swaps it back: here it is put back first."""
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Patched
+
+    torch.nn.functional.linear = getattr(Patched, "linear_bk", torch.nn.functional.linear)
+    original = engine_module.ds_config
+
+    def conf(*args, **kwargs) -> dict:
+        out = original(*args, **kwargs)
+        out["zero_optimization"]["memory_efficient_linear"] = memory_efficient
+        return out
+
+    engine_module.ds_config = conf
+    try:
+        yield
+    finally:
+        engine_module.ds_config = original
 
 
 def engine_config(args, lora_rank: int, gather: str) -> Config:
