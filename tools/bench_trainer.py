@@ -6,10 +6,11 @@ packing and chunked log-probs, in one run (one rank, DeepSpeed ZeRO-3).
     python tools/bench_trainer.py --model /tmp/models/3b --engines 16:module 16:layer 0:layer \
         --samples 128 --dist uniform --max-len 512 --prompt-len 8 --modes packed  # LoRA against full, one call
 
---engines RANK:GATHER[:torch] ... (LoRA rank, 0 for full; ZeRO-3 gathering per layer or module; `torch`: torch's own
-F.linear, ZeRO-3's `memory_efficient_linear` off) builds one engine after another, each destroyed before the next; LoRA per module is the path before whole-layer gathering (PEFT's
-forward, five hooked modules per adapted layer). A last `summary` line sets each engine's first row against the
-full engine's (0:...).
+--engines RANK:GATHER[:OPTION,...] ... (LoRA rank, 0 for full; ZeRO-3 gathering per layer or module) runs each engine
+in a process of its own, one after another (memory one engine leaves behind would slow the next), and a last
+`summary` line sets each engine's first row against the first full engine's. Options: `torch`, torch's own F.linear
+(ZeRO-3's `memory_efficient_linear` off); `peft`, PEFT's own adapter forward (`lora.add_in_place` not applied). LoRA
+per module is the path before whole-layer gathering (PEFT's forward, five hooked modules per adapted layer).
 
 Lengths: `longtail` = lognormal responses clipped to [32, max_len] (most short, a few at the limit, what
 async rollout produces), `uniform` = every response max_len/2. Prompts are --prompt-len tokens. Each mode runs the
@@ -33,8 +34,11 @@ and max |difference| over the response tokens: the layouts agree to the precisio
 import argparse
 import contextlib
 import importlib.util
+import json
 import os
 import random
+import subprocess
+import sys
 import time
 
 import torch
@@ -149,28 +153,43 @@ def main() -> None:
     before = load_actor(args.before_from) if args.before_from else None
     actor.LOGPROB_CHUNK = args.logprob_chunk
 
+    specs = args.engines or [f"{args.lora_rank}:{args.gather}"]
+    if len(specs) > 1:
+        return each_in_its_own_process(specs)
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     init_distributed(Config(model=ModelConfig(path=args.model), data=DataConfig(train_path="unused.jsonl")))
+    rank, gather, *options = specs[0].split(":")
+    options = options[0].split(",") if options else []
+    cfg = engine_config(args, int(rank), gather)
+    with zero_linear(memory_efficient="torch" not in options), adapters_as("peft" in options):
+        engine = load_engine(cfg, args.model, 1, train=True)
+    name = f"{f'LoRA {rank}' if int(rank) else 'full'} per {gather}" + "".join(f", {o}" for o in options)
+    row = run_engine(args, cfg, engine, name, budget, before)
+    print("ROW " + json.dumps({"name": name, **(row or {})}))
+
+
+def each_in_its_own_process(specs: list[str]) -> None:
+    """This command once per engine (`--engines SPEC`); then the summary against the first full engine."""
+    argv, skipping = [], False
+    for arg in sys.argv[1:]:  # all but --engines and its values
+        skipping = arg == "--engines" or (skipping and not arg.startswith("--"))
+        argv += [] if skipping else [arg]
     rows = {}
-    for spec in args.engines or [f"{args.lora_rank}:{args.gather}"]:
-        rank, gather, *linear = spec.split(":")
-        rank, torch_linear = int(rank), linear == ["torch"]
-        cfg = engine_config(args, rank, gather)
-        with zero_linear(not torch_linear):
-            engine = load_engine(cfg, args.model, 1, train=True)
-        name = f"{f'LoRA {rank}' if rank else 'full'} per {gather}{', torch linear' if torch_linear else ''}"
-        rows[name] = run_engine(args, cfg, engine, name, budget, before)
-        engine.destroy()
-        del engine
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    for spec in specs:
+        out = subprocess.run([sys.executable, __file__, *argv, "--engines", spec],
+                             capture_output=True, text=True)  # fmt: skip
+        print(out.stdout, end="", flush=True)
+        if out.returncode:
+            print(f"{spec}: exit {out.returncode}: {out.stderr.strip().splitlines()[-1:]}")
+        for line in out.stdout.splitlines():
+            if line.startswith("ROW "):
+                row = json.loads(line[4:])
+                rows[row.pop("name")] = row
     full = next((r for name, r in rows.items() if name.startswith("full") and r), None)
-    if full and len(rows) > 1:
-        figures = [
-            f"{name}: " + ", ".join(f"{k} {r[k]:.2f} ({r[k] / full[k]:.2f}x)" for k in r)
-            for name, r in rows.items()
-            if r
-        ]
+    if full:
+        figures = [f"{name}: " + ", ".join(f"{k} {r[k]:.2f} ({r[k] / full[k]:.2f}x)" for k in r)
+                   for name, r in rows.items() if r]  # fmt: skip
         print("summary (against full):", "; ".join(figures))
 
 
@@ -193,6 +212,17 @@ def zero_linear(memory_efficient: bool):
         yield
     finally:
         engine_module.ds_config = original
+
+
+@contextlib.contextmanager
+def adapters_as(peft: bool):
+    """With `peft`, PEFT's own adapter forward: `lora.add_in_place` is not applied."""
+    original = engine_module.add_in_place
+    engine_module.add_in_place = (lambda model: 0) if peft else original
+    try:
+        yield
+    finally:
+        engine_module.add_in_place = original
 
 
 def engine_config(args, lora_rank: int, gather: str) -> Config:

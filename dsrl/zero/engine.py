@@ -19,7 +19,7 @@ from dsrl.zero import varlen
 from dsrl.zero.actor import LOGPROB_CHUNK
 from dsrl.zero.batches import packs, use_cuda
 from dsrl.zero.critic import PolicyAndValue
-from dsrl.zero.lora import add_adapters, lora_config
+from dsrl.zero.lora import add_adapters, add_in_place, lora_config
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,8 @@ def load_engine(
         log.info("LoRA rank %d: %s trained parameters of %s (%.2f%%, %s), the base frozen", cfg.model.lora_rank,
                  f"{trained:,}", f"{total:,}", 100 * trained / total, dtype)  # fmt: skip
     gather_per_layer(model, cfg.trainer.gather_per_layer)
+    if lora and cfg.trainer.gather_per_layer:
+        log.info("LoRA: %d adapted layers add their adapter in one GEMM into the base's output", add_in_place(model))
     if train:
         groups = model.param_groups(c.lr) if isinstance(model, PolicyAndValue) else None  # (two learning rates)
         engine, *_ = deepspeed.initialize(
