@@ -289,10 +289,21 @@ def test_random_schedules_keep_the_bound_and_every_prompt(
         ("toy_cpu_one_step_off.yaml", 1, []),
         # colocated: the next batch generates beside the last optimizer step (the servers' KV cache woken for it)
         ("toy_cpu.yaml", 1, ["--rollout.max_staleness", "1", "--algorithm.off_policy", "tis"]),
-        # evaluated at the end, beside the manager's own requests
-        ("toy_cpu_async.yaml", 4, ["--eval.path", str(ROOT / "examples/toy/test.jsonl"), "--eval.n_samples", "2"]),
-        # requests stay paused on the server through each update; the probe then runs without a flush
-        ("toy_cpu_async.yaml", 4, ["--rollout.interrupt", "pause", "--sync.verify", "probe"]),
+        # requests stay paused on the server through each update; the probe then runs without a flush; evaluated at
+        # the end, beside the manager's own requests (one run for both: each 60-step run costs CI a minute)
+        (
+            "toy_cpu_async.yaml",
+            4,
+            [
+                "--rollout.interrupt",
+                "pause",
+                "--sync.verify",
+                "probe",
+                "--eval.path",
+                str(ROOT / "examples/toy/test.jsonl"),
+            ]
+            + ["--eval.n_samples", "2"],
+        ),
     ],
 )
 def test_async_schedules_learn_the_toy_task(tmp_path, config, k, flags):

@@ -29,7 +29,8 @@ def test_ppo_with_a_critic_learns_the_toy_task(tmp_path):
 def test_ppo_resumes_bit_for_bit(lora, tmp_path):
     """Critic states, its optimizer and the KL coefficient come back with the actor's: the resumed run's
     every metric equals the uninterrupted run's. With LoRA the critic is an adapter on the actor's base, its
-    states in the actor's engine's checkpoint."""
+    states in the actor's engine's checkpoint: the LoRA case is also the test that the actor's adapters and their
+    optimizer states resume bit for bit."""
     args = ["--model.lora_rank", "4"] if lora else []
     args += ["--trainer.total_steps", "6", "--logging.save_every", "3", "--eval.path", "null"]
     args += ["--rollout.prompts_per_step", "8", "--trainer.micro_batch_size", "32", "--critic.warmup_steps", "1"]
