@@ -194,7 +194,8 @@ for s in "$@"; do
       # LORA_EXTRA goes to every run. Last, one line per LoRA mode against full (tools/step_report.py --against).
       TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
       for model in ${LORA_MODELS:-1.5b 3b}; do
-        for mode in ${LORA_MODES:-adapter merged full}; do
+        for mode in ${LORA_MODES:-full adapter merged}; do  # full first: the first run on a fresh machine compiles
+          # SGLang's kernels (a LoRA run first reached no step in 200 s at 3B); list full first in LORA_MODES too
           case $mode in
             full) lora="${LORA_FULL_EXTRA:-}" ;;
             before) lora="--model.lora_rank ${LORA_RANK:-16} --trainer.lr 1e-5 --sync.lora merged --trainer.gather_per_layer false" ;;
