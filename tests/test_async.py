@@ -294,15 +294,8 @@ def test_random_schedules_keep_the_bound_and_every_prompt(
         (
             "toy_cpu_async.yaml",
             4,
-            [
-                "--rollout.interrupt",
-                "pause",
-                "--sync.verify",
-                "probe",
-                "--eval.path",
-                str(ROOT / "examples/toy/test.jsonl"),
-            ]
-            + ["--eval.n_samples", "2"],
+            ["--rollout.interrupt", "pause", "--sync.verify", "probe", "--eval.n_samples", "2"]
+            + ["--eval.path", str(ROOT / "examples/toy/test.jsonl")],
         ),
     ],
 )

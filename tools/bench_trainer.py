@@ -8,8 +8,9 @@ packing and chunked log-probs, in one run (one rank, DeepSpeed ZeRO-3).
 
 --engines RANK:GATHER[:OPTION,...] ... (LoRA rank, 0 for full; ZeRO-3 gathering per layer or module) runs each engine
 in a process of its own, one after another (memory one engine leaves behind would slow the next), and a last
-`summary` line sets each engine's first row against the first full engine's. Options: `torch`, torch's own F.linear
-(ZeRO-3's `memory_efficient_linear` off); `peft`, PEFT's own adapter forward (`lora.add_in_place` not applied). LoRA
+`summary` line sets each engine's first row against the first full engine's. Options: `deepspeed`, DeepSpeed's
+autograd function for every linear layer (ZeRO-3's `memory_efficient_linear` on; dsrl turns it off); `peft`, PEFT's own
+adapter forward (`lora.add_in_place` not applied). Without options an engine is built as dsrl builds it. LoRA
 per module is the path before whole-layer gathering (PEFT's forward, five hooked modules per adapted layer).
 
 Lengths: `longtail` = lognormal responses clipped to [32, max_len] (most short, a few at the limit, what
@@ -162,7 +163,7 @@ def main() -> None:
     rank, gather, *options = specs[0].split(":")
     options = options[0].split(",") if options else []
     cfg = engine_config(args, int(rank), gather)
-    with zero_linear(memory_efficient="torch" not in options), adapters_as("peft" in options):
+    with deepspeed_linear("deepspeed" in options), adapters_as("peft" in options):
         engine = load_engine(cfg, args.model, 1, train=True)
     name = f"{f'LoRA {rank}' if int(rank) else 'full'} per {gather}" + "".join(f", {o}" for o in options)
     row = run_engine(args, cfg, engine, name, budget, before)
@@ -194,20 +195,16 @@ def each_in_its_own_process(specs: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def zero_linear(memory_efficient: bool):
-    """ZeRO-3's `memory_efficient_linear` for the next engine. DeepSpeed swaps `F.linear` for its own autograd
-    function when the first engine is built with it on and never swaps it back: here it is put back first."""
-    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Patched
-
-    torch.nn.functional.linear = getattr(Patched, "linear_bk", torch.nn.functional.linear)
+def deepspeed_linear(on: bool):
+    """With `on`, ZeRO-3's `memory_efficient_linear` for this process's engine (dsrl's `ds_config` turns it off)."""
     original = engine_module.ds_config
 
     def conf(*args, **kwargs) -> dict:
         out = original(*args, **kwargs)
-        out["zero_optimization"]["memory_efficient_linear"] = memory_efficient
+        out["zero_optimization"]["memory_efficient_linear"] = on
         return out
 
-    engine_module.ds_config = conf
+    engine_module.ds_config = conf if on else original
     try:
         yield
     finally:
