@@ -47,7 +47,7 @@ def ds_config(
     t = cfg.trainer
     micro_batch_size = micro_batch_size or t.micro_batch_size
     # memory_efficient_linear off: torch's own F.linear, not DeepSpeed's autograd function around every linear layer
-    # (its Python cost per call is 10% of a LoRA update at 3B; the same peak memory was measured either way)
+    # (3B on one H200: the full update 3.75 -> 3.62 s, the same peak memory; docs/benchmarks.md "LoRA against full")
     zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False, "memory_efficient_linear": False}
     if train and t.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": use_cuda(cfg), "ratio": t.offload_optimizer_ratio}
