@@ -50,6 +50,11 @@ class ModelConfig:
     names such as [q_proj, k_proj, v_proj, o_proj]."""
     lora_dropout: float = 0.0
     """Dropout on the adapters' input while training (0: the update's logprobs equal the log-prob pass's)."""
+    lora_base: Literal["auto", "replicated", "partitioned"] = "auto"
+    """Where LoRA's frozen base lives. replicated: whole on every rank, outside ZeRO-3 (no gathers, no per-layer
+    hooks: the trainer runs at the GPU's speed), only the adapters in DeepSpeed's optimizer (ZeRO-2); partitioned:
+    in ZeRO-3, like a full model's. auto: replicated when the base takes at most a third of a rank's device memory
+    (on CPU its share of the host's); the choice is logged with its numbers."""
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Run by test_lora.py under the deepspeed launcher (2 CPU ranks, and 1): the LoRA actor, and the actor and critic
-adapters on one base (PPO), as `load_engine` builds them (decoder layers gathered whole), against a plain PEFT model
-with the same adapters. Each rank trains on its own batch; the plain model's loss is the mean of the ranks'.
-Writes, per case, the largest differences of the adapters' gradients, the policy and the reference (adapters off)."""
+adapters on one base (PPO), as `load_engine` builds them (the base partitioned by ZeRO-3 with its decoder layers
+gathered whole, and the base replicated with ZeRO-2 adapters), against a plain PEFT model with the same adapters.
+Each rank trains on its own batch; the plain model's loss is the mean of the ranks'. Writes, per case, the largest
+differences of the adapters' gradients, the policy and the reference (adapters off)."""
 
 import json
 import sys
@@ -29,8 +30,8 @@ def losses(model, ids: torch.Tensor, critic: bool):
     yield -token_logprobs(model(input_ids=ids).logits, ids).mean()
 
 
-def run_case(base: str, critic: bool) -> dict:
-    m = ModelConfig(path=base, lora_rank=4, gradient_checkpointing=critic)  # (the critic's: replayed adapters)
+def run_case(base: str, critic: bool, lora_base: str) -> dict:
+    m = ModelConfig(path=base, lora_rank=4, gradient_checkpointing=critic, lora_base=lora_base)  # (critic: replayed)
     cfg = Config(model=m, data=DataConfig(train_path="unused"), algorithm=AlgorithmConfig(advantage="gae"))
     if not critic:
         cfg.algorithm.advantage = "grpo"
@@ -40,7 +41,7 @@ def run_case(base: str, critic: bool) -> dict:
     with deepspeed.zero.GatheredParameters(list(named.values()), modifier_rank=0):
         torch.manual_seed(1)  # PEFT starts B at 0 (no gradient reaches A): give it values
         for name, p in named.items():
-            if "lora_B" in name and rank == 0:
+            if "lora_B" in name and (rank == 0 or not hasattr(p, "ds_id")):  # (replicated: every rank sets its own)
                 p.data.normal_(0, 0.2)
     unset_hf_deepspeed_config()
     plain = AutoModelForCausalLM.from_pretrained(base)
@@ -50,8 +51,8 @@ def run_case(base: str, critic: bool) -> dict:
             p.data.copy_(named[name].data)
     batches = torch.randint(2, 13, (world, 3, 9), generator=torch.Generator().manual_seed(2))
     engine.train()
-    engine.set_gradient_accumulation_boundary(True)
-    for loss in losses(engine, batches[rank], critic):
+    for i, loss in enumerate(losses(engine, batches[rank], critic)):
+        engine.set_gradient_accumulation_boundary(i == int(critic))  # the last backward pass ends the accumulation
         engine.backward(loss, scale_wrt_gas=False)
     sum(loss for ids in batches for loss in losses(plain, ids, critic)).div(world).backward()
     grads = {n: safe_get_full_grad(named[n]) for n, p in plain.named_parameters() if p.requires_grad}
@@ -65,6 +66,7 @@ def run_case(base: str, critic: bool) -> dict:
         want_reference = token_logprobs(bare(input_ids=batches[0]).logits, batches[0])
     plain_grads = dict(plain.named_parameters())
     return {
+        "zero3": all(hasattr(p, "ds_id") for p in named.values()),
         "leaves": len(get_z3_leaf_modules(engine.module)),
         "layers": plain.config.num_hidden_layers,
         "trained": sorted(grads),
@@ -79,8 +81,10 @@ def run_case(base: str, critic: bool) -> dict:
 
 def main(base: str, out: str) -> None:
     init_distributed(Config(model=ModelConfig(path=base), data=DataConfig(train_path="unused")))
-    results = {"world": dist.get_world_size(), "actor": run_case(base, critic=False)}
-    results["critic"] = run_case(base, critic=True)
+    results = {"world": dist.get_world_size()}
+    for lora_base in ("partitioned", "replicated"):
+        results[f"actor_{lora_base}"] = run_case(base, critic=False, lora_base=lora_base)
+        results[f"critic_{lora_base}"] = run_case(base, critic=True, lora_base=lora_base)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)

@@ -177,13 +177,15 @@ def test_exported_adapter_loads_with_peft_and_equals_the_merged_exports(lora_run
         torch.testing.assert_close(from_checkpoint(ids).logits, merged, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["adapter", "merged"])
-def test_each_way_of_serving_lora_leaves_the_servers_with_the_trainers_weights(mode, tmp_path):
+@pytest.mark.parametrize(("mode", "where"), [("adapter", "partitioned"), ("merged", "replicated")])
+def test_each_way_of_serving_lora_leaves_the_servers_with_the_trainers_weights(mode, where, tmp_path):
     """--sync.verify weights compares every server weight with the trainer's after each sync (the base, or
     the merged weights), and the probe the served policy: both pass, and the server's sampled-token
-    logprobs are the trainer's."""
+    logprobs are the trainer's. The base partitioned by ZeRO-3 or held whole by each rank (`lora_run`: adapter,
+    replicated)."""
     base = lora_base(tmp_path / "base")
     args = ["--model.path", str(base), "--model.init_from_config", "false", "--model.lora_rank", "4"]
+    args += ["--model.lora_base", where]
     args += ["--sync.lora", mode, "--sync.verify", "weights", "--trainer.lr", "1e-2", "--trainer.total_steps", "3"]
     log = run_to_end(train_cmd("toy_cpu.yaml", tmp_path / "run", *args, "--eval.path", "null"))
     a = scalars(tmp_path / "run")
@@ -192,13 +194,16 @@ def test_each_way_of_serving_lora_leaves_the_servers_with_the_trainers_weights(m
     adapter = sum(p.numel() * 4 for n, p in lora_model(base).named_parameters() if ".lora_" in n)
     assert a["sync/bytes"][3] == (adapter if mode == "adapter" else full), (a["sync/bytes"][3], adapter, full)
     assert "step 3/3" in log
+    assert f"the frozen base {'partitioned by ZeRO-3' if where == 'partitioned' else 'whole on every rank'}" in log
 
 
 @pytest.mark.parametrize("ranks", [2, 1])
-def test_adapters_in_layers_gathered_whole_get_a_plain_peft_models_gradients(ranks, tmp_path):
-    """ZeRO-3 gathers each decoder layer whole, adapters included (`gather_per_layer`), for the actor and for the
-    actor and critic adapters on one base (two backward passes, gradient checkpointing): every adapter's gradient
-    equals a plain PEFT model's, reduced over the ranks; the policy is its policy and the reference its base."""
+def test_adapters_get_a_plain_peft_models_gradients_on_either_base(ranks, tmp_path):
+    """On a base partitioned by ZeRO-3, which gathers each decoder layer whole, adapters included
+    (`gather_per_layer`), and on a base every rank holds whole (`--model.lora_base replicated`, ZeRO-2 adapters),
+    for the actor and for the actor and critic adapters on one base (two backward passes, gradient checkpointing):
+    every adapter's gradient equals a plain PEFT model's, reduced over the ranks; the policy is its policy and the
+    reference its base."""
     base, out = lora_base(tmp_path / "base"), tmp_path / "results.json"
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_accelerators", str(ranks), "--master_port"]
@@ -207,13 +212,16 @@ def test_adapters_in_layers_gathered_whole_get_a_plain_peft_models_gradients(ran
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["world"] == ranks
-    for case in ("actor", "critic"):
-        r = results[case]
-        assert r["leaves"] == r["layers"] == 2, f"{case}: every decoder layer is gathered whole"
+    for case in ("actor_partitioned", "critic_partitioned", "actor_replicated", "critic_replicated"):
+        r, partitioned = results[case], case.endswith("_partitioned")
+        assert r["zero3"] == partitioned, f"{case}: the base is {'not ' if partitioned else ''}in ZeRO-3"
+        assert r["leaves"] == (2 if partitioned else 0) and r["layers"] == 2, f"{case}: layers gathered whole or none"
         assert r["missing"] == [] and r["grad_min_norm"] > 1e-3, f"{case}: every adapter has a gradient"
         assert r["grad_diff"] < 1e-5, f"{case}: adapters' gradients differ from PEFT's by {r['grad_diff']}"
         assert r["policy_diff"] < 1e-5 and r["reference_diff"] < 1e-5 < 0.1 < r["adapters_change_policy"], r
-    assert len(results["critic"]["trained"]) == 2 * len(results["actor"]["trained"]) + 2, "two adapters and a head"
+    for base in ("partitioned", "replicated"):
+        actor, critic = results[f"actor_{base}"]["trained"], results[f"critic_{base}"]["trained"]
+        assert len(critic) == 2 * len(actor) + 2, "two adapters and a head"
 
 
 def policy_and_value(base: Path, checkpointing: bool):

@@ -10,8 +10,9 @@ packing and chunked log-probs, in one run (one rank, DeepSpeed ZeRO-3).
 in a process of its own, one after another (memory one engine leaves behind would slow the next), and a last
 `summary` line sets each engine's first row against the first full engine's. Options: `deepspeed`, DeepSpeed's
 autograd function for every linear layer (ZeRO-3's `memory_efficient_linear` on; dsrl turns it off); `peft`, PEFT's own
-adapter forward (`lora.add_in_place` not applied). Without options an engine is built as dsrl builds it. LoRA
-per module is the path before whole-layer gathering (PEFT's forward, five hooked modules per adapted layer).
+adapter forward (`lora.add_in_place` not applied); `zero3`, LoRA's frozen base partitioned by ZeRO-3 (`--model.lora_base
+partitioned`; dsrl replicates a base that fits). Without options an engine is built as dsrl builds it. LoRA per
+module is the path before whole-layer gathering (PEFT's forward, five hooked modules per adapted layer).
 
 Lengths: `longtail` = lognormal responses clipped to [32, max_len] (most short, a few at the limit, what
 async rollout produces), `uniform` = every response max_len/2. Prompts are --prompt-len tokens. Each mode runs the
@@ -163,6 +164,7 @@ def main() -> None:
     rank, gather, *options = specs[0].split(":")
     options = options[0].split(",") if options else []
     cfg = engine_config(args, int(rank), gather)
+    cfg.model.lora_base = "partitioned" if "zero3" in options else "auto"
     with deepspeed_linear("deepspeed" in options), adapters_as("peft" in options):
         engine = load_engine(cfg, args.model, 1, train=True)
     name = f"{f'LoRA {rank}' if int(rank) else 'full'} per {gather}" + "".join(f", {o}" for o in options)
@@ -234,7 +236,7 @@ def engine_config(args, lora_rank: int, gather: str) -> Config:
 
 def run_engine(args, cfg, engine, name: str, budget, before) -> dict:
     """Every --dist and --modes row of one engine, ending in `name`; returns the first row's seconds and peak."""
-    params = sum(p.ds_numel for p in engine.module.parameters())
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     vocab = engine.module.config.vocab_size
     print(
         f"model {args.model}: {params / 1e9:.2f}B parameters, vocabulary {vocab}, {args.samples} samples, "

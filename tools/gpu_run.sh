@@ -189,8 +189,9 @@ for s in "$@"; do
       grep -a "colocated memory\|\[dsrl\] step\|Error" "$OUT/step_${STEP_MODEL:-3b}.log" | sed 's/.*\[dsrl\]//' | tail -6 | tee -a "$SUMMARY"
       python3 tools/step_report.py /tmp/runs/step | tee -a "$SUMMARY"
       ;;
-    lora)  # 1 GPU: LoRA colocated with SGLang (modes: adapter served on its own, merged; before = merged, gathered per
-      # module, the path before whole-layer gathering) against full fine-tuning (LORA_FULL_EXTRA: its flags alone);
+    lora)  # 1 GPU: LoRA colocated with SGLang (modes: adapter served on its own, merged; zero3 = merged on a base
+      # partitioned by ZeRO-3, the path before the replicated base; before = merged, gathered per module, the path
+      # before whole-layer gathering) against full fine-tuning (LORA_FULL_EXTRA: its flags alone);
       # LORA_EXTRA goes to every run. Last, one line per LoRA mode against full (tools/step_report.py --against).
       TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
       for model in ${LORA_MODELS:-1.5b 3b}; do
@@ -199,6 +200,7 @@ for s in "$@"; do
           case $mode in
             full) lora="${LORA_FULL_EXTRA:-}" ;;
             before) lora="--model.lora_rank ${LORA_RANK:-16} --trainer.lr 1e-5 --sync.lora merged --trainer.gather_per_layer false" ;;
+            zero3) lora="--model.lora_rank ${LORA_RANK:-16} --trainer.lr 1e-5 --sync.lora merged --model.lora_base partitioned" ;;
             *) lora="--model.lora_rank ${LORA_RANK:-16} --trainer.lr 1e-5 --sync.lora $mode" ;;
           esac
           run=/tmp/runs/lora_${model}_$mode
@@ -207,12 +209,12 @@ for s in "$@"; do
             --model.path /tmp/models/$model --rollout.prompts_per_step ${LORA_PROMPTS:-16} --rollout.n_samples 8 \
             --rollout.max_new_tokens 256 --trainer.total_steps ${LORA_STEPS:-3} --logging.tensorboard $TB \
             --logging.run_dir $run $lora ${LORA_EXTRA:-}
-          grep -a "LoRA rank\|ZeRO-3 gathers\|Error" "$OUT/lora_${model}_$mode.log" | sed 's/.*\[dsrl\]//' | tail -3 | tee -a "$SUMMARY"
+          grep -a "LoRA rank\|LoRA: the frozen\|ZeRO-3 gathers\|Error" "$OUT/lora_${model}_$mode.log" | sed 's/.*\[dsrl\]//' | tail -3 | tee -a "$SUMMARY"
           grep -a "final metrics" "$OUT/lora_${model}_$mode.log" | grep -o '"sync/bytes": [0-9.e-]*\|"sync/seconds": [0-9.e-]*\|"timing/sync": [0-9.e-]*\|"timing/step": [0-9.e-]*\|"timing/update": [0-9.e-]*\|"memory/[a-z_]*peak_gb": [0-9.e-]*\|"sync/probe_logprob_diff": [0-9.e-]*\|"mismatch/logprob_abs_diff": [0-9.e-]*\|"reward/mean": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
           [ "$TB" = true ] && python3 tools/step_report.py $run 2>&1 | grep -a "sync\|step " | head -4 | tee -a "$SUMMARY"
         done
-        for mode in ${LORA_MODES:-adapter merged full}; do  # (full among the modes: a warm machine keeps older runs)
-          [[ $mode != full && " ${LORA_MODES:-full} " == *" full "* ]] && [ -f /tmp/runs/lora_${model}_$mode/final_metrics.json ] \
+        for mode in ${LORA_MODES:-adapter merged}; do  # (against a full run of this machine's, maybe an earlier call's)
+          [ $mode != full ] && [ -f /tmp/runs/lora_${model}_$mode/final_metrics.json ] \
             && [ -f /tmp/runs/lora_${model}_full/final_metrics.json ] \
             && python3 tools/step_report.py /tmp/runs/lora_${model}_$mode --against /tmp/runs/lora_${model}_full 2>&1 | tail -1 | tee -a "$SUMMARY"
         done
@@ -263,15 +265,18 @@ for s in "$@"; do
       ;;
     bench_agent)  # 1 GPU: episodes of 1-16 turns at equal model tokens against single responses and their raw
       # floors (tools/bench_agent.py), once per SGLang --schedule-policy in BENCH_AGENT_POLICIES (SGLang's default: fcfs)
-      for policy in ${BENCH_AGENT_POLICIES:-fcfs}; do
-        stage bench_agent_$policy ${BENCH_AGENT_LIMIT:-170} python3 tools/bench_agent.py \
+      # BENCH_AGENT_MIXED="false true": each policy also with SGLang's --enable-mixed-chunk (a new turn's prefill rides
+      # in the running decode batch instead of pausing it)
+      for policy in ${BENCH_AGENT_POLICIES:-fcfs}; do for mixed in ${BENCH_AGENT_MIXED:-false}; do
+        policy_name=$policy$([ $mixed = true ] && echo _mixed)
+        stage bench_agent_$policy_name ${BENCH_AGENT_LIMIT:-170} python3 tools/bench_agent.py \
           --model /tmp/models/${BENCH_AGENT_MODEL:-0.5b-chat} --engine sglang --tokens ${BENCH_AGENT_TOKENS:-1024} \
           --episodes ${BENCH_AGENT_EPISODES:-256} --turns ${BENCH_AGENT_TURNS:-8 2 4 16} --repeats ${BENCH_AGENT_REPEATS:-1} \
-          --schedule-policy $policy ${BENCH_AGENT_EXTRA:-} \
-          --server-args '{"attention_backend": "triton", "sampling_backend": "pytorch", "mem_fraction_static": 0.6}'
-        grep -a "^model tokens per episode\|^ *turns \|^ *single \|^ *[0-9]" "$OUT/bench_agent_$policy.log" | tail -10 | tee -a "$SUMMARY"
-        grep -a "Error" "$OUT/bench_agent_$policy.log" | tail -3 | tee -a "$SUMMARY"
-      done
+          --schedule-policy $policy ${BENCH_AGENT_EXTRA:-} --server-args '{"attention_backend": "triton", '\
+'"sampling_backend": "pytorch", "mem_fraction_static": 0.6, "enable_mixed_chunk": '$mixed'}'
+        grep -a "^model tokens per episode\|^ *turns \|^ *single \|^ *[0-9]" "$OUT/bench_agent_$policy_name.log" | tail -10 | tee -a "$SUMMARY"
+        grep -a "Error" "$OUT/bench_agent_$policy_name.log" | tail -3 | tee -a "$SUMMARY"
+      done; done
       ;;
     agent_calc8)  # 1 GPU: the calculator agent on the 1.5B chat shape (MODELS must include 1.5b-chat), colocated: 8 turns,
       # the first 7 calling the calculator (scripted_calls 7), the step's phases and the share of an episode between turns

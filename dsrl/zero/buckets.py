@@ -18,8 +18,17 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 
 
 def param_bytes(param: torch.nn.Parameter) -> int:
-    shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3 keeps the full shape in ds_shape
-    return torch.Size(shape).numel() * param.element_size()
+    return torch.Size(full_shape(param)).numel() * param.element_size()
+
+
+def full_shape(param: torch.nn.Parameter) -> torch.Size:
+    return getattr(param, "ds_shape", param.shape)  # ZeRO-3 keeps the full shape in ds_shape
+
+
+def local(param: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's piece of `param`, flat: its ZeRO-3 partition, or all of it (a replicated LoRA base, ZeRO-2
+    adapters)."""
+    return (param.ds_tensor if hasattr(param, "ds_tensor") else param).detach().view(-1)
 
 
 def plan_buckets(named_params: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int) -> list[list[int]]:
@@ -80,7 +89,9 @@ class FlatGatherer:
     parameter, written in place into every rank's flat bucket.
 
     With one rank nothing is gathered: a bucket is a view of DeepSpeed's flat parameter buffer
-    where its partitions lie back to back (always, so far), and copied otherwise.
+    where its partitions lie back to back (always, so far), and copied otherwise. Nor is anything when every rank
+    holds every parameter whole (a LoRA actor on a replicated base, `engine.replicated_base`): each rank is then
+    as one rank alone.
 
     Either way `GatheredParameters` is not used: it allocates the full tensors on every rank each
     time, then the transport copies them once more into a flat buffer. Bucket i+1 is in flight
@@ -95,8 +106,9 @@ class FlatGatherer:
         self.named = self.served.named
         self.bucket_bytes, self.plan = bucket_bytes, plan_buckets(self.named, bucket_bytes)
         self.sizes = [sum(param_bytes(self.named[j][1]) for j in bucket) for bucket in self.plan]
-        self.world, self.rank, self.to_all = dist.get_world_size(), dist.get_rank(), to_all
-        for name, p in self.named:
+        whole = not any(hasattr(p, "ds_tensor") for _, p in self.named)
+        self.world, self.rank, self.to_all = 1 if whole else dist.get_world_size(), dist.get_rank(), to_all
+        for name, p in self.named if not whole else []:
             if p.ds_tensor.ds_numel * self.world != p.ds_numel_aligned:
                 raise ValueError(f"{name}: ZeRO-3 partition layout not understood (hpZ/MiCS are not supported)")
         self.buffers: dict[int, torch.Tensor] = {}
@@ -110,14 +122,14 @@ class FlatGatherer:
         dst = 0
         for j in self.plan[i]:
             p = self.named[j][1]
-            full = p.ds_numel * p.element_size()
+            full = param_bytes(p)
             yield p, dst, full
             dst += full
 
     def _pieces(self, i: int):
         """(param, rank, offset in the flat bucket, bytes) of every partition piece of bucket i."""
         for p, dst, full in self._params(i):
-            part = p.ds_tensor.numel() * p.element_size()
+            part = local(p).numel() * p.element_size()
             for r in range(self.world):  # rank r holds bytes [r * part, (r + 1) * part); the last is padded
                 n = min(part, full - r * part)
                 if n > 0:
@@ -129,7 +141,7 @@ class FlatGatherer:
         they do not (another dtype, a sub-group boundary, or partitions moved separately)."""
         if self.world != 1 or any(self.named[j][0] in self.served.deltas for j in self.plan[i]):
             return None
-        parts = [self.named[j][1].ds_tensor for j in self.plan[i]]
+        parts = [local(self.named[j][1]) for j in self.plan[i]]
         first = parts[0]
         storage, ptr = first.untyped_storage().data_ptr(), first.data_ptr()
         for t in parts:
@@ -145,7 +157,7 @@ class FlatGatherer:
         view = self._view(i)
         if view is not None:
             return view
-        nbytes, device = self.sizes[i], self.named[self.plan[i][0]][1].ds_tensor.device
+        nbytes, device = self.sizes[i], local(self.named[self.plan[i][0]][1]).device
         buf = self.buffers.get(i % self.SLOTS)
         if buf is None or buf.numel() < nbytes or buf.device != device:
             self.buffers.pop(i % self.SLOTS, None)  # free the old one first
@@ -159,7 +171,7 @@ class FlatGatherer:
             return works
         if self.to_all:
             for p, dst, full in self._params(i):
-                part = p.ds_tensor.detach().view(torch.uint8)
+                part = local(p).view(torch.uint8)
                 if part.numel() * self.world == full:
                     out = flat[dst : dst + full]
                 else:  # the last rank's partition is padded: gather aside, copy the real bytes after
@@ -171,18 +183,18 @@ class FlatGatherer:
             if self.rank == 0 and r != 0:
                 works.append(dist.irecv(flat[offset : offset + n], src=r))
             elif self.rank == r and r != 0:
-                works.append(dist.isend(p.ds_tensor.detach().view(torch.uint8)[:n], dst=0))
+                works.append(dist.isend(local(p).view(torch.uint8)[:n], dst=0))
         return works
 
     def _copy_own(self, i: int) -> None:
-        """Rank 0's own pieces (or everything, with one rank) are copied rather than sent."""
-        if self.rank == 0 and (self.world == 1 or not self.to_all):
+        """Rank 0's own pieces (or everything, with one rank or parameters held whole) are copied rather than sent."""
+        flat = self._flat(i)
+        if flat is not None and (self.world == 1 or (self.rank == 0 and not self.to_all)):
             if self._view(i) is not None:
                 return
-            flat = self._flat(i)
             for p, r, offset, n in self._pieces(i):
                 if r == 0:
-                    flat[offset : offset + n].copy_(p.ds_tensor.detach().view(torch.uint8)[:n])
+                    flat[offset : offset + n].copy_(local(p).view(torch.uint8)[:n])
 
     def _finish(self, works: list, i: int) -> None:
         for work in works:
@@ -196,7 +208,7 @@ class FlatGatherer:
         for j, (p, dst, full) in zip(self.plan[i], self._params(i)):
             name = self.named[j][0]
             if name in self.served.deltas:  # the gathered base weight, its adapter added in place
-                self.served.merge_into(name, flat[dst : dst + full].view(p.dtype).view(p.ds_shape))
+                self.served.merge_into(name, flat[dst : dst + full].view(p.dtype).view(full_shape(p)))
 
     def __iter__(self) -> Iterator[FlatBucket]:
         # Bucket i+1's transfers are posted before bucket i is handed out, and rank 0's own pieces of
@@ -218,7 +230,7 @@ class FlatGatherer:
             yield FlatBucket(
                 names=[name for name, _ in params],
                 dtypes=[str(p.dtype).removeprefix("torch.") for _, p in params],
-                shapes=[list(p.ds_shape) for _, p in params],
+                shapes=[list(full_shape(p)) for _, p in params],
                 flat=self._flat(i),
                 last=i + 1 == len(self.plan),
             )

@@ -75,8 +75,14 @@ def check_space(tmp: Path, engines: list) -> None:
     """Fail on every rank, before anything is written, when the disk cannot hold the checkpoint: one rank
     failing mid-write would leave the others waiting in DeepSpeed's barrier. The optimizer's fp32 master
     weights and Adam's two moments (12 bytes per trained parameter) are nearly all of it. Every rank
-    raises the same message, with rank 0's view of the disk."""
-    mine = sum(p.ds_tensor.numel() for e in engines for p in e.module.parameters() if p.requires_grad) * 12
+    raises the same message, with rank 0's view of the disk. A replicated LoRA base (`engine.replicated_base`) is
+    written whole by rank 0, its ZeRO-2 adapters' states split over the ranks."""
+    world, params = dist.get_world_size(), [p for e in engines for p in e.module.parameters()]
+    mine = 12 * sum(
+        p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() / world for p in params if p.requires_grad
+    )
+    if dist.get_rank() == 0:
+        mine += sum(p.numel() * p.element_size() for p in params if not hasattr(p, "ds_tensor"))
     need = torch.tensor([float(mine)], dtype=torch.float64, device=reduce_device())
     dist.all_reduce(need)
     free = torch.tensor([float(shutil.disk_usage(tmp.parent).free if dist.get_rank() == 0 else 0)],

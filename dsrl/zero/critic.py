@@ -156,8 +156,12 @@ def update_actor_and_critic(
         stats = {f"critic/{k}": v for k, v in stats.items()}
         if train_actor:
             # Each pass over the base has a backward pass of its own: ZeRO-3 reduces a layer gathered whole
-            # (`gather_per_layer`) once per call of it, and a second call in one backward reduced it twice.
+            # (`gather_per_layer`) once per call of it, and a second call in one backward reduced it twice. The
+            # first never ends the accumulation: ZeRO-2 (a replicated base) replaced its gradients with the second's.
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.set_gradient_accumulation_boundary(False)
             engine.backward(total, scale_wrt_gas=False)
+            engine.set_gradient_accumulation_boundary(boundary)
             total, actor_stats, _ = micro_batch_loss(engine, mb, cfg, num_tokens, num_seqs, kl_coef)
             stats |= {f"actor/{k}": v for k, v in actor_stats.items()}
         return total, stats, mask

@@ -41,14 +41,22 @@ def batch_shape(cfg: Config, world: int, micro_batch_size: int | None = None) ->
 
 
 def ds_config(
-    cfg: Config, world: int, train: bool, lr: float | None = None, micro_batch_size: int | None = None
+    cfg: Config,
+    world: int,
+    train: bool,
+    lr: float | None = None,
+    micro_batch_size: int | None = None,
+    stage: int = 3,
 ) -> dict:
-    """DeepSpeed's config for an engine: the actor's (trainer.*), or with `lr` and `micro_batch_size` the critic's."""
+    """DeepSpeed's config for an engine: the actor's (trainer.*), or with `lr` and `micro_batch_size` the critic's.
+    `stage` 2: a LoRA actor on a replicated base (`replicated_base`), ZeRO-2 for the adapters alone."""
     t = cfg.trainer
     micro_batch_size = micro_batch_size or t.micro_batch_size
     # memory_efficient_linear off: torch's own F.linear, not DeepSpeed's autograd function around every linear layer
     # (3B on one H200: the full update 3.75 -> 3.62 s, the same peak memory; docs/benchmarks.md "LoRA against full")
     zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False, "memory_efficient_linear": False}
+    if stage == 2:  # (a smaller gradient bucket than DeepSpeed's 500M elements: the adapters are a few million)
+        zero = {"stage": 2, "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000}
     if train and t.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": use_cuda(cfg), "ratio": t.offload_optimizer_ratio}
     conf = {
@@ -109,7 +117,12 @@ def load_engine(
     """The actor (train), the reference model, or the critic: the policy's architecture with a scalar head
     (`AutoModelForTokenClassification`, num_labels 1, as verl), from `critic.path` or the policy's weights."""
     c = cfg.critic
-    conf = ds_config(cfg, world, train, c.lr, c.micro_batch_size) if critic else ds_config(cfg, world, train)
+    lora = train and not critic and cfg.model.lora_rank > 0
+    replicated = lora and replicated_base(cfg, model_dir)
+    if critic:
+        conf = ds_config(cfg, world, train, c.lr, c.micro_batch_size)
+    else:
+        conf = ds_config(cfg, world, train, stage=2 if replicated else 3)
     # While this object lives, from_pretrained builds the model under zero.Init: each rank only
     # ever holds its partition, and HF's own weight init still runs.
     hf_ds = HfDeepSpeedConfig(conf)  # noqa: F841
@@ -126,7 +139,6 @@ def load_engine(
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     model.config.use_cache = False
-    lora = train and not critic and cfg.model.lora_rank > 0
     choice = cfg.model.gradient_checkpointing
     auto = train and choice == "auto"  # decided per update (`AutoCheckpointing`)
     checkpointing = train and (choice is True or auto)
@@ -136,17 +148,10 @@ def load_engine(
         budget = AutoCheckpointing(model.config, states, device_memory(cfg), width, cfg.model.liger_kernel)
     if checkpointing:
         model.gradient_checkpointing_enable()
-    if lora:  # new adapter parameters: deepspeed.initialize partitions them with the rest
-        model.enable_input_require_grads()  # a gradient into layer 0 from frozen embeddings (`gather_per_layer`)
-        model = add_lora(model, cfg.model, critic_on_actor_base(cfg), checkpointing)
-        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-        dtype = next(p.dtype for p in model.parameters() if p.requires_grad)
-        log.info("LoRA rank %d: %s trained parameters of %s (%.2f%%, %s), the base frozen", cfg.model.lora_rank,
-                 f"{trained:,}", f"{total:,}", 100 * trained / total, dtype)  # fmt: skip
-    gather_per_layer(model, cfg.trainer.gather_per_layer)
-    if lora and cfg.trainer.gather_per_layer:
-        log.info("LoRA: %d adapted layers add their adapter in one GEMM into the base's output", add_in_place(model))
+    if lora:  # new adapter parameters: deepspeed.initialize partitions them with the rest (or, replicated, alone)
+        model = with_lora(model, cfg, checkpointing, replicated)
+    else:
+        gather_per_layer(model, cfg.trainer.gather_per_layer)
     if train:
         groups = model.param_groups(c.lr) if isinstance(model, PolicyAndValue) else None  # (two learning rates)
         engine, *_ = deepspeed.initialize(
@@ -162,6 +167,50 @@ def load_engine(
         budget.switch(engine.module, False)
         engine.auto_checkpointing = budget
     return engine
+
+
+def with_lora(model: torch.nn.Module, cfg: Config, checkpointing: bool, replicated: bool) -> torch.nn.Module:
+    """`model` with the actor's adapters (and a critic's, `add_lora`), their layers gathered whole unless the base is
+    `replicated` (nothing to gather), each adding its adapter in place (`lora.add_in_place`) where that is safe."""
+    model.enable_input_require_grads()  # a gradient into layer 0 from frozen embeddings (`gather_per_layer`)
+    model = add_lora(model, cfg.model, critic_on_actor_base(cfg), checkpointing)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    dtype = next(p.dtype for p in model.parameters() if p.requires_grad)
+    log.info("LoRA rank %d: %s trained parameters of %s (%.2f%%, %s), the base frozen", cfg.model.lora_rank,
+             f"{trained:,}", f"{total:,}", 100 * trained / total, dtype)  # fmt: skip
+    if not replicated:
+        gather_per_layer(model, cfg.trainer.gather_per_layer)
+    if replicated or cfg.trainer.gather_per_layer:
+        log.info("LoRA: %d adapted layers add their adapter in one GEMM into the base's output", add_in_place(model))
+    return model
+
+
+def replicated_base(cfg: Config, model_dir: str) -> bool:
+    """Whether LoRA's frozen base is held whole by every rank, outside ZeRO-3 (--model.lora_base). ZeRO-3's
+    per-layer gathers and hooks cost the host more time than the GPU spends on a LoRA layer (3B on one H200,
+    docs/benchmarks.md "LoRA against full"); a replicated base has neither, and only the adapters are partitioned."""
+    choice = cfg.model.lora_base
+    if choice != "auto":
+        log.info("LoRA: the frozen base %s (--model.lora_base %s)",
+                 "whole on every rank" if choice == "replicated" else "partitioned by ZeRO-3", choice)  # fmt: skip
+        return choice == "replicated"
+    width = 2 if param_dtype(cfg) == torch.bfloat16 else 4
+    base, total = count_params(cfg, model_dir) * width, device_memory(cfg)
+    replicated = base <= total / 3
+    log.info("LoRA: the frozen base's %.1f GB %s a third of the device's %.1f GB: %s (--model.lora_base auto)",
+             base / 1e9, "is within" if replicated else "exceeds", total / 1e9,
+             "whole on every rank, outside ZeRO-3" if replicated else "partitioned by ZeRO-3")  # fmt: skip
+    return replicated
+
+
+def count_params(cfg: Config, model_dir: str) -> int:
+    """The model's parameters, counted from its config (nothing is allocated)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
 
 
 def apply_liger(model_type: str) -> None:
@@ -243,8 +292,19 @@ def offload_states(engine, params: bool) -> None:
 
     states = [State.optim_states, State.hp_params, State.lp_grads, State.contiguous_grad_buffer]
     engine.offload_states(include=states + ([State.lp_params] if params else []))
+    for p in frozen_replicated(engine) if params else []:  # DeepSpeed moves what its optimizer holds, not these
+        host = getattr(p, "dsrl_host", None)
+        if host is None:
+            host = p.dsrl_host = torch.empty_like(p.data, device="cpu", pin_memory=True)
+        host.copy_(p.data)
+        p.data = host
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+
+
+def frozen_replicated(engine) -> list[torch.nn.Parameter]:
+    """A LoRA actor's replicated base (`replicated_base`): parameters outside ZeRO-3 and outside the optimizer."""
+    return [p for p in engine.module.parameters() if not p.requires_grad and not hasattr(p, "ds_id")]
 
 
 def free_cached_memory() -> None:
@@ -258,6 +318,8 @@ def free_cached_memory() -> None:
 
 def reload_states(engine) -> None:
     engine.reload_states()
+    for p in frozen_replicated(engine):
+        p.data = p.data.to(engine.device, non_blocking=True)
     torch.cuda.synchronize()
 
 
@@ -272,11 +334,8 @@ def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
     if not cfg.trainer.offload_optimizer:
         return
     import psutil
-    from accelerate import init_empty_weights
 
-    with init_empty_weights():
-        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    params = count_params(cfg, model_dir)
     # the critic is as large, and trained too (with LoRA it is an adapter on the actor's base)
     trainers = 2 if cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg) else 1
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
