@@ -267,8 +267,10 @@ class RewardPool:
 
 class StickyPool:
     """Worker processes that keep what a caller left there (an agent's episode: its environment). `place` binds
-    a caller to one worker; its calls are sent there from the caller's event loop (no thread between them) and
-    answered in order, each within `timeout_s` of the one before. The function gets the keys released since
+    a caller to one worker; its calls are sent there from the caller's event loop (no thread between them), one at
+    a time, each once the one before is answered and within `timeout_s` of being sent. (One at a time: a process
+    that dies with calls unread in its socket resets the connection, and the answer it had already written to the
+    call before was lost with it, failing an innocent call.) The function gets the keys released since
     its last call (what it may forget), then the call's arguments. A call that outlasts its time or whose
     process exits fails alone: the process is replaced, the calls behind it go to the new one, and what the
     old one kept for other callers is gone (their next call finds nothing: `dsrl.rollout.agents.env_step`)."""
@@ -300,7 +302,7 @@ class StickyPool:
         frame = len(data).to_bytes(4, "big") + data  # multiprocessing.Connection's framing
         future = asyncio.get_running_loop().create_future()
         self.pending[worker].append((frame, future))
-        if self.streams[worker] is not None:  # else `_serve` sends it once the worker is ready
+        if self.streams[worker] is not None and len(self.pending[worker]) == 1:  # else `_serve` sends it in turn
             self.streams[worker][1].write(frame)
         if self.serving[worker] is None:
             self.serving[worker] = asyncio.create_task(self._serve(worker))
@@ -319,7 +321,7 @@ class StickyPool:
                         reader, writer = await asyncio.open_connection(sock=sock)
                         await _read_frame(reader)
                         self.streams[worker] = reader, writer
-                        writer.writelines(frame for frame, _ in pending)
+                        writer.write(pending[0][0])
                     reply = await asyncio.wait_for(_read_frame(self.streams[worker][0]), self.timeout_s)
                 except TimeoutError:
                     why = f"took longer than {self.timeout_flag}={self.timeout_s:g}s (its process was replaced)"
@@ -328,6 +330,8 @@ class StickyPool:
                 else:
                     _, values, error = pickle.loads(reply)
                     _settle(pending.popleft()[1], None if error is not None else values[0], error)
+                    if pending:
+                        self.streams[worker][1].write(pending[0][0])
                     continue
                 _settle(pending.popleft()[1], None, why)
                 process.kill()
