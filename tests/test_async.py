@@ -286,9 +286,9 @@ def test_random_schedules_keep_the_bound_and_every_prompt(
 @pytest.mark.parametrize(
     "config,k,flags",
     [
+        # (colocated one-step-off's schedule, each batch one version behind and every prompt once, is
+        # test_reliability's test_resume_after_kill_in_colocated_one_step_off_mode_loses_no_prompt)
         ("toy_cpu_one_step_off.yaml", 1, []),
-        # colocated: the next batch generates beside the last optimizer step (the servers' KV cache woken for it)
-        ("toy_cpu.yaml", 1, ["--rollout.max_staleness", "1", "--algorithm.off_policy", "tis"]),
         # requests stay paused on the server through each update; the probe then runs without a flush; evaluated at
         # the end, beside the manager's own requests (one run for both: each 60-step run costs CI a minute)
         (
@@ -310,14 +310,7 @@ def test_async_schedules_learn_the_toy_task(tmp_path, config, k, flags):
     assert sum(reward[-10:]) / 10 > sum(reward[:5]) / 5 + 0.05, reward
     assert max(e.value for e in events.Scalars("rollout/staleness_max")) <= k
     assert "rollout/staleness" in events.Tags()["histograms"]
-    if config != "toy_cpu.yaml":
-        assert "rollout/trainer_idle_s" in events.Tags()["scalars"]
-    else:  # every batch after the first was generated ahead, one version behind; each step's prompts once
-        assert [e.value for e in events.Scalars("rollout/staleness_mean")] == [0.0] + [1.0] * 59
-        assert len(events.Scalars("timing/generate_ahead")) == 59
-        trace = [json.loads(line) for line in (tmp_path / "trained_prompts.jsonl").read_text().splitlines()]
-        rows = [row for record in trace for row in record["rows"]]
-        assert [r["step"] for r in trace] == list(range(60)) and len(rows) == len(set(rows)) == 60 * 32
+    assert "rollout/trainer_idle_s" in events.Tags()["scalars"]
     if "--eval.path" in flags:  # the final weights, and only they, answered the evaluation
         assert [e.step for e in events.Scalars("eval/reward_mean")] == [60]
         rows = [json.loads(line) for line in (tmp_path / "eval" / "step_60.jsonl").read_text().splitlines()]

@@ -177,12 +177,12 @@ def test_exported_adapter_loads_with_peft_and_equals_the_merged_exports(lora_run
         torch.testing.assert_close(from_checkpoint(ids).logits, merged, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("mode", "where"), [("adapter", "partitioned"), ("merged", "replicated")])
-def test_each_way_of_serving_lora_leaves_the_servers_with_the_trainers_weights(mode, where, tmp_path):
-    """--sync.verify weights compares every server weight with the trainer's after each sync (the base, or
-    the merged weights), and the probe the served policy: both pass, and the server's sampled-token
-    logprobs are the trainer's. The base partitioned by ZeRO-3 or held whole by each rank (`lora_run`: adapter,
-    replicated)."""
+def test_merged_lora_leaves_the_servers_with_the_trainers_weights(tmp_path):
+    """--sync.verify weights compares every server weight with the trainer's after each sync (the merged weights),
+    and the probe the served policy: both pass, and the server's sampled-token logprobs are the trainer's. (The
+    adapter served alone: `lora_run` on a replicated base, and on a partitioned one
+    `test_ppo_with_critic_adapters_on_one_base_learns`.)"""
+    mode, where = "merged", "replicated"
     base = lora_base(tmp_path / "base")
     args = ["--model.path", str(base), "--model.init_from_config", "false", "--model.lora_rank", "4"]
     args += ["--model.lora_base", where]
@@ -286,13 +286,16 @@ def test_the_critic_is_a_second_adapter_and_a_head_on_the_actors_base(tmp_path):
 def test_ppo_with_critic_adapters_on_one_base_learns(tmp_path):
     """PPO with a critic, all LoRA: the actor's adapter, the critic's adapter and value head, and the reference
     share one frozen base in one engine. The toy task learns (0.03 -> 0.30, first/last five steps), the critic
-    tracks the returns, and what is exported is the actor's adapter alone. Packed micro-batches."""
+    tracks the returns, and what is exported is the actor's adapter alone. Packed micro-batches; the base
+    partitioned by ZeRO-3 (`lora_run` and the resume test in test_ppo.py: replicated, the default on a small one)."""
     base, run_dir = lora_base(tmp_path / "base"), tmp_path / "run"
     args = ["--model.path", str(base), "--model.init_from_config", "false", "--model.lora_rank", "8"]
+    args += ["--model.lora_base", "partitioned"]
     args += ["--trainer.lr", "1e-2", "--critic.lr", "2e-2", "--trainer.total_steps", "40", "--eval.path", "null"]
     args += ["--logging.save_every", "40", "--logging.export_hf", "true", "--trainer.pack_sequences", "true"]
     log = run_to_end(train_cmd("toy_cpu_ppo.yaml", run_dir, *args))
     assert "the critic is a second LoRA adapter and a value head on the actor's base" in log
+    assert "ZeRO-3 gathers 2 layers (Qwen2DecoderLayer) whole" in log
     assert "packed micro-batches, no padding" in log  # (the values' forward passes the boundaries through PEFT)
     a = scalars(run_dir)
     reward, value_loss = list(a["reward/mean"].values()), list(a["critic/value_loss"].values())

@@ -176,12 +176,12 @@ def test_sigterm_to_dsrl_train_stops_every_process_of_the_run_with_a_checkpoint(
     assert [r["rows"] for r in records] == [expected_rows(s) for s in range(stopped_at + 2)]
 
 
-@pytest.mark.parametrize("ranks", ["1", "2"])
-def test_kill_9_of_dsrl_train_ends_every_process_of_the_run_and_the_run_dir_stays_locked_until_then(tmp_path, ranks):
+def test_kill_9_of_dsrl_train_ends_every_process_of_the_run_and_the_run_dir_stays_locked_until_then(tmp_path):
     """`kill -9` of the CLI used to leave the launcher, the ranks and the server training on to the last step,
     and a second run took over the directory they were still writing. The ranks are held stopped (SIGSTOP)
-    across the kill so that the second run deterministically meets them alive."""
-    run_dir = tmp_path / "run"
+    across the kill so that the second run deterministically meets them alive. Two ranks: rank 0 watches the CLI's
+    pid, rank 1 that and rank 0's store (`rundir.OwnerWatch`); one rank's case is the first half of it."""
+    run_dir, ranks = tmp_path / "run", "2"
     cmd = train_cmd(run_dir, "--trainer.total_steps", "200", "--trainer.num_ranks", ranks)
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True)
     run = []

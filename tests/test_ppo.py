@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from tests.test_reliability import TIMING, run_and_kill, run_to_end, scalars, train_cmd
+from tests.test_reliability import TIMING, run_and_kill, run_to_end, scalars, trace, train_cmd
 
 
 def test_ppo_with_a_critic_learns_the_toy_task(tmp_path):
@@ -32,18 +32,22 @@ def test_ppo_resumes_bit_for_bit(lora, tmp_path):
     states in the actor's engine's checkpoint: the LoRA case is also the test that the actor's adapters and their
     optimizer states resume bit for bit."""
     args = ["--model.lora_rank", "4"] if lora else []
-    args += ["--trainer.total_steps", "6", "--logging.save_every", "3", "--eval.path", "null"]
+    args += ["--trainer.total_steps", "6", "--logging.save_every", "3", "--logging.keep_last", "1"]
+    args += ["--eval.path", "null"]
     args += ["--rollout.prompts_per_step", "8", "--trainer.micro_batch_size", "32", "--critic.warmup_steps", "1"]
     args += ["--algorithm.kl_coef", "0.01", "--algorithm.kl_target", "0.001"]  # an adaptive coefficient to restore
     args += ["--rollout.server_args", '{"enable_deterministic_inference": true}']
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run_to_end(train_cmd("toy_cpu_ppo.yaml", straight, *args))
     run_and_kill(train_cmd("toy_cpu_ppo.yaml", killed, *args), at_step=4, total=6)
+    assert (killed / "checkpoints" / "latest").read_text() == "step_3"
     log = run_to_end(train_cmd("toy_cpu_ppo.yaml", killed, *args))
-    assert "step_3 at step 3" in log
+    assert "resumed from" in log and "step_3 at step 3" in log
+    assert trace(killed) == trace(straight), "the resumed run trained other prompts, or in another order"
+    assert sorted(p.name for p in (killed / "checkpoints").glob("step_*")) == ["step_6"]  # keep_last 1
     a, b = scalars(straight), scalars(killed)
     compared = [tag for tag in a if not tag.startswith(TIMING)]
-    assert {"critic/value_loss", "kl/coef", "reward/mean", "actor/pg_loss"} <= set(compared)
+    assert {"critic/value_loss", "kl/coef", "reward/mean", "actor/pg_loss", "actor/grad_norm"} <= set(compared)
     assert len(set(a["kl/coef"].values())) > 1, "the KL coefficient did not adapt"
     for tag in compared:
         assert b[tag] == a[tag], f"{tag} differs after resume"

@@ -70,24 +70,9 @@ def trace(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
 
 
-def test_resume_after_kill_repeats_the_uninterrupted_run_bit_for_bit(tmp_path):
-    steps = ["--trainer.total_steps", "8", "--logging.save_every", "4", "--logging.keep_last", "1"]
-    steps += ["--rollout.prompts_per_step", "16"]  # deterministic decoding is slow: half the batch
-    exact = ["--rollout.server_args", json.dumps({"enable_deterministic_inference": True})]
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    run_to_end(train_cmd("toy_cpu.yaml", straight, *steps, *exact))
-    run_and_kill(train_cmd("toy_cpu.yaml", killed, *steps, *exact), at_step=6, total=8)
-    assert (killed / "checkpoints" / "latest").read_text() == "step_4"
-    log = run_to_end(train_cmd("toy_cpu.yaml", killed, *steps, *exact))
-    assert "resumed from" in log and "step_4 at step 4" in log
-
-    assert trace(killed) == trace(straight), "the resumed run trained other prompts, or in another order"
-    a, b = scalars(straight), scalars(killed)
-    compared = [tag for tag in a if not tag.startswith(TIMING)]
-    assert "reward/mean" in compared and "actor/grad_norm" in compared
-    for tag in compared:
-        assert b[tag] == a[tag], f"{tag} differs after resume"
-    assert sorted(p.name for p in (killed / "checkpoints").glob("step_*")) == ["step_8"]  # keep_last 1
+# A run killed mid-way and resumed repeats the uninterrupted run bit for bit: tests/test_ppo.py
+# (test_ppo_resumes_bit_for_bit, the actor, reference and critic engines, and LoRA's adapters; one run of GRPO's
+# engines less than PPO's was the same test at 2.5 minutes of CI).
 
 
 def test_resume_after_kill_in_colocated_one_step_off_mode_loses_no_prompt(tmp_path):
