@@ -88,19 +88,30 @@ def load_actor(path: str):
     return module
 
 
-def profile(impl, engine, samples, cfg, rows: int = 12) -> None:
-    """One logprob pass and one update under torch.profiler: the ops that took the GPU's time, and the CPU's."""
+def profile(impl, engine, samples, cfg, rows: int = 25) -> None:
+    """The logprob pass and the update, each under torch.profiler: its wall time against the GPU's busy time (a gap
+    is time the GPU waited on the host), then the ops that took the GPU's time, and the host's."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        impl.compute_logprobs(engine, samples, "old_logprobs", cfg, pad_id=0)
-        impl.update_actor(engine, samples, cfg, pad_id=0, kl_coef=0.0)
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
-    events = prof.key_averages()
-    by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    print(events.table(sort_by=by, row_limit=rows, max_name_column_width=60))
-    print(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
+    cuda = torch.cuda.is_available()
+    passes = {
+        "logprobs": lambda: impl.compute_logprobs(engine, samples, "old_logprobs", cfg, pad_id=0),
+        "update": lambda: impl.update_actor(engine, samples, cfg, pad_id=0, kl_coef=0.0),
+    }
+    for name, run in passes.items():
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            run()
+            torch.cuda.synchronize() if cuda else None
+            wall = time.perf_counter() - start
+        events = prof.key_averages()
+        busy = sum(e.self_device_time_total for e in events) / 1e6 if cuda else float("nan")
+        launches = sum(e.count for e in events if e.key.startswith("cudaLaunchKernel"))
+        print(f"profile {name}: wall {wall:.3f} s (under the profiler), GPU busy {busy:.3f} s, {launches} launches")
+        by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        print(events.table(sort_by=by, row_limit=rows, max_name_column_width=60))
+        print(events.table(sort_by="self_cpu_time_total", row_limit=rows // 2, max_name_column_width=60))
 
 
 def measure(impl, engine, samples, cfg, repeats: int) -> dict:
