@@ -1,5 +1,6 @@
 """The `dsrl` console script: `dsrl train ...` runs the deepspeed launcher for you; `dsrl serve` the embedded engine."""
 
+import base64
 import json
 import os
 import signal
@@ -143,17 +144,13 @@ def launch(cfg, run_dir: Path, cuda: bool) -> int:
     config_path = run_dir / "config.yaml"
     dump_config(cfg, config_path)
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{OWNER_ENV: str(os.getpid())})
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(free_port())]
-    if cfg.trainer.hostfile:
-        cmd += ["--hostfile", cfg.trainer.hostfile]
     if cuda:
-        cmd += gpu_selection(cfg.trainer.num_ranks, env.get("CUDA_VISIBLE_DEVICES", ""), bool(cfg.trainer.hostfile))
         env.update(NCCL_CUMEM_ENABLE="0", DSRL_CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", ""))
     else:
         # gloo ranks on CPU; one thread each (measured: 3x faster on a small box than the default)
         env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
-        cmd += ["--num_accelerators", str(cfg.trainer.num_ranks or 1)]
-    cmd += ["--no_local_rank", "--module", "dsrl.train", "--config", str(config_path)]
+    cmd = launcher_command(cfg.trainer, cuda, env, free_port())
+    cmd += ["--module", "--no_local_rank", "dsrl.train", "--config", str(config_path)]
     print(f"dsrl train: {' '.join(cmd)}", file=sys.stderr, flush=True)
     cmd.append(f"{OWNER_FLAG}{os.getpid()}@{socket.gethostname()}")  # each rank ends when this process does
     # Its own process group: a Ctrl-C on the terminal reaches this process only (the launcher would kill
@@ -224,19 +221,38 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def gpu_selection(num_ranks: int, visible: str, hostfile: bool) -> list[str]:
-    """The deepspeed launcher's GPU flags. Given --num_gpus it ignores CUDA_VISIBLE_DEVICES and starts
-    the ranks on GPU 0 up, while dsrl's servers keep to the visible GPUs: on one machine the trainer
-    then shared GPU 0 with whatever ran there, and a colocated server sat on another GPU than its
-    trainer rank (CUDA IPC failed). So the visible GPUs become --include."""
-    if not num_ranks:
-        return []  # the launcher takes every visible GPU itself
-    if hostfile or not visible:
-        return ["--num_gpus", str(num_ranks)]
-    gpus = visible.split(",")
+def launcher_command(t, cuda: bool, env: dict, port: int) -> list[str]:
+    """DeepSpeed's launcher for the ranks. On one machine its node launcher (`deepspeed.launcher.launch`) is
+    started directly with the ranks' devices, as DeepSpeed's runner would start it: the runner, a process that
+    only reads the hostfile and starts the node launcher, cost 4 s of every run. With --trainer.hostfile the
+    runner reaches the other nodes."""
+    if t.hostfile:
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(port), "--hostfile", t.hostfile]
+        if not cuda:
+            return cmd + ["--num_accelerators", str(t.num_ranks or 1)]
+        return cmd + (["--num_gpus", str(t.num_ranks)] if t.num_ranks else [])  # per node; the hostfile's GPUs
+    devices = range(t.num_ranks or 1)
+    if cuda:  # the node launcher sets CUDA_VISIBLE_DEVICES itself, to these
+        devices = local_gpus(t.num_ranks, env.pop("CUDA_VISIBLE_DEVICES", ""), gpu_count)
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": list(devices)}).encode()).decode()
+    launch = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}"]
+    return launch + ["--master_addr=127.0.0.1", f"--master_port={port}"]
+
+
+def local_gpus(num_ranks: int, visible: str, count) -> list[int]:
+    """The GPUs of this machine's ranks: the first `num_ranks` visible ones (all of them given 0), as the
+    servers take theirs from the visible GPUs too (a colocated server must sit on its trainer rank's GPU)."""
+    gpus = [int(g) for g in visible.split(",")] if visible else list(range(count()))
     if num_ranks > len(gpus):
-        raise SystemExit(f"dsrl train: trainer.num_ranks={num_ranks}, but CUDA_VISIBLE_DEVICES={visible} is fewer GPUs")
-    return ["--include", "localhost:" + ",".join(gpus[:num_ranks])]
+        raise SystemExit(f"dsrl train: trainer.num_ranks={num_ranks}, but this machine has {len(gpus)} GPUs"
+                         + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible else ""))  # fmt: skip
+    return gpus[:num_ranks] if num_ranks else gpus
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def fleet(argv: list[str]) -> int:

@@ -1,5 +1,7 @@
 """Config parsing: YAML + CLI overrides, help from docstrings, every shipped YAML, errors reported together."""
 
+import base64
+import json
 from pathlib import Path
 
 import pytest
@@ -107,17 +109,27 @@ def test_config_module_imports_no_torch():
 
 
 def test_launcher_keeps_the_trainer_on_the_visible_gpus():
-    """--num_gpus makes the deepspeed launcher ignore CUDA_VISIBLE_DEVICES (its ranks start on GPU 0);
-    with GPUs pinned, the trainer must get the first visible ones, as the servers do."""
-    from dsrl.cli import gpu_selection
+    """The trainer's ranks get the first visible GPUs, as the servers do (a colocated server must sit on its
+    trainer rank's GPU); DeepSpeed's node launcher is told them and sets CUDA_VISIBLE_DEVICES itself."""
+    from dsrl.cli import launcher_command, local_gpus
+    from dsrl.config import TrainerConfig
 
-    assert gpu_selection(1, "2,3", hostfile=False) == ["--include", "localhost:2"]
-    assert gpu_selection(2, "5,1,7", hostfile=False) == ["--include", "localhost:5,1"]
-    assert gpu_selection(2, "", hostfile=False) == ["--num_gpus", "2"]
-    assert gpu_selection(2, "0,1", hostfile=True) == ["--num_gpus", "2"]  # per-node GPUs: the hostfile's say
-    assert gpu_selection(0, "2,3", hostfile=False) == []  # the launcher takes all visible GPUs itself
+    def count():
+        return 4
+
+    assert local_gpus(1, "2,3", count) == [2]
+    assert local_gpus(2, "5,1,7", count) == [5, 1]
+    assert local_gpus(2, "", count) == [0, 1]
+    assert local_gpus(0, "2,3", count) == [2, 3]  # all visible GPUs
+    assert local_gpus(0, "", count) == [0, 1, 2, 3]
     with pytest.raises(SystemExit, match="num_ranks=3"):
-        gpu_selection(3, "0,1", hostfile=False)
+        local_gpus(3, "0,1", count)
+    env = {"CUDA_VISIBLE_DEVICES": "1"}
+    cmd = launcher_command(TrainerConfig(num_ranks=1), True, env, 29500)
+    world = next(a.split("=", 1)[1] for a in cmd if a.startswith("--world_info="))
+    assert json.loads(base64.urlsafe_b64decode(world)) == {"localhost": [1]} and "CUDA_VISIBLE_DEVICES" not in env
+    cmd = launcher_command(TrainerConfig(num_ranks=2, hostfile="hosts"), True, {}, 29500)  # the runner: other nodes
+    assert cmd[2] == "deepspeed.launcher.runner" and cmd[-2:] == ["--num_gpus", "2"]
 
 
 def test_pause_retract_starts_sglang_without_the_prefix_cache_unless_told():
