@@ -54,10 +54,12 @@ def lora_config(m: ModelConfig):
 
 def add_in_place(model: torch.nn.Module) -> int:
     """Every adapted linear layer of `model` adds its adapter in one GEMM: the rank-r activations are scaled (not
-    the layer's d_out-wide output) and B's product is accumulated into the base's output by `addmm_`, where PEFT
+    the layer's d_out-wide output) and B's product is added to the base's output by one `addmm`, where PEFT
     reads and writes that output twice more (a multiply, then an add): a fifth of a LoRA layer's GPU time at 3B.
-    The same function, so the same gradients. Only with whole-layer gathering (`engine.gather_per_layer`): B's
-    weight is read here, outside its module's own ZeRO-3 hooks. Returns how many layers were switched."""
+    Out of place: an in-place `addmm_` on a view of the output has autograd clone the output's gradient and copy
+    it back (CopySlices), four activation-sized copies a layer in every backward. The same function, so the same
+    gradients. Only with whole-layer gathering (`engine.gather_per_layer`): B's weight is read here, outside its
+    module's own ZeRO-3 hooks. Returns how many layers were switched."""
     from peft.tuners.lora import Linear
     from peft.tuners.lora.layer import LoraVariant
 
@@ -66,8 +68,8 @@ def add_in_place(model: torch.nn.Module) -> int:
         def forward(module: Linear, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **_) -> torch.Tensor:
             a, b = module.lora_A[active_adapter], module.lora_B[active_adapter]
             low = a(module.lora_dropout[active_adapter](x)) * module.scaling[active_adapter]
-            result.view(-1, result.shape[-1]).addmm_(low.view(-1, low.shape[-1]), b.weight.t())
-            return result
+            flat = torch.addmm(result.view(-1, result.shape[-1]), low.view(-1, low.shape[-1]), b.weight.t())
+            return flat.view(result.shape)
 
     layers = [layer for layer in model.modules() if isinstance(layer, Linear)]
     for layer in layers:
