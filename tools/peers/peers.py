@@ -151,8 +151,10 @@ def verl_command(w: dict, model: Path, data: Path, work: Path, steps: int, seed:
         "trainer.experiment_name": "verl", "trainer.default_local_dir": work / "verl_ckpt",
         "+ray_kwargs.ray_init.include_dashboard": False, "hydra.run.dir": work / "verl_hydra",
     }  # fmt: skip
-    if toy:  # fp32 throughout, as dsrl's toy run (configs/toy_gpu.yaml: precision fp32, no CUDA graphs)
-        args |= {"actor_rollout_ref.rollout.dtype": "float32",
+    # fp32 training as dsrl's toy run (configs/toy_gpu.yaml: precision fp32, no CUDA graphs); SGLang serves that
+    # fp32 model in float16 (its `--dtype auto`), as it does for dsrl: its RMSNorm kernel has no fp32
+    if toy:
+        args |= {"actor_rollout_ref.rollout.dtype": "float16",
                  "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": "fp32"}  # fmt: skip
     return [sys.executable, "-m", "verl.trainer.main_ppo", *(f"{k}={_hydra(v)}" for k, v in args.items())]
 
