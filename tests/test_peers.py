@@ -84,6 +84,22 @@ def test_the_table_puts_both_on_the_same_phases():
     assert "| 1 after the first | **17.15** |" in text and "failed" not in text
 
 
+def test_runs_from_separate_calls_make_one_table(tmp_path):
+    """verl and dsrl in a call each (verl's start-up does not leave room for both): their records merge, the same
+    run name from two calls is kept twice, and the ratio is drawn across them."""
+    verl = report.verl_steps(DATA / "verl_metrics.jsonl")
+    dsrl = json.loads((DATA / "dsrl_steps.json").read_text())
+    same = {"workload": "step model_1.5b", "samples": 512}
+    for call, runs in (("call1", {"verl 1.5b": {"framework": "verl", "steps": verl, **same}}),
+                       ("call2", {"dsrl 1.5b": {"framework": "dsrl", "steps": dsrl, **same}}),
+                       ("call3", {"dsrl 1.5b": {"framework": "dsrl", "steps": dsrl[:1], **same}})):  # fmt: skip
+        (tmp_path / call).mkdir()
+        (tmp_path / call / "peers.json").write_text(json.dumps({"runs": runs}))
+    record = report.merged([tmp_path / c for c in ("call1", "call2", "call3")])
+    assert list(record["runs"]) == ["verl 1.5b", "dsrl 1.5b", "dsrl 1.5b (call3)"]
+    assert report.table(record).count("dsrl step / verl step") == 2
+
+
 def test_the_toy_tokenizer_gets_the_tokens_verls_qwen2_agent_loop_needs(tmp_path):
     """verl's agent loop for a Qwen2 model asks for a one-token newline and <|im_end|> (the GPU run failed without):
     two unused slots of the padded toy tokenizer take them, so every id stays in the model's vocabulary."""

@@ -5,7 +5,8 @@ one JSON line {"step", "data"} per step); dsrl logs `timing/<phase>` per step to
 final_metrics.json). Both are reduced to the phases below, as the mean over the steps after the first (whose
 start-up costs are not a step's).
 
-    python tools/peers/report.py OUT_DIR     # the table of OUT_DIR/peers.json, and its PNGs into OUT_DIR
+    python tools/peers/report.py OUT_DIR [DIR ...]  # the table of OUT_DIR/peers.json (and of each DIR's, merged:
+                                                    # one call per framework), and its PNGs into OUT_DIR
 """
 
 import json
@@ -217,9 +218,18 @@ def plot_curves(record: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def merged(dirs: list[Path]) -> dict:
+    """The runs of every directory's peers.json in one record; a run's name gets its directory's where two clash."""
+    record: dict = {"runs": {}}
+    for d in dirs:
+        for name, run in json.loads((d / "peers.json").read_text())["runs"].items():
+            record["runs"][f"{name} ({d.name})" if name in record["runs"] else name] = run
+    return record
+
+
 def main() -> None:
     out = Path(sys.argv[1])
-    record = json.loads((out / "peers.json").read_text())
+    record = merged([Path(d) for d in sys.argv[1:]])
     print(table(record))
     plot_phases(record, out / "phases.png")
     plot_curves(record, out / "curves.png")
