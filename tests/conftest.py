@@ -1,4 +1,5 @@
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,3 +23,19 @@ def toy_weights(tmp_path_factory) -> Path:
     AutoModelForCausalLM.from_config(build_model_config()).save_pretrained(out)
     build_tokenizer().save_pretrained(out)
     return out
+
+
+def run_ranks(ranks: int, script: Path, *args) -> int:
+    """`script` on `ranks` gloo ranks, started as `dsrl train` starts its ranks (`cli.launcher_command`: DeepSpeed's
+    node launcher); a rank's failure fails the test with the output's end. Returns the master port."""
+    from dsrl.cli import launcher_command
+    from dsrl.config import TrainerConfig
+    from dsrl.serving.servers import free_port
+
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    port = free_port()
+    cmd = launcher_command(TrainerConfig(num_ranks=ranks), False, env, port)
+    cmd += ["--no_local_rank", str(script), *map(str, args)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return port

@@ -3,7 +3,6 @@ servers get the base once and then the adapter alone, which every request names 
 or the base with the adapters merged (`merged`). Real DeepSpeed (2 ranks), the real embedded engine."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from dsrl.serving.embedded import BadRequest, Engine
 from dsrl.serving.servers import free_port
 from dsrl.tasks.toy import build_model_config, build_tokenizer
 from dsrl.zero.lora import ServedWeights, add_adapters, reference_off
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_ranks
 from tests.test_reliability import run_to_end, scalars, train_cmd
 
 STEPS = 60
@@ -203,11 +202,7 @@ def test_adapters_get_a_plain_peft_models_gradients_on_either_base(ranks, tmp_pa
     every adapter's gradient equals a plain PEFT model's, reduced over the ranks; the policy is its policy and the
     reference its base."""
     base, out = lora_base(tmp_path / "base"), tmp_path / "results.json"
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_accelerators", str(ranks), "--master_port"]
-    cmd += [str(free_port()), "--no_local_rank", str(ROOT / "tests/_lora_worker.py"), str(base), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_ranks(ranks, ROOT / "tests/_lora_worker.py", base, out)
     results = json.loads(out.read_text())
     assert results["world"] == ranks
     for case in ("actor_partitioned", "critic_partitioned", "actor_replicated", "critic_replicated"):

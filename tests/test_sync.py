@@ -1,27 +1,17 @@
 """Weight sync under real ZeRO-3 (2 gloo ranks) into real embedded servers: equal weights after every sync."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from dsrl.serving.servers import free_port
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_ranks
 
 
 @pytest.fixture(scope="module", params=[2, 1], ids=["2ranks", "1rank"])
 def sync_results(request, toy_weights, tmp_path_factory):
     out = tmp_path_factory.mktemp("sync") / "results.json"
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    port = free_port()
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_accelerators", str(request.param), "--master_port"]
-    cmd += [str(port), "--no_local_rank", str(ROOT / "tests/_sync_worker.py")]
-    cmd += [str(toy_weights), str(ROOT / "examples/toy/train.jsonl"), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    port = run_ranks(request.param, ROOT / "tests/_sync_worker.py", toy_weights, ROOT / "examples/toy/train.jsonl", out)
     return {**json.loads(out.read_text()), "port": port, "ranks": request.param}
 
 
