@@ -204,7 +204,8 @@ class TrainerConfig:
     total_steps: int = 100
     """Training steps (one rollout batch and its updates each)."""
     num_ranks: int = 2
-    """Trainer ranks per node that `dsrl train` starts (deepspeed --num_accelerators on CPU, --num_gpus on GPU)."""
+    """Trainer ranks per node that `dsrl train` starts with DeepSpeed's node launcher (on GPUs the first visible
+    ones; with --trainer.hostfile, deepspeed --num_gpus per node)."""
     hostfile: str | None = None
     """DeepSpeed hostfile for multi-node training (deepspeed --hostfile)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
