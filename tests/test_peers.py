@@ -100,6 +100,15 @@ def test_runs_from_separate_calls_make_one_table(tmp_path):
     assert report.table(record).count("dsrl step / verl step") == 2
 
 
+def test_a_run_is_cut_to_what_is_left_of_the_budget_less_the_time_to_stop_it():
+    """The toy's second GPU call: dsrl then verl under a 575 s stage, verl asked for 370 s. Killed from outside, the
+    harness wrote no record of verl's 22 steps; cut to the budget, verl stops first and its steps are kept."""
+    budget = 575 - 20
+    assert peers.run_limit(170, budget, now=20) == 170
+    assert peers.run_limit(370, budget, now=210) == budget - 210 - peers.STOP_S < 370
+    assert peers.run_limit(370, float("inf"), now=1e6) == 370
+
+
 def test_the_toy_tokenizer_gets_the_tokens_verls_qwen2_agent_loop_needs(tmp_path):
     """verl's agent loop for a Qwen2 model asks for a one-token newline and <|im_end|> (the GPU run failed without):
     two unused slots of the padded toy tokenizer take them, so every id stays in the model's vocabulary."""

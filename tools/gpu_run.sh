@@ -303,7 +303,8 @@ for s in "$@"; do
       [ -f /tmp/verlsite/.ok ] || { mkdir -p /tmp/verlsite && tar xJf ${VERL_SITE:-.peers/verl_site.tar.xz} -C /tmp/verlsite \
         && touch /tmp/verlsite/.ok; } || note "no verl site (.peers/verl_site.tar.xz)"
       stage peers ${PEERS_LIMIT:-540} python3 tools/peers/peers.py --model /tmp/models/${PEERS_MODEL:-1.5b} \
-        --runs ${PEERS_RUNS:-verl dsrl} --limits ${PEERS_LIMITS:-330 170} --steps ${PEERS_STEPS:-3} --out "$OUT" ${PEERS_EXTRA:-}
+        --runs ${PEERS_RUNS:-verl dsrl} --limits ${PEERS_LIMITS:-330 170} --steps ${PEERS_STEPS:-3} --out "$OUT" \
+        --budget $((${PEERS_LIMIT:-540} - 20)) ${PEERS_EXTRA:-}
       grep -a "^| \|dsrl step" "$OUT/peers.log" | tail -8 | tee -a "$SUMMARY"
       ;;
     rm)  # 1 GPU: GRPO 64x8x512 colocated with SGLang, rewarded by a 1.5B reward model on its own SGLang server

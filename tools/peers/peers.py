@@ -16,7 +16,9 @@ On an H200 (1.5B), verl took ~170 s to its first step and ~130 s for it (one-tim
 
 A run is `verl` (its best settings this image can run), `dsrl` (dsrl's defaults) or `dsrl-padded` (padded rows,
 like verl's here: flash-attn, which verl's remove-padding needs, has no wheel for this torch). Each run's record
-goes into OUT/peers.json as soon as it ends, so a call cut off keeps what finished.
+goes into OUT/peers.json as soon as it ends, so a call cut off keeps what finished; with --budget (the seconds the
+caller gives the whole invocation) each run's limit is cut so that the harness, not the caller, stops the last one,
+and its steps so far are kept too.
 """
 
 import argparse
@@ -267,6 +269,16 @@ def clear_gpu(env: dict) -> None:
         time.sleep(1)
 
 
+STOP_S = 60
+"""Seconds to stop a run at its limit and clear the GPU after it (SIGTERM, SIGKILL, `ray stop`, the GPU freed)."""
+
+
+def run_limit(asked: float, deadline: float, now: float) -> float:
+    """A run's limit within the invocation's `--budget`: what was asked, cut to what is left of the budget less the
+    time to stop it, so the harness itself writes the run's record (a harness killed from outside writes none)."""
+    return min(asked, deadline - now - STOP_S)
+
+
 def one_run(name: str, args, w: dict, model: Path, data: Path, seed: int, limit: float) -> dict:
     """Run `name` (verl, dsrl, dsrl-padded) once; its record: per-step metrics, memory, the command."""
     work = args.workdir / f"{name}_{args.workload}_s{seed}"
@@ -304,11 +316,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--limits", type=float, nargs="+", default=[240], help="seconds each run may take (one for all)")
+    p.add_argument("--budget", type=float, default=float("inf"), help="seconds for the whole invocation (run_limit)")
     p.add_argument("--data", type=Path, default=ROOT / "examples/toy/train.jsonl")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/peers"))
     p.add_argument("--verl-site", type=Path, default=Path("/tmp/verlsite"))
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
+    deadline = time.monotonic() + args.budget
     args.out.mkdir(parents=True, exist_ok=True)
     args.workdir.mkdir(parents=True, exist_ok=True)
     w = WORKLOADS[args.workload]
@@ -322,7 +336,11 @@ def main() -> None:
     for seed in args.seeds:
         for name in args.runs:
             key = f"{name} {source.name}" + (f" seed {seed}" if len(args.seeds) > 1 else "")
-            record["runs"][key] = one_run(name, args, w, model, data, seed, limits[name])
+            limit = run_limit(limits[name], deadline, time.monotonic())
+            if limit <= 0:
+                print(f"{key}: not run, --budget {args.budget:.0f} s is spent", flush=True)
+                continue
+            record["runs"][key] = one_run(name, args, w, model, data, seed, limit)
             record_path.write_text(json.dumps(record, indent=1))
             print(report.table({"runs": {key: record["runs"][key]}}).splitlines()[-1], flush=True)
     print(report.table(record))
