@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Work longer than one device call (600 s) on a held GPU machine. `start` runs a command detached (a session of
+# its own outlives the call) from a copy of the tree (the next call's tree replaces this one); `wait` waits for it
+# up to a limit and copies what it has written so far (its OUT, /tmp/detached/out) into this call's $OUT. Make the
+# next call within the 30 s a machine stays warm after one. Usage:
+#   call 1:  bash tools/gpu_detach.sh start 'source .gpup/setup.sh; OUT=$OUT/a ... bash tools/gpu_run.sh peers'
+#            bash tools/gpu_detach.sh wait 560
+#   call 2+: bash tools/gpu_detach.sh wait 580       # until it prints "done rc=..."
+set -u
+D=/tmp/detached
+case ${1:-} in
+  start)
+    rm -rf "$D" && mkdir -p "$D/out"
+    cp -a . "$D/src"
+    (cd "$D/src" && OUT=$D/out setsid nohup bash -c "$2; echo \$? > $D/rc" > "$D/log" 2>&1 < /dev/null &)
+    echo "started: $2"
+    ;;
+  wait)
+    end=$((SECONDS + ${2:-560}))
+    while [ ! -f "$D/rc" ] && [ $SECONDS -lt $end ]; do sleep 5; done
+    cp -r "$D/out/." "${OUT:-/tmp/gpu_out}/" && cp "$D/log" "${OUT:-/tmp/gpu_out}/detached.log"
+    if [ -f "$D/rc" ]; then echo "done rc=$(cat "$D/rc")"; else echo "still running after ${2:-560} s"; fi
+    tail -n 30 "$D/log"
+    ;;
+  *) echo "usage: gpu_detach.sh start COMMAND | wait SECONDS" >&2; exit 2 ;;
+esac
