@@ -100,6 +100,20 @@ def test_runs_from_separate_calls_make_one_table(tmp_path):
     assert report.table(record).count("dsrl step / verl step") == 2
 
 
+def test_a_verl_run_without_a_record_is_read_from_its_console_log(tmp_path):
+    """A call that ended before the harness wrote verl's record leaves its log: it joins the table by its name."""
+    log = tmp_path / "verl_step_s1.log"
+    log.write_text((DATA / "verl_console.log").read_text())
+    dsrl = json.loads((DATA / "dsrl_steps.json").read_text())
+    (tmp_path / "call").mkdir()
+    runs = {"dsrl 1.5b": {"framework": "dsrl", "workload": "step", "samples": 512, "steps": dsrl}}
+    (tmp_path / "call" / "peers.json").write_text(json.dumps({"runs": runs}))
+    record = report.merged([tmp_path / "call", log])
+    verl = record["runs"]["verl step seed 1"]
+    assert verl["steps"] == report.verl_steps(DATA / "verl_metrics.jsonl") and verl["samples"] == 512
+    assert "dsrl step / verl step" in report.table(record)
+
+
 def test_a_run_is_cut_to_what_is_left_of_the_budget_less_the_time_to_stop_it():
     """The toy's second GPU call: dsrl then verl under a 575 s stage, verl asked for 370 s. Killed from outside, the
     harness wrote no record of verl's 22 steps; cut to the budget, verl stops first and its steps are kept."""

@@ -115,12 +115,7 @@ SERVER = {"attention_backend": "triton", "sampling_backend": "pytorch", "cuda_gr
 """SGLang's settings in both frameworks: the kernels this image carries (no FA3), and no prefill CUDA graphs (SGLang
 0.5.17 captures 58 by default, a minute of each start, for prompts of 4 tokens here); decode graphs stay on."""
 
-WORKLOADS = {
-    # prompts per step, samples per prompt, new tokens, lr, token budget per micro-batch, SGLang memory fraction
-    "step": {"prompts": 64, "n": 8, "new_tokens": 512, "lr": 1e-6, "tokens": 16384, "mem": 0.4},
-    "toy": {"prompts": 32, "n": 8, "new_tokens": 5, "lr": 3e-3, "tokens": 16384, "mem": 0.3},
-}
-"""The issue's workloads: the realistic colocated step, and the toy task of configs/toy_gpu.yaml."""
+WORKLOADS = report.WORKLOADS
 
 
 def verl_command(w: dict, model: Path, data: Path, work: Path, steps: int, seed: int) -> list[str]:

@@ -6,7 +6,8 @@ final_metrics.json). Both are reduced to the phases below, as the mean over the 
 start-up costs are not a step's).
 
     python tools/peers/report.py OUT_DIR [DIR ...]  # the table of OUT_DIR/peers.json (and of each DIR's, merged:
-                                                    # one call per framework), and its PNGs into OUT_DIR
+                                                    # one call per framework), and its PNGs into OUT_DIR; a DIR
+                                                    # may be a verl console log (verl_toy_s0.log, `log_run`)
 """
 
 import json
@@ -31,6 +32,13 @@ REWARD = {"verl": "critic/score/mean", "dsrl": "reward/mean"}
 LENGTH = {"verl": "response_length/mean", "dsrl": "response/length_mean"}
 KEEP = re.compile(r"^(timing_s/|timing/|perf/|memory/|critic/score/|reward/mean|response_length/mean|response/length)")
 """The per-step metrics a run's record keeps."""
+
+WORKLOADS = {
+    # prompts per step, samples per prompt, new tokens, lr, token budget per micro-batch, SGLang memory fraction
+    "step": {"prompts": 64, "n": 8, "new_tokens": 512, "lr": 1e-6, "tokens": 16384, "mem": 0.4},
+    "toy": {"prompts": 32, "n": 8, "new_tokens": 5, "lr": 3e-3, "tokens": 16384, "mem": 0.3},
+}
+"""The issue's workloads: the realistic colocated step, and the toy task of configs/toy_gpu.yaml."""
 
 _CONSOLE = re.compile(r"step:(\d+) - (.*)$")
 
@@ -218,11 +226,35 @@ def plot_curves(record: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def merged(dirs: list[Path]) -> dict:
-    """The runs of every directory's peers.json in one record; a run's name gets its directory's where two clash."""
+_LOG_NAME = re.compile(r"verl_(\w+)_s(\d+)\.log$")
+
+
+def log_run(path: Path) -> tuple[str, dict]:
+    """A verl run from its console log alone, as the harness names it (`verl_<workload>_s<seed>.log`): what is left
+    of a run whose call ended before the harness wrote its record. Its name and record are the harness's (the toy
+    builds its model, toy_model, and serves it from model_toy_model)."""
+    found = _LOG_NAME.search(path.name)
+    if not found:
+        raise ValueError(f"{path}: not a harness log (verl_<workload>_s<seed>.log)")
+    workload, seed = found.group(1), int(found.group(2))
+    w, model = WORKLOADS[workload], "toy_model" if workload == "toy" else ""
+    steps = verl_steps(None, path.read_text(errors="replace"))
+    served = f"{workload} model_{model}" if model else workload
+    run = {"framework": "verl", "mode": "best", "seed": seed, "workload": served, "samples": w["prompts"] * w["n"],
+           "steps": steps}  # fmt: skip
+    return f"verl {model or workload} seed {seed}", run
+
+
+def merged(paths: list[Path]) -> dict:
+    """The runs of every directory's peers.json (or verl console log, `log_run`) in one record; a run's name gets
+    its directory's where two clash."""
     record: dict = {"runs": {}}
-    for d in dirs:
-        for name, run in json.loads((d / "peers.json").read_text())["runs"].items():
+    for d in paths:
+        if d.is_file():
+            runs = dict([log_run(d)])
+        else:
+            runs = json.loads((d / "peers.json").read_text())["runs"]
+        for name, run in runs.items():
             record["runs"][f"{name} ({d.name})" if name in record["runs"] else name] = run
     return record
 
