@@ -15,10 +15,14 @@ case ${1:-} in
     (cd "$D/src" && OUT=$D/out setsid nohup bash -c "$2; echo \$? > $D/rc" > "$D/log" 2>&1 < /dev/null &)
     echo "started: $2"
     ;;
-  wait)
-    end=$((SECONDS + ${2:-560}))
-    while [ ! -f "$D/rc" ] && [ $SECONDS -lt $end ]; do sleep 5; done
-    cp -r "$D/out/." "${OUT:-/tmp/gpu_out}/" && cp "$D/log" "${OUT:-/tmp/gpu_out}/detached.log"
+  wait)  # copies every 20 s too: a call stopped at its limit still brings back what was copied
+    end=$((SECONDS + ${2:-560})) next=$((SECONDS + 20))
+    bring() { cp -r "$D/out/." "${OUT:-/tmp/gpu_out}/"; cp "$D/log" "${OUT:-/tmp/gpu_out}/detached.log"; }
+    while [ ! -f "$D/rc" ] && [ $SECONDS -lt $end ]; do
+      sleep 5
+      if [ $SECONDS -ge $next ]; then bring; next=$((SECONDS + 20)); fi
+    done
+    bring
     if [ -f "$D/rc" ]; then echo "done rc=$(cat "$D/rc")"; else echo "still running after ${2:-560} s"; fi
     tail -n 30 "$D/log"
     ;;
