@@ -19,6 +19,8 @@
 #   source .gpu/setup.sh; MODELS=1.5b bash tools/gpu_run.sh setup peers              # 1 GPU (verl beside dsrl:
 #                                                         tools/peers/; .peers/verl_site.tar.xz carried, see build_site.sh)
 #     (LoRA against full fine-tuning at 3B and 7B, LoRA PPO before/after: the calls in docs/benchmarks.md, "LoRA against full")
+#   Longer than one call (verl's toy run to 100 steps, two seeds: ~1,400 s): tools/gpu_detach.sh runs the stages
+#   detached on the held machine and brings back their output call by call (docs/benchmarks.md, "Beside verl").
 #   source .gpu/setup.sh; MODELS="1.5b 1.5b-rm" bash tools/gpu_run.sh setup rm       # 1 GPU (reward model, 3 tenants)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py;
 #                                                         ASYNC_EXTRA="--rollout.max_concurrency 768" passes flags on)
