@@ -99,6 +99,15 @@ for s in "$@"; do
         --server-args '{"attention_backend": "triton", "sampling_backend": "pytorch"}'
       tail -2 "$OUT/rollout.log" | tee -a "$SUMMARY"
       ;;
+    throughput)  # 1 GPU: SGLang's own throughput (a bare client, all 512 requests in flight) against dsrl's client at
+      # train's 256 in flight, on peers' 1.5B batch (512 x 4 -> 512) and server flags, for each attention backend
+      for be in ${TP_BACKENDS:-triton flashinfer}; do
+        stage throughput_$be ${TP_LIMIT:-240} python3 tools/bench_rollout.py --model /tmp/models/${TP_MODEL:-1.5b} \
+          --requests 512 --prompt-len 4 --new-tokens 512 --max-concurrency ${TP_CONCURRENCY:-256} --server-args \
+          '{"attention_backend": "'$be'", "sampling_backend": "pytorch", "mem_fraction_static": 0.4, "cuda_graph_backend_prefill": "disabled"}'
+        grep -a "^rollout throughput\|Error" "$OUT/throughput_$be.log" | tail -2 | sed "s/^/$be: /" | tee -a "$SUMMARY"
+      done
+      ;;
     bench_ipc)
       stage bench_ipc 560 python3 tools/bench_sync.py --mode ipc --models ${IPC_MODELS:-0.5b 1.5b 3b} \
         --bucket-mb ${BUCKETS:-64 256 1024 0} --repeats ${REPEATS:-3} --workdir /tmp/models ${BENCH_EXTRA:-}
