@@ -16,6 +16,8 @@ case ${1:-} in
     echo "started: $2"
     ;;
   wait)  # copies every 20 s too: a call stopped at its limit still brings back what was copied
+    # No job here: the machine was given back since `start` (idle > 30 s) and this one is fresh; don't wait on it.
+    [ -f "$D/log" ] || { echo "no detached job on this machine (a fresh one: the held machine was released)"; exit 3; }
     end=$((SECONDS + ${2:-560})) next=$((SECONDS + 20))
     bring() { cp -r "$D/out/." "${OUT:-/tmp/gpu_out}/"; cp "$D/log" "${OUT:-/tmp/gpu_out}/detached.log"; }
     while [ ! -f "$D/rc" ] && [ $SECONDS -lt $end ]; do
