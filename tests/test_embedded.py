@@ -91,6 +91,9 @@ def test_bad_requests_are_400_with_a_message(server):
         gen(server, {"max_new_tokens": 1000})
     with pytest.raises(ServerError, match="send input_ids"):
         server.run(server.generate({"text": "hello"}))
+    with pytest.raises(ServerError, match=r"input_ids\[1\] = -3 is outside the vocabulary"):
+        server.run(server.generate({"input_ids": [PROMPT[0], -3], "sampling_params": {"max_new_tokens": 2}}))
+    assert len(gen(server, {"max_new_tokens": 2, "ignore_eos": True})["output_ids"]) == 2  # and it goes on serving
 
 
 def test_pause_holds_requests_until_continue(server):

@@ -112,6 +112,9 @@ def test_a_verl_run_without_a_record_is_read_from_its_console_log(tmp_path):
     verl = record["runs"]["verl step seed 1"]
     assert verl["steps"] == report.verl_steps(DATA / "verl_metrics.jsonl") and verl["samples"] == 512
     assert "dsrl step / verl step" in report.table(record)
+    (tmp_path / "again").mkdir()  # the same run's log from another call is kept too, named by its folder
+    (tmp_path / "again" / log.name).write_text(log.read_text())
+    assert "verl step seed 1 (again)" in report.merged([log, tmp_path / "again" / log.name])["runs"]
 
 
 def test_a_run_is_cut_to_what_is_left_of_the_budget_less_the_time_to_stop_it():

@@ -190,6 +190,7 @@ class Engine:
         self.adapters = Adapters(self.model, *lora) if lora is not None else None
         """--enable-lora: (max rank, target layer names)."""
         self.context_len = getattr(config, "max_position_embeddings", 1 << 30)
+        self.vocab_size = config.vocab_size
         self.eos_ids = _as_set(config.eos_token_id)
         try:
             self.eos_ids |= _as_set(GenerationConfig.from_pretrained(model_path).eos_token_id)
@@ -236,12 +237,19 @@ class Engine:
                     if batch and tokens > self.max_batch_tokens:
                         break
                     batch.append(req)
-            with self.model_lock:
-                if self.deterministic:
-                    steps = [self._step([req]) for req in batch]
-                    next_ids, logprobs = [s[0][0] for s in steps], [s[1][0] for s in steps]
-                else:
-                    next_ids, logprobs = self._step_by_adapter(batch)
+            try:
+                with self.model_lock:
+                    if self.deterministic:
+                        steps = [self._step([req]) for req in batch]
+                        next_ids, logprobs = [s[0][0] for s in steps], [s[1][0] for s in steps]
+                    else:
+                        next_ids, logprobs = self._step_by_adapter(batch)
+            except Exception as e:  # a failed step fails its requests; the server, and its thread, go on
+                log.exception("decode step failed; its %d requests end as aborted", len(batch))
+                with self.cond:
+                    for req in (r for r in batch if r in self.running):
+                        self._finish(req, {"type": "abort", "message": f"decode step failed: {e!r}"})
+                continue
             if self.decode_delay_s:
                 time.sleep(self.decode_delay_s)
             with self.cond:
@@ -340,6 +348,10 @@ class Engine:
             raise BadRequest(f"unknown sampling_params {sorted(unknown)}; allowed: {sorted(SAMPLING_KEYS)}")
         if not input_ids:
             raise BadRequest("input_ids is empty")
+        outside = next((i for i, t in enumerate(input_ids) if not 0 <= t < self.vocab_size), None)
+        if outside is not None:
+            token, vocab = input_ids[outside], self.vocab_size
+            raise BadRequest(f"input_ids[{outside}] = {token} is outside the vocabulary [0, {vocab})")
         if params.get("n", 1) != 1:
             raise BadRequest("the embedded engine supports n=1 only; send one request per sample")
         max_new = params.get("max_new_tokens") or 128
