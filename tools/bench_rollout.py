@@ -73,10 +73,14 @@ def main() -> None:
     if args.routes:
         compare_routes(cfg, args, vocab)
         return
-    with start_fleet(cfg, args.model, Path(tempfile.mkdtemp(prefix="dsrl_bench_rollout_")), 0, args.engine) as fleet:
+    run_dir, start = Path(tempfile.mkdtemp(prefix="dsrl_bench_rollout_")), time.perf_counter()
+    print(f"server log: {run_dir}/logs/server_0.log", flush=True)
+    with start_fleet(cfg, args.model, run_dir, 0, args.engine) as fleet:
+        print(f"server ready in {time.perf_counter() - start:.0f} s", flush=True)
         client = RolloutClient(fleet.urls, max_concurrency=args.max_concurrency, timeout_s=3600)
         reqs = payloads(args.requests, args.prompt_len, args.new_tokens, vocab)
         client.run(plain(fleet.urls[0], reqs[:8]))  # warm-up (JIT, graphs)
+        print(f"warmed up at {time.perf_counter() - start:.0f} s", flush=True)
         results = {"dsrl": [], "plain": []}
         for _ in range(args.rounds):
             for name in ("plain", "dsrl"):
@@ -92,6 +96,7 @@ def main() -> None:
                 seconds = time.perf_counter() - start
                 tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
                 results[name].append(tokens / seconds)
+                print(f"{name}: {tokens} tokens in {seconds:.2f} s, {tokens / seconds:.0f} tok/s", flush=True)
         client.close()
     best = {k: max(v) for k, v in results.items()}
     print(

@@ -105,7 +105,8 @@ for s in "$@"; do
         stage throughput_$be ${TP_LIMIT:-240} python3 tools/bench_rollout.py --model /tmp/models/${TP_MODEL:-1.5b} \
           --requests 512 --prompt-len 4 --new-tokens 512 --max-concurrency ${TP_CONCURRENCY:-256} --server-args \
           '{"attention_backend": "'$be'", "sampling_backend": "pytorch", "mem_fraction_static": 0.4, "cuda_graph_backend_prefill": "disabled"}'
-        grep -a "^rollout throughput\|Error" "$OUT/throughput_$be.log" | tail -2 | sed "s/^/$be: /" | tee -a "$SUMMARY"
+        grep -a "^rollout throughput\|ready in\|Error" "$OUT/throughput_$be.log" | tail -3 | sed "s/^/$be: /" | tee -a "$SUMMARY"
+        log=$(sed -n 's/^server log: //p' "$OUT/throughput_$be.log"); [ -f "$log" ] && tail -c 100000 "$log" > "$OUT/throughput_${be}_server.log"
       done
       ;;
     bench_ipc)

@@ -196,7 +196,8 @@ def plot_phases(record: dict, path: Path) -> None:
 
 
 def plot_curves(record: dict, path: Path) -> None:
-    """Reward by step and by seconds of training, every run of the toy task (each framework, each seed)."""
+    """Reward by step and by seconds of training steps after the first, every run of the toy task (each framework,
+    each seed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -210,14 +211,14 @@ def plot_curves(record: dict, path: Path) -> None:
         framework = run["framework"]
         rewards = [s.get(REWARD[framework], float("nan")) for s in run["steps"]]
         clock, t = [], 0.0
-        for s in run["steps"]:
-            t += s.get(PREFIX[framework] + "step", 0.0)
+        for i, s in enumerate(run["steps"]):  # the first step's one-time work (verl: ~50-130 s of compiles) left out
+            t += s.get(PREFIX[framework] + "step", 0.0) if i else 0.0
             clock.append(t)
         style = "-" if framework == "dsrl" else "--"
         by_step.plot(range(1, len(rewards) + 1), rewards, style, label=name)
         by_time.plot(clock, rewards, style, label=name)
     by_step.set_xlabel("step")
-    by_time.set_xlabel("seconds of training steps")
+    by_time.set_xlabel("seconds of training steps after the first")
     for ax in (by_step, by_time):
         ax.set_ylabel("mean reward")
         ax.legend(fontsize=7)
@@ -247,7 +248,7 @@ def log_run(path: Path) -> tuple[str, dict]:
 
 def merged(paths: list[Path]) -> dict:
     """The runs of every directory's peers.json (or verl console log, `log_run`) in one record; a run's name gets
-    its directory's where two clash."""
+    its directory's (a log's: the folder holding it) where two clash."""
     record: dict = {"runs": {}}
     for d in paths:
         if d.is_file():
@@ -255,7 +256,8 @@ def merged(paths: list[Path]) -> dict:
         else:
             runs = json.loads((d / "peers.json").read_text())["runs"]
         for name, run in runs.items():
-            record["runs"][f"{name} ({d.name})" if name in record["runs"] else name] = run
+            label = d.parent.name if d.is_file() else d.name
+            record["runs"][f"{name} ({label})" if name in record["runs"] else name] = run
     return record
 
 
