@@ -31,8 +31,9 @@ from dsrl.serving.fleet import start_fleet  # noqa: E402
 
 def payloads(n: int, prompt_len: int, new_tokens: int, vocab: int) -> list[dict]:
     params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
+    low = min(20, vocab // 2)  # past the special tokens of a real vocabulary
     return [
-        {"input_ids": [(7 * i + j) % (vocab - 20) + 20 for j in range(prompt_len)], "sampling_params": params}
+        {"input_ids": [(7 * i + j) % (vocab - low) + low for j in range(prompt_len)], "sampling_params": params}
         for i in range(n)
     ]
 
