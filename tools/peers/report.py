@@ -8,6 +8,7 @@ start-up costs are not a step's).
     python tools/peers/report.py OUT_DIR [DIR ...]  # the table of OUT_DIR/peers.json (and of each DIR's, merged:
                                                     # one call per framework), and its PNGs into OUT_DIR; a DIR
                                                     # may be a verl console log (verl_toy_s0.log, `log_run`)
+    python tools/peers/report.py /tmp/toy docs/peers_runs/toy   # the toy runs in docs/benchmarks.md, redrawn
 """
 
 import json
@@ -262,8 +263,9 @@ def merged(paths: list[Path]) -> dict:
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    record = merged([Path(d) for d in sys.argv[1:]])
+    out = Path(sys.argv[1])  # may hold no record of its own: then it only takes the PNGs
+    out.mkdir(parents=True, exist_ok=True)
+    record = merged([p for p in map(Path, sys.argv[1:]) if p.is_file() or (p / "peers.json").exists()])
     print(table(record))
     plot_phases(record, out / "phases.png")
     plot_curves(record, out / "curves.png")
