@@ -5,6 +5,8 @@ second), the same step in its file logger's JSON-line format, and dsrl's per-ste
 
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -136,3 +138,20 @@ def test_the_toy_tokenizer_gets_the_tokens_verls_qwen2_agent_loop_needs(tmp_path
     assert tokenizer.encode("\n", add_special_tokens=False) == [14]
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == 15
     assert tokenizer("394=")["input_ids"] == toy.build_tokenizer(16)("394=")["input_ids"]
+
+
+def test_a_detached_job_outlives_its_call_and_wait_brings_back_what_it_wrote(tmp_path):
+    """tools/gpu_detach.sh, as the GPU calls use it: `start` returns at once, the job writes into its OUT, `wait`
+    copies that into the calling command's OUT and reports the exit status; with no job, `wait` says so at once."""
+    env = dict(os.environ, DETACHED_DIR=str(tmp_path / "job"), OUT=str(tmp_path / "call"))
+    tool, tree = ["bash", str(ROOT / "tools" / "gpu_detach.sh")], tmp_path / "tree"
+    tree.mkdir()
+    gone = subprocess.run([*tool, "wait", "30"], env=env, capture_output=True, text=True, timeout=10)
+    assert gone.returncode == 3 and "no detached job" in gone.stdout
+    started = subprocess.run([*tool, "start", "sleep 1; echo done > $OUT/result.txt"], env=env, cwd=tree,
+                             capture_output=True, text=True, timeout=10)  # fmt: skip
+    assert started.returncode == 0 and not (tmp_path / "job" / "out" / "result.txt").exists()
+    (tmp_path / "call").mkdir()
+    waited = subprocess.run([*tool, "wait", "30"], env=env, capture_output=True, text=True, timeout=40)
+    assert "done rc=0" in waited.stdout
+    assert (tmp_path / "call" / "result.txt").read_text() == "done\n"

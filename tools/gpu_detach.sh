@@ -7,12 +7,13 @@
 #            bash tools/gpu_detach.sh wait 560
 #   call 2+: bash tools/gpu_detach.sh wait 580       # until it prints "done rc=..."
 set -u
-D=/tmp/detached
+D=${DETACHED_DIR:-/tmp/detached}  # the job: its copy of the tree (src), its OUT (out), log and exit status (rc)
 case ${1:-} in
   start)
     rm -rf "$D" && mkdir -p "$D/out"
     cp -a . "$D/src"
-    (cd "$D/src" && OUT=$D/out setsid nohup bash -c "$2; echo \$? > $D/rc" > "$D/log" 2>&1 < /dev/null &)
+    # Every stream away from the caller's: a job holding its stdout would keep a piped caller waiting to its end.
+    (cd "$D/src" && OUT=$D/out exec setsid nohup bash -c "$2; echo \$? > $D/rc") > "$D/log" 2>&1 < /dev/null &
     echo "started: $2"
     ;;
   wait)  # copies every 20 s too: a call stopped at its limit still brings back what was copied
