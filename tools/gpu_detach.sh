@@ -11,9 +11,9 @@ D=${DETACHED_DIR:-/tmp/detached}  # the job: its copy of the tree (src), its OUT
 case ${1:-} in
   start)
     rm -rf "$D" && mkdir -p "$D/out"
-    cp -a . "$D/src"
+    cp -a . "$D/src" && : > "$D/log"  # the log before the job: a `wait` right after this finds it
     # Every stream away from the caller's: a job holding its stdout would keep a piped caller waiting to its end.
-    (cd "$D/src" && OUT=$D/out exec setsid nohup bash -c "$2; echo \$? > $D/rc") > "$D/log" 2>&1 < /dev/null &
+    (cd "$D/src" && OUT=$D/out exec setsid nohup bash -c "$2; echo \$? > $D/rc") >> "$D/log" 2>&1 < /dev/null &
     echo "started: $2"
     ;;
   wait)  # copies every 20 s too: a call stopped at its limit still brings back what was copied
