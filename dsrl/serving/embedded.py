@@ -190,7 +190,7 @@ class Engine:
         self.adapters = Adapters(self.model, *lora) if lora is not None else None
         """--enable-lora: (max rank, target layer names)."""
         self.context_len = getattr(config, "max_position_embeddings", 1 << 30)
-        self.vocab_size = config.vocab_size
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.eos_ids = _as_set(config.eos_token_id)
         try:
             self.eos_ids |= _as_set(GenerationConfig.from_pretrained(model_path).eos_token_id)
@@ -244,12 +244,10 @@ class Engine:
                         next_ids, logprobs = [s[0][0] for s in steps], [s[1][0] for s in steps]
                     else:
                         next_ids, logprobs = self._step_by_adapter(batch)
-            except Exception as e:  # a failed step fails its requests; the server, and its thread, go on
-                log.exception("decode step failed; its %d requests end as aborted", len(batch))
-                with self.cond:
-                    for req in (r for r in batch if r in self.running):
-                        self._finish(req, {"type": "abort", "message": f"decode step failed: {e!r}"})
-                continue
+            except BaseException:  # the server ends, as SGLang's does when its scheduler raises: the fleet sees it
+                log.exception("decode step failed; the server exits")  # gone and restarts it, rather than every
+                logging.shutdown()  # request hanging on a scheduler thread that is no more
+                os._exit(1)
             if self.decode_delay_s:
                 time.sleep(self.decode_delay_s)
             with self.cond:
