@@ -155,3 +155,13 @@ def test_a_detached_job_outlives_its_call_and_wait_brings_back_what_it_wrote(tmp
     waited = subprocess.run([*tool, "wait", "30"], env=env, capture_output=True, text=True, timeout=40)
     assert "done rc=0" in waited.stdout
     assert (tmp_path / "call" / "result.txt").read_text() == "done\n"
+
+
+def test_verl_overrides_replace_a_setting_or_add_one_and_each_key_is_given_once():
+    """verl's fast paths this image may run (its fused log-prob kernels) are tried by override; hydra refuses a key
+    given twice, so an override replaces the harness's value."""
+    over = ["actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.use_fused_kernels=true"]
+    argv = peers.verl_command(peers.WORKLOADS["step"], Path("m"), Path("d"), Path("w"), 3, 0, over)
+    keys = [a.split("=", 1)[0] for a in argv[3:]]
+    assert len(keys) == len(set(keys))
+    assert "actor_rollout_ref.model.use_remove_padding=true" in argv and over[1] in argv

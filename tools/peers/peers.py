@@ -118,10 +118,13 @@ SERVER = {"attention_backend": "triton", "sampling_backend": "pytorch", "cuda_gr
 WORKLOADS = report.WORKLOADS
 
 
-def verl_command(w: dict, model: Path, data: Path, work: Path, steps: int, seed: int) -> list[str]:
+def verl_command(
+    w: dict, model: Path, data: Path, work: Path, steps: int, seed: int, overrides: list[str] = ()
+) -> list[str]:
     """verl 0.9.1's PPO entry point, GRPO, one GPU, colocated with SGLang (its hybrid engine), at the settings its
     docs give for one GPU that this image can run: dynamic batch size by tokens, no remove-padding (it needs
-    flash-attn, which has no wheel for torch 2.11: sdpa instead, padded rows), no offload, KL off."""
+    flash-attn, which has no wheel for torch 2.11: sdpa instead, padded rows), no offload, KL off. `overrides`
+    (hydra's KEY=VALUE) replace or add settings, e.g. actor_rollout_ref.model.use_fused_kernels=true."""
     toy = w["new_tokens"] < 16
     args = {
         "algorithm.adv_estimator": "grpo", "algorithm.use_kl_in_reward": False,
@@ -153,6 +156,7 @@ def verl_command(w: dict, model: Path, data: Path, work: Path, steps: int, seed:
     if toy:
         args |= {"actor_rollout_ref.rollout.dtype": "float16",
                  "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": "fp32"}  # fmt: skip
+    args |= dict(o.split("=", 1) for o in overrides)  # one value a key: hydra refuses a key given twice
     return [sys.executable, "-m", "verl.trainer.main_ppo", *(f"{k}={_hydra(v)}" for k, v in args.items())]
 
 
@@ -288,7 +292,7 @@ def one_run(name: str, args, w: dict, model: Path, data: Path, seed: int, limit:
     if framework == "verl":
         env["VERL_FILE_LOGGER_PATH"] = str(work / "metrics.jsonl")
         env["PYTHONPATH"] = os.pathsep.join((str(args.verl_site), env["PYTHONPATH"]))
-        argv = verl_command(w, model, data, work, args.steps, seed)
+        argv = verl_command(w, model, data, work, args.steps, seed, args.verl_overrides)
     else:
         argv = dsrl_command(w, model, data, work / "run", args.steps, seed, padded=name.endswith("padded"))
     log = args.out / f"{name}_{args.workload}_s{seed}.log"
@@ -315,6 +319,7 @@ def main() -> None:
     p.add_argument("--data", type=Path, default=ROOT / "examples/toy/train.jsonl")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/peers"))
     p.add_argument("--verl-site", type=Path, default=Path("/tmp/verlsite"))
+    p.add_argument("--verl-overrides", nargs="*", default=[], help="hydra KEY=VALUE for verl's runs (replace or add)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     deadline = time.monotonic() + args.budget
