@@ -16,6 +16,8 @@
 #                         # 1 GPU, one call of < 560 s: multi-turn rollout cost and the 8-turn calculator agent (issue 38)
 #   source .gpu/setup.sh; MODELS=3b bash tools/gpu_run.sh setup bench_trainer       # 1 GPU (tools/bench_trainer.py)
 #   source .gpu/setup.sh; MODELS="1.5b 3b" bash tools/gpu_run.sh setup lora          # 1 GPU (LoRA: adapter/merged/full)
+#   source .gpu/setup.sh; MODELS=1.5b bash tools/gpu_run.sh setup throughput         # 1 GPU (SGLang's own rollout
+#                         throughput vs dsrl's client, per attention backend: TP_BACKENDS; ~300 s a backend cold)
 #   source .gpu/setup.sh; MODELS=1.5b bash tools/gpu_run.sh setup peers              # 1 GPU (verl beside dsrl:
 #                                                         tools/peers/; .peers/verl_site.tar.xz carried, see build_site.sh)
 #     (LoRA against full fine-tuning at 3B and 7B, LoRA PPO before/after: the calls in docs/benchmarks.md, "LoRA against full")
@@ -102,7 +104,7 @@ for s in "$@"; do
     throughput)  # 1 GPU: SGLang's own throughput (a bare client, all 512 requests in flight) against dsrl's client at
       # train's 256 in flight, on peers' 1.5B batch (512 x 4 -> 512) and server flags, for each attention backend
       for be in ${TP_BACKENDS:-triton flashinfer}; do
-        stage throughput_$be ${TP_LIMIT:-240} python3 tools/bench_rollout.py --model /tmp/models/${TP_MODEL:-1.5b} \
+        stage throughput_$be ${TP_LIMIT:-300} python3 tools/bench_rollout.py --model /tmp/models/${TP_MODEL:-1.5b} \
           --requests 512 --prompt-len 4 --new-tokens 512 --max-concurrency ${TP_CONCURRENCY:-256} --server-args \
           '{"attention_backend": "'$be'", "sampling_backend": "pytorch", "mem_fraction_static": 0.4, "cuda_graph_backend_prefill": "disabled"}'
         grep -a "^rollout throughput\|ready in\|Error" "$OUT/throughput_$be.log" | tail -3 | sed "s/^/$be: /" | tee -a "$SUMMARY"
