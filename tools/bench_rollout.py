@@ -74,14 +74,14 @@ def main() -> None:
     if args.routes:
         compare_routes(cfg, args, vocab)
         return
-    run_dir, start = Path(tempfile.mkdtemp(prefix="dsrl_bench_rollout_")), time.perf_counter()
+    run_dir, launched = Path(tempfile.mkdtemp(prefix="dsrl_bench_rollout_")), time.perf_counter()
     print(f"server log: {run_dir}/logs/server_0.log", flush=True)
     with start_fleet(cfg, args.model, run_dir, 0, args.engine) as fleet:
-        print(f"server ready in {time.perf_counter() - start:.0f} s", flush=True)
+        print(f"server ready in {time.perf_counter() - launched:.0f} s", flush=True)
         client = RolloutClient(fleet.urls, max_concurrency=args.max_concurrency, timeout_s=3600)
         reqs = payloads(args.requests, args.prompt_len, args.new_tokens, vocab)
         client.run(plain(fleet.urls[0], reqs[:8]))  # warm-up (JIT, graphs)
-        print(f"warmed up at {time.perf_counter() - start:.0f} s", flush=True)
+        print(f"warmed up at {time.perf_counter() - launched:.0f} s", flush=True)
         results = {"dsrl": [], "plain": []}
         for _ in range(args.rounds):
             for name in ("plain", "dsrl"):

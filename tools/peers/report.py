@@ -14,6 +14,7 @@ start-up costs are not a step's).
 import json
 import re
 import sys
+from itertools import accumulate
 from pathlib import Path
 
 PHASES = ("generate", "old log-probs", "reference", "update", "weight sync")
@@ -211,10 +212,8 @@ def plot_curves(record: dict, path: Path) -> None:
     for name, run in runs:
         framework = run["framework"]
         rewards = [s.get(REWARD[framework], float("nan")) for s in run["steps"]]
-        clock, t = [], 0.0
-        for i, s in enumerate(run["steps"]):  # the first step's one-time work (verl: ~50-130 s of compiles) left out
-            t += s.get(PREFIX[framework] + "step", 0.0) if i else 0.0
-            clock.append(t)
+        # the first step's one-time work (verl: ~50-130 s of compiles) left out: the clock starts at its end
+        clock = list(accumulate((s.get(PREFIX[framework] + "step", 0.0) for s in run["steps"][1:]), initial=0.0))
         style = "-" if framework == "dsrl" else "--"
         by_step.plot(range(1, len(rewards) + 1), rewards, style, label=name)
         by_time.plot(clock, rewards, style, label=name)
@@ -253,11 +252,10 @@ def merged(paths: list[Path]) -> dict:
     record: dict = {"runs": {}}
     for d in paths:
         if d.is_file():
-            runs = dict([log_run(d)])
+            runs, label = dict([log_run(d)]), d.parent.name
         else:
-            runs = json.loads((d / "peers.json").read_text())["runs"]
+            runs, label = json.loads((d / "peers.json").read_text())["runs"], d.name
         for name, run in runs.items():
-            label = d.parent.name if d.is_file() else d.name
             record["runs"][f"{name} ({label})" if name in record["runs"] else name] = run
     return record
 
