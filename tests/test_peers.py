@@ -88,18 +88,21 @@ def test_the_table_puts_both_on_the_same_phases():
 
 def test_runs_from_separate_calls_make_one_table(tmp_path):
     """verl and dsrl in a call each (verl's start-up does not leave room for both): their records merge, the same
-    run name from two calls is kept twice, and the ratio is drawn across them."""
+    run name from two calls is kept twice, a run cut off before its first step gives way to its rerun, and the
+    ratio is drawn across them."""
     verl = report.verl_steps(DATA / "verl_metrics.jsonl")
     dsrl = json.loads((DATA / "dsrl_steps.json").read_text())
     same = {"workload": "step model_1.5b", "samples": 512}
-    for call, runs in (("call1", {"verl 1.5b": {"framework": "verl", "steps": verl, **same}}),
+    cut = {"framework": "dsrl", "steps": [], "rc": "timeout", **same}
+    for call, runs in (("call1", {"verl 1.5b": {"framework": "verl", "steps": verl, **same}, "dsrl 1.5b": cut}),
                        ("call2", {"dsrl 1.5b": {"framework": "dsrl", "steps": dsrl, **same}}),
                        ("call3", {"dsrl 1.5b": {"framework": "dsrl", "steps": dsrl[:1], **same}})):  # fmt: skip
         (tmp_path / call).mkdir()
         (tmp_path / call / "peers.json").write_text(json.dumps({"runs": runs}))
     record = report.merged([tmp_path / c for c in ("call1", "call2", "call3")])
     assert list(record["runs"]) == ["verl 1.5b", "dsrl 1.5b", "dsrl 1.5b (call3)"]
-    assert report.table(record).count("dsrl step / verl step") == 2
+    assert record["runs"]["dsrl 1.5b"]["steps"] == dsrl
+    assert report.table(record).count("dsrl step / verl step") == 2 and "failed" not in report.table(record)
 
 
 def test_a_verl_run_without_a_record_is_read_from_its_console_log(tmp_path):

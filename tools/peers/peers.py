@@ -11,8 +11,9 @@ messages' text as it is (verl always applies one), so both send the same token i
     python3 tools/peers/peers.py --workload toy --runs verl dsrl --seeds 0 1 --steps 100 --out $OUT
     python3 tools/peers/report.py $OUT                                                   # the table again
 
-On an H200 (1.5B), verl took ~170 s to its first step and ~130 s for it (one-time compilation and warm-up); dsrl
-~130 s to its first step, ~17 s a step after it: give each run's --limits room for the steps asked.
+On an H200 (1.5B), verl's three steps took 317 s in all: ~200 s of start-up and exit, ~65 s for its first step
+(one-time compilation and warm-up), ~24 s a step after it; dsrl ~130 s to its first step, ~17 s a step after it:
+give each run's --limits room for the steps asked.
 
 A run is `verl` (its best settings this image can run), `dsrl` (dsrl's defaults) or `dsrl-padded` (padded rows,
 like verl's here: flash-attn, which verl's remove-padding needs, has no wheel for this torch). Each run's record
@@ -122,9 +123,10 @@ def verl_command(
     w: dict, model: Path, data: Path, work: Path, steps: int, seed: int, overrides: list[str] = ()
 ) -> list[str]:
     """verl 0.9.1's PPO entry point, GRPO, one GPU, colocated with SGLang (its hybrid engine), at the settings its
-    docs give for one GPU that this image can run: dynamic batch size by tokens, no remove-padding (it needs
-    flash-attn, which has no wheel for torch 2.11: sdpa instead, padded rows), no offload, KL off. `overrides`
-    (hydra's KEY=VALUE) replace or add settings, e.g. actor_rollout_ref.model.use_fused_kernels=true."""
+    docs give for one GPU that this image can run: dynamic batch size by tokens, its fused log-prob kernels, no
+    remove-padding (it needs flash-attn, which has no wheel for torch 2.11: sdpa instead, padded rows), no offload,
+    KL off. `overrides` (hydra's KEY=VALUE) replace or add settings: actor_rollout_ref.model.use_fused_kernels=false
+    is the path the first runs took (a Python loop over every token's log-softmax, 3.7x slower a step at 1.5B)."""
     toy = w["new_tokens"] < 16
     args = {
         "algorithm.adv_estimator": "grpo", "algorithm.use_kl_in_reward": False,
@@ -133,6 +135,7 @@ def verl_command(
         "data.filter_overlong_prompts": False, "data.dataloader_num_workers": 0,
         "actor_rollout_ref.model.path": model, "actor_rollout_ref.model.use_remove_padding": False,
         "actor_rollout_ref.model.enable_gradient_checkpointing": False,
+        "actor_rollout_ref.model.use_fused_kernels": True,
         "+actor_rollout_ref.model.override_config.attn_implementation": "sdpa",
         "actor_rollout_ref.actor.optim.lr": w["lr"], "actor_rollout_ref.actor.optim.weight_decay": 0.0,
         "actor_rollout_ref.actor.ppo_mini_batch_size": w["prompts"], "actor_rollout_ref.actor.use_dynamic_bsz": True,

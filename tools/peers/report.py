@@ -248,7 +248,8 @@ def log_run(path: Path) -> tuple[str, dict]:
 
 def merged(paths: list[Path]) -> dict:
     """The runs of every directory's peers.json (or verl console log, `log_run`) in one record; a run's name gets
-    its directory's (a log's: the folder holding it) where two clash."""
+    its directory's (a log's: the folder holding it) where two clash, unless the first has no step (a run cut off
+    before its first, rerun in a later call): the later one takes its place."""
     record: dict = {"runs": {}}
     for d in paths:
         if d.is_file():
@@ -256,7 +257,8 @@ def merged(paths: list[Path]) -> dict:
         else:
             runs, label = json.loads((d / "peers.json").read_text())["runs"], d.name
         for name, run in runs.items():
-            record["runs"][f"{name} ({label})" if name in record["runs"] else name] = run
+            clash = name in record["runs"] and record["runs"][name].get("steps")
+            record["runs"][f"{name} ({label})" if clash else name] = run
     return record
 
 
