@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -145,19 +146,21 @@ def test_the_toy_tokenizer_gets_the_tokens_verls_qwen2_agent_loop_needs(tmp_path
 
 def test_a_detached_job_outlives_its_call_and_wait_brings_back_what_it_wrote(tmp_path):
     """tools/gpu_detach.sh, as the GPU calls use it: `start` returns at once, the job writes into its OUT, `wait`
-    copies that into the calling command's OUT and reports the exit status; with no job, `wait` says so at once."""
+    brings that back into the calling command's OUT as one archive (a call returns at most 8 files), prints the
+    summaries and reports the exit status; with no job, `wait` says so at once."""
     env = dict(os.environ, DETACHED_DIR=str(tmp_path / "job"), OUT=str(tmp_path / "call"))
     tool, tree = ["bash", str(ROOT / "tools" / "gpu_detach.sh")], tmp_path / "tree"
     tree.mkdir()
     gone = subprocess.run([*tool, "wait", "30"], env=env, capture_output=True, text=True, timeout=10)
     assert gone.returncode == 3 and "no detached job" in gone.stdout
-    started = subprocess.run([*tool, "start", "sleep 1; echo done > $OUT/result.txt"], env=env, cwd=tree,
-                             capture_output=True, text=True, timeout=10)  # fmt: skip
-    assert started.returncode == 0 and not (tmp_path / "job" / "out" / "result.txt").exists()
+    job = "sleep 1; mkdir $OUT/a; echo done > $OUT/a/result.txt; echo 'step 3: 16.94 s' > $OUT/a/summary.txt"
+    started = subprocess.run([*tool, "start", job], env=env, cwd=tree, capture_output=True, text=True, timeout=10)
+    assert started.returncode == 0 and not (tmp_path / "job" / "out" / "a").exists()
     (tmp_path / "call").mkdir()
     waited = subprocess.run([*tool, "wait", "30"], env=env, capture_output=True, text=True, timeout=40)
-    assert "done rc=0" in waited.stdout
-    assert (tmp_path / "call" / "result.txt").read_text() == "done\n"
+    assert "done rc=0" in waited.stdout and "== a/summary.txt\nstep 3: 16.94 s" in waited.stdout
+    with tarfile.open(tmp_path / "call" / "detached_out.tar.gz") as archive:
+        assert archive.extractfile("./a/result.txt").read() == b"done\n"
 
 
 def test_verl_overrides_replace_a_setting_or_add_one_and_each_key_is_given_once():

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Work longer than one device call (600 s) on a held GPU machine. `start` runs a command detached (a session of
 # its own outlives the call) from a copy of the tree (the next call's tree replaces this one); `wait` waits for it
-# up to a limit and copies what it has written so far (its OUT, /tmp/detached/out) into this call's $OUT. Make the
+# up to a limit and brings what it has written so far (its OUT, /tmp/detached/out) back as one archive in this call's
+# $OUT (detached_out.tar.gz), and prints every summary.txt in it. Make the
 # next call within the 30 s a machine stays warm after one. Usage:
 #   call 1:  bash tools/gpu_detach.sh start 'source .gpup/setup.sh; OUT=$OUT/a ... bash tools/gpu_run.sh peers'
 #            bash tools/gpu_detach.sh wait 560
@@ -20,7 +21,13 @@ case ${1:-} in
     # No job here: the machine was given back since `start` (idle > 30 s) and this one is fresh; don't wait on it.
     [ -f "$D/log" ] || { echo "no detached job on this machine (a fresh one: the held machine was released)"; exit 3; }
     end=$((SECONDS + ${2:-560})) next=$((SECONDS + 20))
-    bring() { cp -r "$D/out/." "${OUT:-/tmp/gpu_out}/"; cp "$D/log" "${OUT:-/tmp/gpu_out}/detached.log"; }
+    # One archive: a call brings back at most 8 files of $OUT, 2 folders down (device README); a job writes more.
+    # The JIT cache at its top comes back as it is (the next session carries it), the ones below are left out.
+    bring() {
+      local o=${OUT:-/tmp/gpu_out}
+      tar czf "$o/detached_out.tar.gz" --exclude='jitcache*' -C "$D/out" . && cp "$D/log" "$o/detached.log"
+      [ -f "$D/out/jitcache.tar.gz" ] && cp "$D/out/jitcache.tar.gz" "$o/"
+    }
     while [ ! -f "$D/rc" ] && [ $SECONDS -lt $end ]; do
       sleep 5
       if [ $SECONDS -ge $next ]; then bring; next=$((SECONDS + 20)); fi
@@ -28,6 +35,7 @@ case ${1:-} in
     bring
     if [ -f "$D/rc" ]; then echo "done rc=$(cat "$D/rc")"; else echo "still running after ${2:-560} s"; fi
     tail -n 30 "$D/log"
+    find "$D/out" -name summary.txt | sort | while read -r f; do echo "== ${f#"$D"/out/}"; cat "$f"; done
     ;;
   *) echo "usage: gpu_detach.sh start COMMAND | wait SECONDS" >&2; exit 2 ;;
 esac
