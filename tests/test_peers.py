@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -171,3 +172,27 @@ def test_verl_overrides_replace_a_setting_or_add_one_and_each_key_is_given_once(
     keys = [a.split("=", 1)[0] for a in argv[3:]]
     assert len(keys) == len(set(keys))
     assert "actor_rollout_ref.model.use_remove_padding=true" in argv and over[1] in argv
+
+
+def test_a_run_that_logged_its_end_but_hangs_is_stopped_after_a_grace_the_rest_at_exit_or_deadline(
+    tmp_path, monkeypatch
+):
+    """verl's last step logged, its process sat in a Ray call until the harness's limit: the harness stops it
+    EXIT_GRACE_S after its end shows in the log, so the device time goes to the next run."""
+    monkeypatch.setattr(peers, "EXIT_GRACE_S", 1)
+    log = tmp_path / "run.log"
+
+    def outcome(code: str, limit: float = 30) -> tuple:
+        start = time.monotonic()
+        with open(log, "w") as f:
+            proc = subprocess.Popen([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT)
+        rc = peers.wait_for(proc, log, start + limit, peers.VERL_DONE)
+        proc.kill()
+        proc.wait()
+        return rc, time.monotonic() - start
+
+    hang = f"import time; print({peers.VERL_DONE!r} + ': None', flush=True); time.sleep(60)"
+    rc, took = outcome(hang)
+    assert rc == "finished" and took < 10
+    assert outcome("import sys; sys.exit(3)")[0] == 3
+    assert outcome("import time; time.sleep(60)", limit=2)[0] == "timeout"

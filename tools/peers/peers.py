@@ -233,26 +233,45 @@ def host_used_gb() -> float:
     return kb * 1024 / 1e9
 
 
-def run(argv: list[str], log: Path, limit: float, env: dict) -> dict:
-    """`argv` in its own session, logged to `log`, stopped (the whole session) at `limit` seconds; then whatever
-    it left on the GPU is ended (Ray's and SGLang's processes can outlive their parent)."""
+def run(argv: list[str], log: Path, limit: float, env: dict, finished: str | None = None) -> dict:
+    """`argv` in its own session, logged to `log`, stopped (the whole session) at `limit` seconds or once it is
+    done (`wait_for`); then whatever it left on the GPU is ended (Ray's and SGLang's processes can outlive their
+    parent)."""
     monitor, start = Monitor(), time.monotonic()
     with open(log, "w") as f:
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        rc = wait_for(proc, log, start + limit, finished)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             break
         time.sleep(5)
-    if rc == "timeout":
+    if rc in ("timeout", "finished"):
         proc.wait()
     clear_gpu(env)
     return {"rc": rc, "wall_s": time.monotonic() - start, **monitor.close()}
+
+
+EXIT_GRACE_S = 15
+"""Seconds a run may take to exit once its log says it is done: verl's last step logged, its process has sat in a
+Ray call until the harness's limit (seventh session, H200), device time spent on nothing."""
+
+
+def wait_for(proc: subprocess.Popen, log: Path, deadline: float, finished: str | None) -> int | str:
+    """The run's exit status; "timeout" at `deadline`; "finished" EXIT_GRACE_S after `finished` shows in its log
+    while it is still running."""
+    seen = None
+    while (rc := proc.poll()) is None:
+        now = time.monotonic()
+        if now >= deadline:
+            return "timeout"
+        if finished and seen is None and finished in log.read_text(errors="replace"):
+            seen = now
+        if seen is not None and now - seen >= EXIT_GRACE_S:
+            return "finished"
+        time.sleep(1)
+    return rc
 
 
 def clear_gpu(env: dict) -> None:
@@ -281,6 +300,10 @@ def run_limit(asked: float, deadline: float, now: float) -> float:
     return min(asked, deadline - now - STOP_S)
 
 
+VERL_DONE = "Final validation metrics"
+"""What verl's trainer prints after its last step (`trainer/ppo/v1`, validation or not)."""
+
+
 def one_run(name: str, args, w: dict, model: Path, data: Path, seed: int, limit: float) -> dict:
     """Run `name` (verl, dsrl, dsrl-padded) once; its record: per-step metrics, memory, the command."""
     work = args.workdir / f"{name}_{args.workload}_s{seed}"
@@ -299,7 +322,7 @@ def one_run(name: str, args, w: dict, model: Path, data: Path, seed: int, limit:
     else:
         argv = dsrl_command(w, model, data, work / "run", args.steps, seed, padded=name.endswith("padded"))
     log = args.out / f"{name}_{args.workload}_s{seed}.log"
-    outcome = run(argv, log, limit, env)
+    outcome = run(argv, log, limit, env, VERL_DONE if framework == "verl" else None)
     if framework == "verl":
         steps = report.verl_steps(work / "metrics.jsonl", log.read_text(errors="replace"))
     else:
