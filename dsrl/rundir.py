@@ -80,17 +80,33 @@ class RunLock:
             self.fd = None
 
 
-def _no_members_left(run_dir: Path) -> None:
-    """Raise naming the live processes of a previous run that still hold the run directory."""
+MEMBERS_WAIT_S = 20.0
+"""How long a new run waits for the processes of a run whose owner died to end before it refuses the directory:
+their watch (`OwnerWatch`) ends them within about a second, a loaded machine's in a few (a resume right after a
+kill -9, two test runs at a time on 2 cores, was refused when it did not wait)."""
+
+
+def _no_members_left(run_dir: Path, wait_s: float = MEMBERS_WAIT_S) -> None:
+    """Wait up to `wait_s` for the processes of a previous run that still hold the run directory to end; raise
+    naming them if they have not."""
     path = run_dir / MEMBERS_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    deadline, tries = time.monotonic() + wait_s, 0
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        pids = ", ".join(f"pid {pid} ({name})" for pid, name in _holders(path)) or "on another host"
+        while True:
+            try:
+                return fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    break
+                if not tries:
+                    log.warning("%s: waiting up to %.0f s for a lost run's processes to end", run_dir, wait_s)
+                tries += 1
+                time.sleep(0.5)
+        held = ", ".join(f"pid {pid} ({name})" for pid, name in _holders(path) if pid != os.getpid())
         raise RunDirLocked(
-            f"--logging.run_dir={str(run_dir)!r}: processes of a run that lost its owner are still alive: {pids}. "
-            "They exit within seconds; wait for them, or choose another --logging.run_dir"
+            f"--logging.run_dir={str(run_dir)!r}: processes of a run that lost its owner are still alive "
+            f"{wait_s:.0f} s on: {held or 'on another host'}. Stop them, or choose another --logging.run_dir"
         ) from None
     finally:
         os.close(fd)

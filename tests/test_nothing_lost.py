@@ -133,6 +133,32 @@ def test_a_lock_left_by_a_dead_run_is_taken_over_with_a_warning(tmp_path, caplog
     RunLock(tmp_path).acquire().release()
 
 
+def test_a_new_run_waits_for_a_lost_runs_processes_to_end_and_names_those_that_do_not(tmp_path, caplog):
+    """A resume right after a kill -9: the dead run's processes still hold the run directory for a moment (their
+    watch ends them); the new run waits for them, up to MEMBERS_WAIT_S, and then names them."""
+    from dsrl.rundir import MEMBERS_FILE, _no_members_left
+
+    hold = "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+    hold += "fcntl.flock(fd, fcntl.LOCK_SH); print(flush=True); time.sleep(float(sys.argv[2]))"
+    for seconds, wait_s in ((2, 15), (30, 1)):
+        member = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / MEMBERS_FILE), str(seconds)],
+                                  stdout=subprocess.PIPE, text=True)  # fmt: skip
+        member.stdout.readline()  # it holds the members file now
+        start = time.monotonic()
+        try:
+            if seconds < wait_s:
+                with caplog.at_level(logging.WARNING):
+                    _no_members_left(tmp_path, wait_s)
+                assert 1 < time.monotonic() - start < wait_s and "waiting up to 15 s" in caplog.text
+            else:
+                with pytest.raises(RunDirLocked, match=rf"still alive 1 s on: pid {member.pid} \(") as refused:
+                    _no_members_left(tmp_path, wait_s)
+                assert f"pid {os.getpid()} " not in str(refused.value)
+        finally:
+            member.kill()
+            member.wait()
+
+
 # -- 3. signals stop the whole run -----------------------------------------------------------------
 
 
@@ -201,8 +227,9 @@ def test_kill_9_of_dsrl_train_ends_every_process_of_the_run_and_the_run_dir_stay
                                 text=True, timeout=300)  # fmt: skip
         assert second.returncode == 2, second.stderr[-3000:]
         (message,) = [line for line in second.stderr.splitlines() if line.startswith("dsrl train: error:")]
-        assert "processes of a run that lost its owner are still alive: pid " in message, message
+        assert "processes of a run that lost its owner are still alive 20 s on: pid " in message, message
         assert any(f"pid {p.pid} " in message for p in run), message
+        assert "-m dsrl.cli" not in message  # the refused run itself is not one of them (the old one's is dead)
 
         for p in ranks_:
             p.resume()
