@@ -126,7 +126,8 @@ def verl_command(
     docs give for one GPU that this image can run: dynamic batch size by tokens, its fused log-prob kernels, no
     remove-padding (it needs flash-attn, which has no wheel for torch 2.11: sdpa instead, padded rows), no offload,
     KL off. `overrides` (hydra's KEY=VALUE) replace or add settings: actor_rollout_ref.model.use_fused_kernels=false
-    is the path the first runs took (a Python loop over every token's log-softmax, 3.7x slower a step at 1.5B)."""
+    is the path the first runs took (a Python loop over every token's log-softmax; docs/benchmarks.md, "Beside
+    verl")."""
     toy = w["new_tokens"] < 16
     args = {
         "algorithm.adv_estimator": "grpo", "algorithm.use_kl_in_reward": False,
