@@ -229,6 +229,12 @@ class TrainerConfig:
     """Optimizer steps per rollout batch (PPO mini-batches); each rank's samples are split evenly."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
+    old_logprobs: Literal["auto", "recompute"] = "auto"
+    """The old policy's logprobs (PPO's ratio, decoupled PPO's proximal policy). auto: where the batch gets one
+    optimizer step (updates_per_step 1, ppo_epochs 1, no kl_in_reward), the update's own forward pass gives them,
+    detached (the ratio is 1, the gradient the same), and the pass over the batch before the update is saved
+    (one H200, 64 x 8 x 512 tokens: the step 16.2 -> 13.8 s at 1.5B, 27.4 -> 24.4 s at 3B); recompute: always that
+    pass."""
     lr: float = 1e-6
     """Peak learning rate."""
     lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
@@ -263,7 +269,7 @@ class TrainerConfig:
     auto decides at start-up (and prints why) from the GPU's memory, the states' size and the servers'
     mem_fraction_static: they stay when both fit, as moving them costs seconds per step; always, never."""
     max_bad_steps: int = 3
-    """Steps in a row with non-finite logprobs or advantages (each skipped) before the run stops."""
+    """Steps in a row with non-finite logprobs, advantages or gradients (each skipped) before the run stops."""
 
 
 @dataclass

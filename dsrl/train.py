@@ -59,7 +59,7 @@ from dsrl.serving.control import FleetControl
 from dsrl.serving.fleet import start_fleet
 from dsrl.serving.servers import Fleet, ServerFleet, check_server_args, server_host
 from dsrl.sync.weight_sync import WeightSync, make_checkpoint_engine
-from dsrl.zero.actor import compute_logprobs, logprob_mismatch, update_actor
+from dsrl.zero.actor import compute_logprobs, logprob_mismatch, old_from_update, update_actor
 from dsrl.zero.batches import use_cuda
 from dsrl.zero.checkpoint import CheckpointError, export_hf, find_checkpoint, load_checkpoint, save_checkpoint
 from dsrl.zero.critic import compute_values, has_values, update_actor_and_critic, update_critic
@@ -103,7 +103,7 @@ def train(cfg: Config) -> dict[str, float]:
                     with timer("release"):
                         run.weights.sleep()
                 with timer("logprobs"):
-                    finite = compute_all_logprobs(run, batch.samples)
+                    finite = compute_all_logprobs(run, step, batch.samples)
                 with timer("update"):  # (one-step-off colocated: the next batch generates beside its last step)
                     stats = update(run, step, batch.samples, finite, generate_ahead(run, step + 1))
                 with timer("sync"):
@@ -328,10 +328,11 @@ def trim_trace(path: Path, step: int) -> None:
         path.write_text("".join(line + "\n" for line in lines))
 
 
-def compute_all_logprobs(run: Run, samples: list[Sample]) -> bool:
-    """Old (and reference) logprobs, and the critic's values; False on every rank when any rank saw a
-    non-finite value."""
-    compute_logprobs(run.actor, samples, "old_logprobs", run.cfg, run.pad_id)
+def compute_all_logprobs(run: Run, step: int, samples: list[Sample]) -> bool:
+    """Old logprobs (unless the update's forward pass gives them: `old_from_update`), reference logprobs and the
+    critic's values; False on every rank when any rank saw a non-finite value."""
+    if not (old_from_update(run.cfg) and trains_actor(run.cfg, step)):
+        compute_logprobs(run.actor, samples, "old_logprobs", run.cfg, run.pad_id)
     if run.ref is not None:
         with reference_off(run.ref.module):
             compute_logprobs(run.ref, samples, "ref_logprobs", run.cfg, run.pad_id)
@@ -341,15 +342,20 @@ def compute_all_logprobs(run: Run, samples: list[Sample]) -> bool:
     return all_ranks(all(torch.isfinite(v).all() for v in values))
 
 
+def trains_actor(cfg: Config, step: int) -> bool:
+    """Whether `step` updates the actor: with GAE, not before the critic's warm-up steps."""
+    return step >= cfg.critic.warmup_steps or cfg.algorithm.advantage != "gae"
+
+
 def update(run: Run, step: int, samples: list[Sample], finite: bool, alongside=None) -> dict[str, float]:
-    """Advantages, then the critic's and the actor's updates (the actor waits out critic.warmup_steps);
-    a step with non-finite inputs is skipped and counted. `alongside()`, before the actor's last optimizer
-    step, starts what runs beside it (`generate_ahead`; a step that trains no actor starts nothing)."""
+    """Advantages, then the critic's and the actor's updates (the actor waits out critic.warmup_steps); a step
+    with non-finite inputs, or whose actor step DeepSpeed skipped (a non-finite gradient norm), is skipped and
+    counted. `alongside()`, before the actor's last optimizer step, starts what runs beside it (`generate_ahead`;
+    a step that trains no actor starts nothing)."""
     stats = compute_advantages(samples, run.cfg, run.kl.value) if finite else {}
     advantages = [s.extras["advantages"] for s in samples] if finite else []
     if finite and all_ranks(all(torch.isfinite(a).all() for a in advantages)):
-        run.bad_steps = 0
-        train_actor = step >= run.cfg.critic.warmup_steps or run.cfg.algorithm.advantage != "gae"
+        train_actor = trains_actor(run.cfg, step)
         if has_values(run.actor):
             stats |= update_actor_and_critic(
                 run.actor, samples, run.cfg, run.pad_id, run.kl.value, train_actor, alongside if train_actor else None
@@ -359,14 +365,15 @@ def update(run: Run, step: int, samples: list[Sample], finite: bool, alongside=N
                 stats |= update_critic(run.critic, samples, run.cfg, run.pad_id)
             if train_actor:
                 stats |= update_actor(run.actor, samples, run.cfg, run.pad_id, run.kl.value, alongside)
-        stats |= kl_in_batch(run, samples)
-        return {**stats, "train/skipped_step": 0.0}
+        if not stats.get("actor/steps_skipped"):
+            run.bad_steps = 0
+            return {**stats, **kl_in_batch(run, samples), "train/skipped_step": 0.0}
     run.bad_steps += 1
-    log.warning("non-finite logprobs or advantages: step skipped (%d in a row)", run.bad_steps)
+    log.warning("non-finite logprobs, advantages or gradients: step skipped (%d in a row)", run.bad_steps)
     if run.bad_steps >= run.cfg.trainer.max_bad_steps:
         raise TrainingError(
-            f"{run.bad_steps} steps in a row had non-finite logprobs or advantages (--trainer.max_bad_steps="
-            f"{run.cfg.trainer.max_bad_steps}); check the rewards' scale and the learning rate"
+            f"{run.bad_steps} steps in a row had non-finite logprobs, advantages or gradients "
+            f"(--trainer.max_bad_steps={run.cfg.trainer.max_bad_steps}); check the rewards' scale and the learning rate"
         )
     return {"train/skipped_step": 1.0}
 

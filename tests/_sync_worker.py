@@ -94,7 +94,10 @@ def main(model_dir: str, train_path: str, out: str) -> None:
         results["model_bytes"] = sum(param_bytes(p) for _, p in named)
         results["sequences"] = update_sequences(cfg, actor, fleet, client, run_dir)
         results["failure_on_rank0"] = failure_on_rank0(cfg, actor, fleet, client, run_dir)
-        results["gradient"] = gradient_against_one_rank(cfg, actor)
+        recompute = replace(cfg, trainer=replace(cfg.trainer, old_logprobs="recompute"))
+        results["gradient"] = gradient_against_one_rank(recompute, actor)
+        results["non_finite_update"] = non_finite_update(cfg, actor)
+        results["gradient_fused"] = gradient_against_one_rank(cfg, actor)  # (after the skipped step: nothing left)
         checkpointed = replace(cfg, model=replace(cfg.model, gradient_checkpointing=True))
         engine = load_engine(checkpointed, model_dir, dist.get_world_size(), train=True)
         results["gradient_checkpointed"] = gradient_against_one_rank(checkpointed, engine)
@@ -169,7 +172,9 @@ def gradient_against_one_rank(cfg: Config, actor) -> dict:
     totals (rank 0: 3 response tokens, rank 1: 16), against plain torch's gradient of the whole batch on
     one process. Each rank dividing by its own token count gave the mean of per-rank means instead.
     The loss runs as `run_updates` runs it, the engine in training mode; `layer_forwards` counts the first
-    decoder layer's forward passes then (with gradient checkpointing, twice per micro-batch)."""
+    decoder layer's forward passes then (with gradient checkpointing, twice per micro-batch). The old logprobs
+    come from a pass before (trainer.old_logprobs recompute) or from the update's own (auto: `old_max_abs_diff`
+    is how far those it kept are from a pass's)."""
     from transformers import AutoModelForCausalLM
 
     from dsrl.data import Prompt, Sample
@@ -195,7 +200,8 @@ def gradient_against_one_rank(cfg: Config, actor) -> dict:
     # A budget of 12 tokens: rank 0's two samples (4 + 5 tokens) fit one micro-batch, rank 1's (10 + 12) need
     # two, so rank 0 splits its one to match: packed micro-batches of unequal counts, agreed over the ranks.
     cfg.trainer.max_tokens_per_micro_batch = 12
-    compute_logprobs(actor, mine, "old_logprobs", cfg, pad_id=0)  # ratio 1: the loss's gradient is -A grad(logp) / N
+    if cfg.trainer.old_logprobs == "recompute":  # ratio 1 either way: the loss's gradient is -A grad(logp) / N
+        compute_logprobs(actor, mine, "old_logprobs", cfg, pad_id=0)
     num_tokens, num_seqs = global_denominators(mine)
     chunks = trainer_micro_batches(mine, cfg)
     forwards = []
@@ -210,6 +216,8 @@ def gradient_against_one_rank(cfg: Config, actor) -> dict:
             actor.step()  # not at the boundary: counts the micro-step; the optimizer runs at the last one
     actor.eval()
     hook.remove()
+    compute_logprobs(actor, mine, "pass_logprobs", cfg, pad_id=0)
+    old_diff = max((s.extras["old_logprobs"] - s.extras["pass_logprobs"]).abs().max().item() for s in mine)
     grads = {name: deepspeed.utils.safe_get_full_grad(p) for name, p in named}  # every rank gathers
     with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
         weights = {name: p.detach().clone() for name, p in named}
@@ -232,7 +240,30 @@ def gradient_against_one_rank(cfg: Config, actor) -> dict:
     (-(advantages[:, None] * torch.exp(logp - logp.detach()) * mask).sum() / mask.sum()).backward()
     diff = max((grads[name] - p.grad).abs().max().item() for name, p in model.named_parameters() if name in grads)
     return {"max_abs_diff": diff, "max_abs_grad": max(g.abs().max().item() for g in grads.values()),
-            "micro_batches": len(chunks), "layer_forwards": len(forwards)}  # fmt: skip
+            "micro_batches": len(chunks), "layer_forwards": len(forwards), "old_max_abs_diff": old_diff}  # fmt: skip
+
+
+def non_finite_update(cfg: Config, actor) -> dict:
+    """`update_actor` on a batch with one sample's advantages NaN (on rank 0 alone): the loss and the gradients
+    are NaN there, the global gradient norm on every rank, and DeepSpeed skips the optimizer step on all."""
+    from dsrl.data import Prompt, Sample
+    from dsrl.zero.actor import update_actor
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = [Sample(Prompt(i, [5, 6 + i, 12], "", None), [3 + i, 4, 5], [0.0] * 3, "stop", 0) for i in range(4)]
+    for i, s in enumerate(batch):
+        s.extras["advantages"] = torch.full((3,), float("nan") if i == 0 else 1.0)
+    mine = batch[rank * len(batch) // world : (rank + 1) * len(batch) // world]
+    named = list(actor.module.named_parameters())
+
+    def weights():
+        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+            return [p.detach().clone() for _, p in named]
+
+    before = weights()
+    stats = update_actor(actor, mine, cfg, pad_id=0, kl_coef=0.0)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, weights()))
+    return {"steps_skipped": stats["actor/steps_skipped"], "unchanged": unchanged}
 
 
 def gather_to_all_padded(cfg: Config, run_dir: Path) -> dict:

@@ -115,6 +115,21 @@ def test_token_mean_gradient_over_ranks_equals_the_whole_batch_gradient(sync_res
     assert grad["layer_forwards"] == grad["micro_batches"]
 
 
+def test_old_logprobs_from_the_update_give_the_same_gradient_and_are_kept(sync_results):
+    """trainer.old_logprobs auto (one optimizer step per batch): no pass before the update, the ratio 1 from the
+    update's own forward pass, the same gradient as with the pass; the logprobs it keeps for the metrics after
+    the update are the pass's. It runs after the skipped step below: none of that step's gradients stayed."""
+    grad = sync_results["gradient_fused"]
+    assert grad["max_abs_grad"] > 1e-3 and grad["max_abs_diff"] < 1e-6, grad
+    assert grad["old_max_abs_diff"] < 1e-5, grad
+
+
+def test_an_update_with_non_finite_logprobs_or_gradients_is_skipped_on_every_rank(sync_results):
+    """One sample's NaN (rank 0's) makes the gradient norm NaN: DeepSpeed skips the optimizer step on every rank,
+    the weights stay as they were, and the update says so (`steps_skipped`, which `update` counts as a bad step)."""
+    assert sync_results["non_finite_update"] == {"steps_skipped": 1.0, "unchanged": True}
+
+
 def test_gradient_checkpointing_recomputes_each_layer_and_keeps_the_gradient(sync_results):
     """--model.gradient_checkpointing true under ZeRO-3: in training mode (as `run_updates` puts the engine) each
     decoder layer runs twice per micro-batch, its forward recomputed in the backward pass, and the gradient

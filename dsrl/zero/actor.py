@@ -112,8 +112,18 @@ def compute_logprobs(engine, samples: list[Sample], key: str, cfg: Config, pad_i
             s.extras[key] = row[: len(s.response_ids)].float().cpu()
 
 
+def old_from_update(cfg: Config) -> bool:
+    """Whether the update's own forward pass gives the old logprobs (`trainer.old_logprobs`): then no pass
+    computes them before it."""
+    t = cfg.trainer
+    return t.old_logprobs == "auto" and t.updates_per_step == t.ppo_epochs == 1 and not cfg.algorithm.kl_in_reward
+
+
 def logprob_mismatch(samples: list[Sample]) -> dict[str, float]:
-    """How far the engine's sampling logprobs are from the trainer's recomputed ones, over the model's tokens."""
+    """How far the engine's sampling logprobs are from the trainer's recomputed ones, over the model's tokens
+    (none when the step was skipped before the update gave them: `old_from_update`)."""
+    if any("old_logprobs" not in s.extras for s in samples):
+        return {}
     model = torch.cat([torch.tensor(s.mask(), dtype=torch.bool) for s in samples])
     engine = torch.cat([torch.tensor(s.engine_logprobs) for s in samples])[model]
     trainer = torch.cat([s.extras["old_logprobs"] for s in samples])[model]
@@ -145,11 +155,17 @@ def micro_batch_loss(
     engine, mb: MicroBatch, cfg: Config, num_tokens: float, num_seqs: float, kl_coef: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """The policy loss of one micro-batch as its share of the mini-batch loss (`global_denominators`),
-    its metrics, and its loss mask. Advantages come per token from extras["advantages"]."""
+    its metrics, and its loss mask. Advantages come per token from extras["advantages"]; the old logprobs from
+    extras["old_logprobs"], or (`old_from_update`) from this forward pass, detached and kept there."""
     a, mask = cfg.algorithm, mb.mask
-    old = per_token(mb, "old_logprobs")
     advantages = per_token(mb, "advantages")
     logprobs, entropy = forward_logprobs(engine, mb, cfg.rollout.temperature)
+    if old_from_update(cfg):
+        old = logprobs.detach()
+        for row, s in zip(old.float().cpu(), mb.samples):
+            s.extras["old_logprobs"] = row[: len(s.response_ids)].clone()
+    else:
+        old = per_token(mb, "old_logprobs")
     agg = (a.loss_agg, num_tokens, num_seqs)
     if a.policy_loss == "ppo":
         weights = None
@@ -223,8 +239,9 @@ def run_updates(
     num_seqs)` -> (loss, metrics, mask) gives each micro-batch's share of its mini-batch loss. Their number
     varies from step to step, so the last one of each mini-batch is marked as DeepSpeed's accumulation
     boundary. `alongside()` is called after the last backward pass, before the last optimizer step (which then
-    runs beside what it started). Returns token-weighted means of the metrics (and `padded_frac`, the padding's
-    share of the tokens the model ran on)."""
+    runs beside what it started). Returns token-weighted means of the metrics, `padded_frac` (the padding's
+    share of the tokens the model ran on) and `steps_skipped`: optimizer steps DeepSpeed skipped, their gradient
+    norm not finite (non-finite logprobs in the update give that), the gradients dropped."""
     auto = getattr(engine, "auto_checkpointing", None)  # (a trained engine under --model.gradient_checkpointing auto)
     if auto is not None:
         longest = max(len(s.prompt.prompt_ids) + len(s.response_ids) for s in samples)
@@ -245,7 +262,7 @@ def _run_updates(
     mini_size = len(samples) // t.updates_per_step
     sums: dict[str, float] = defaultdict(float)
     maxima: dict[str, float] = {}
-    tokens_seen, grad_norms, lrs, ran, real = 0.0, [], [], 0, 0
+    tokens_seen, grad_norms, lrs, ran, real, skipped = 0.0, [], [], 0, 0, 0
     for epoch in range(t.ppo_epochs):
         for m in range(0, len(samples), mini_size):
             mini = samples[m : m + mini_size]
@@ -263,6 +280,7 @@ def _run_updates(
                 if last and alongside is not None:
                     alongside()
                 engine.step()
+                skipped += i == len(chunks) - 1 and not engine.was_step_applied()
                 weight = mask.sum().item()
                 for key in [k for k in stats if k.endswith("_max")]:
                     maxima[key] = max(maxima.get(key, 0.0), stats.pop(key).item())
@@ -277,4 +295,5 @@ def _run_updates(
     out["padded_frac"] = 1 - real / max(ran, 1)
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["lr"] = lrs[-1]
+    out["steps_skipped"] = float(skipped)
     return out

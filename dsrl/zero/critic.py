@@ -167,5 +167,5 @@ def update_actor_and_critic(
         return total, stats, mask
 
     stats = run_updates(engine, samples, cfg, cfg.trainer.micro_batch_size, loss, pad_id, alongside)
-    shared = {f"actor/{k}": stats.pop(k) for k in ("padded_frac", "grad_norm", "lr")}
+    shared = {f"actor/{k}": stats.pop(k) for k in ("padded_frac", "grad_norm", "lr", "steps_skipped")}
     return stats | shared | {"critic/lr": engine.get_lr()[1]}
