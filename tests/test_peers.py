@@ -196,3 +196,17 @@ def test_a_run_that_logged_its_end_but_hangs_is_stopped_after_a_grace_the_rest_a
     assert rc == "finished" and took < 10
     assert outcome("import sys; sys.exit(3)")[0] == 3
     assert outcome("import time; time.sleep(60)", limit=2)[0] == "timeout"
+
+
+def test_each_dsrl_run_is_a_config_dsrl_reads_differing_from_the_defaults_in_its_one_setting():
+    from dsrl.config import build_parser, to_config
+
+    configs = {}
+    for name in peers.DSRL_VARIANTS:
+        argv = peers.dsrl_command(peers.WORKLOADS["step"], Path("m"), Path("d"), Path("r"), 3, 0, name)
+        parser = build_parser()
+        configs[name] = to_config(parser, parser.parse_args([str(a) for a in argv[4:]]))
+    assert configs["dsrl"].trainer.old_logprobs == "auto" and configs["dsrl"].trainer.pack_sequences == "auto"
+    assert configs["dsrl-recompute"].trainer.old_logprobs == "recompute"
+    assert configs["dsrl-padded"].trainer.pack_sequences is False
+    assert configs["dsrl-padded"].rollout == configs["dsrl-recompute"].rollout == configs["dsrl"].rollout

@@ -15,8 +15,8 @@ On an H200 (1.5B), verl's three steps took 317 s in all: ~200 s of start-up and 
 (one-time compilation and warm-up), ~24 s a step after it; dsrl ~130 s to its first step, ~17 s a step after it:
 give each run's --limits room for the steps asked.
 
-A run is `verl` (its best settings this image can run), `dsrl` (dsrl's defaults) or `dsrl-padded` (padded rows,
-like verl's here: flash-attn, which verl's remove-padding needs, has no wheel for this torch). Each run's record
+A run is `verl` (its best settings this image can run), `dsrl` (dsrl's defaults), `dsrl-padded` or
+`dsrl-recompute` (like verl's in one respect each: DSRL_VARIANTS). Each run's record
 goes into OUT/peers.json as soon as it ends, so a call cut off keeps what finished; with --budget (the seconds the
 caller gives the whole invocation) each run's limit is cut so that the harness, not the caller, stops the last one,
 and its steps so far are kept too.
@@ -168,8 +168,16 @@ def _hydra(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def dsrl_command(w: dict, model: Path, data: Path, run_dir: Path, steps: int, seed: int, padded: bool) -> list[str]:
-    """dsrl's colocated GRPO at its defaults, with the same workload, reward and learning settings as verl's."""
+DSRL_VARIANTS = {"dsrl": {}, "dsrl-padded": {"--trainer.pack_sequences": "false"},
+                 "dsrl-recompute": {"--trainer.old_logprobs": "recompute"}}  # fmt: skip
+"""dsrl's runs: its defaults; padded rows, like verl's here (flash-attn, which verl's remove-padding needs, has
+no wheel for this torch); the old log-probs in a pass of their own before the update, as verl computes them."""
+MODES = {"dsrl-padded": "padded rows", "dsrl-recompute": "old log-probs pass"}
+
+
+def dsrl_command(w: dict, model: Path, data: Path, run_dir: Path, steps: int, seed: int, name: str = "dsrl") -> list:
+    """dsrl's colocated GRPO at its defaults (`name` a variant: DSRL_VARIANTS), with the same workload, reward and
+    learning settings as verl's."""
     toy = w["new_tokens"] < 16
     args = {
         "--model.path": model, "--data.train_path": data, "--data.answer_key": "reward_model.ground_truth",
@@ -180,8 +188,7 @@ def dsrl_command(w: dict, model: Path, data: Path, run_dir: Path, steps: int, se
         "--trainer.total_steps": steps, "--seed": seed, "--sync.verify": "off",
         "--logging.tensorboard": "true", "--logging.run_dir": run_dir, "--rollout.server_args": json.dumps(SERVER),
     }  # fmt: skip
-    if padded:
-        args["--trainer.pack_sequences"] = "false"
+    args |= DSRL_VARIANTS[name]
     if toy:
         server = SERVER | {"disable_cuda_graph": True}
         args |= {"--trainer.precision": "fp32", "--rollout.server_args": json.dumps(server)}
@@ -306,7 +313,7 @@ VERL_DONE = "Final validation metrics"
 
 
 def one_run(name: str, args, w: dict, model: Path, data: Path, seed: int, limit: float) -> dict:
-    """Run `name` (verl, dsrl, dsrl-padded) once; its record: per-step metrics, memory, the command."""
+    """Run `name` (verl, or one of DSRL_VARIANTS) once; its record: per-step metrics, memory, the command."""
     work = args.workdir / f"{name}_{args.workload}_s{seed}"
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -321,14 +328,14 @@ def one_run(name: str, args, w: dict, model: Path, data: Path, seed: int, limit:
         env["PYTHONPATH"] = os.pathsep.join((str(args.verl_site), env["PYTHONPATH"]))
         argv = verl_command(w, model, data, work, args.steps, seed, args.verl_overrides)
     else:
-        argv = dsrl_command(w, model, data, work / "run", args.steps, seed, padded=name.endswith("padded"))
+        argv = dsrl_command(w, model, data, work / "run", args.steps, seed, name)
     log = args.out / f"{name}_{args.workload}_s{seed}.log"
     outcome = run(argv, log, limit, env, VERL_DONE if framework == "verl" else None)
     if framework == "verl":
         steps = report.verl_steps(work / "metrics.jsonl", log.read_text(errors="replace"))
     else:
         steps = report.dsrl_steps(work / "run")
-    mode = "padded rows" if name.endswith("padded") else "best"
+    mode = MODES.get(name, "best")
     return {"framework": framework, "mode": mode, "workload": f"{args.workload} {model.name}", "model": str(model),
             "seed": seed, "samples": w["prompts"] * w["n"], "steps": steps, "command": " ".join(map(str, argv)),
             **outcome}  # fmt: skip
@@ -338,7 +345,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, help="a model directory (tools/gpu_models.py); the toy's is built")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="step")
-    p.add_argument("--runs", nargs="+", default=["verl", "dsrl"], choices=["verl", "dsrl", "dsrl-padded"])
+    p.add_argument("--runs", nargs="+", default=["verl", "dsrl"], choices=["verl", *DSRL_VARIANTS])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--limits", type=float, nargs="+", default=[240], help="seconds each run may take (one for all)")
