@@ -3,7 +3,10 @@ what routing a GRPO group to one server saves (--routes).
 
 Starts the servers (SGLang on GPU, the embedded engine on CPU), sends N single-sample /generate
 requests with fixed lengths (ignore_eos) twice -- through RolloutClient (least-loaded routing,
-concurrency limit, timeouts) and through a bare aiohttp gather -- and prints tokens/s of each.
+concurrency limit, timeouts) and through a bare aiohttp gather, each with --max-concurrency requests in flight --
+and prints tokens/s of each. Past SGLang's largest CUDA graph (`cuda_graph_max_bs`) it decodes without graphs: a
+1.5B model on an H200 decoded 512 requests in flight so ("cuda graph: False" in its log), at half the tokens/s of
+256 (with graphs).
 With --routes: G groups of --n requests sharing a prompt, through dsrl's client with `route group`
 (a group on one server) and `least_loaded` (each request on its own), the servers' caches flushed
 before each; prints tokens/s and the fraction of prompt tokens SGLang found cached.
@@ -38,13 +41,15 @@ def payloads(n: int, prompt_len: int, new_tokens: int, vocab: int) -> list[dict]
     ]
 
 
-async def plain(url: str, reqs: list[dict]) -> list[dict]:
+async def plain(url: str, reqs: list[dict], in_flight: int | None = None) -> list[dict]:
+    """The requests from a bare aiohttp client, `in_flight` at most at once (all of them by default)."""
     # no connection cap (aiohttp's default is 100), as dsrl's client has none either
     connector = aiohttp.TCPConnector(limit=0)
+    gate = asyncio.Semaphore(in_flight or len(reqs))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600), connector=connector) as session:
 
         async def one(body):
-            async with session.post(url + "/generate", json=body) as resp:
+            async with gate, session.post(url + "/generate", json=body) as resp:
                 return await resp.json()
 
         return await asyncio.gather(*(one(r) for r in reqs))
@@ -93,7 +98,7 @@ def main() -> None:
 
                     outs = client.run(through_client())
                 else:
-                    outs = client.run(plain(fleet.urls[0], reqs))
+                    outs = client.run(plain(fleet.urls[0], reqs, args.max_concurrency))
                 seconds = time.perf_counter() - start
                 tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
                 results[name].append(tokens / seconds)
@@ -102,8 +107,8 @@ def main() -> None:
     best = {k: max(v) for k, v in results.items()}
     print(
         f"rollout throughput, {args.requests} requests x {args.prompt_len} prompt -> {args.new_tokens} new tokens: "
-        f"plain client (all in flight) {best['plain']:.0f} tok/s, dsrl client ({args.max_concurrency} in flight) "
-        f"{best['dsrl']:.0f} tok/s, "
+        f"bare client {best['plain']:.0f} tok/s, dsrl client {best['dsrl']:.0f} tok/s, each {args.max_concurrency} "
+        f"in flight, "
         f"ratio {best['dsrl'] / best['plain']:.3f} (goal >= 0.95)"
     )
 
