@@ -280,7 +280,8 @@ def _run_updates(
                 if last and alongside is not None:
                     alongside()
                 engine.step()
-                skipped += i == len(chunks) - 1 and not engine.was_step_applied()
+                if i == len(chunks) - 1:  # the optimizer's step: DeepSpeed skips one whose gradient norm is not finite
+                    skipped += not engine.was_step_applied()
                 weight = mask.sum().item()
                 for key in [k for k in stats if k.endswith("_max")]:
                     maxima[key] = max(maxima.get(key, 0.0), stats.pop(key).item())
