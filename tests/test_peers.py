@@ -210,3 +210,23 @@ def test_each_dsrl_run_is_a_config_dsrl_reads_differing_from_the_defaults_in_its
     assert configs["dsrl-recompute"].trainer.old_logprobs == "recompute"
     assert configs["dsrl-padded"].trainer.pack_sequences is False
     assert configs["dsrl-padded"].rollout == configs["dsrl-recompute"].rollout == configs["dsrl"].rollout
+
+
+def test_the_7b_workload_offloads_in_both_frameworks():
+    """7B full-parameter on one GPU: verl with its FSDP parameter and optimizer offload and gradient checkpointing,
+    dsrl with ZeRO-Offload of 60% of the optimizer's states, one-step-off colocated; the same batch in both."""
+    from dsrl.config import build_parser, to_config, validate
+
+    w = peers.WORKLOADS["7b"]
+    verl = dict(a.split("=", 1) for a in peers.verl_command(w, Path("m"), Path("d"), Path("w"), 3, 0)[3:])
+    assert verl["actor_rollout_ref.actor.fsdp_config.param_offload"] == "true"
+    assert verl["actor_rollout_ref.actor.fsdp_config.optimizer_offload"] == "true"
+    assert verl["actor_rollout_ref.model.enable_gradient_checkpointing"] == "true"
+    assert (verl["data.train_batch_size"], verl["actor_rollout_ref.rollout.n"]) == ("16", "4")
+    argv = peers.dsrl_command(w, Path("m"), Path("d.parquet"), Path("r"), 3, 0)
+    parser = build_parser()
+    cfg = to_config(parser, parser.parse_args([str(a) for a in argv[4:]]))
+    validate(cfg, 1, check_paths=False)  # one-step-off colocated with TIS: a schedule dsrl accepts on one GPU
+    assert cfg.trainer.offload_optimizer and cfg.trainer.offload_optimizer_ratio == 0.6
+    assert cfg.rollout.max_staleness == 1 and cfg.algorithm.off_policy == "tis"
+    assert (cfg.rollout.prompts_per_step, cfg.rollout.n_samples, cfg.rollout.max_new_tokens) == (16, 4, 256)

@@ -9,6 +9,7 @@ messages' text as it is (verl always applies one), so both send the same token i
 
     python3 tools/peers/peers.py --model /tmp/models/1.5b --runs verl dsrl --limits 305 170 --out $OUT  # 64 x 8 x 512
     python3 tools/peers/peers.py --workload toy --runs verl dsrl --seeds 0 1 --steps 100 --out $OUT
+    python3 tools/peers/peers.py --workload 7b --model /tmp/models/7b --runs verl dsrl --out $OUT  # 16 x 4 x 256
     python3 tools/peers/report.py $OUT                                                   # the table again
 
 On an H200 (1.5B), verl's three steps took 317 s in all: ~200 s of start-up and exit, ~65 s for its first step
@@ -160,6 +161,10 @@ def verl_command(
     if toy:
         args |= {"actor_rollout_ref.rollout.dtype": "float16",
                  "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": "fp32"}  # fmt: skip
+    if w.get("offload"):
+        args |= {"actor_rollout_ref.actor.fsdp_config.param_offload": True,
+                 "actor_rollout_ref.actor.fsdp_config.optimizer_offload": True,
+                 "actor_rollout_ref.model.enable_gradient_checkpointing": True}  # fmt: skip
     args |= dict(o.split("=", 1) for o in overrides)  # one value a key: hydra refuses a key given twice
     return [sys.executable, "-m", "verl.trainer.main_ppo", *(f"{k}={_hydra(v)}" for k, v in args.items())]
 
@@ -188,6 +193,9 @@ def dsrl_command(w: dict, model: Path, data: Path, run_dir: Path, steps: int, se
         "--trainer.total_steps": steps, "--seed": seed, "--sync.verify": "off",
         "--logging.tensorboard": "true", "--logging.run_dir": run_dir, "--rollout.server_args": json.dumps(SERVER),
     }  # fmt: skip
+    if w.get("offload"):  # (the host's RAM holds 60% of 7B's Adam states beside the rest: docs/benchmarks.md)
+        args |= {"--trainer.offload_optimizer": "true", "--trainer.offload_optimizer_ratio": 0.6,
+                 "--rollout.max_staleness": 1, "--algorithm.off_policy": "tis"}  # fmt: skip
     args |= DSRL_VARIANTS[name]
     if toy:
         server = SERVER | {"disable_cuda_graph": True}

@@ -39,8 +39,12 @@ WORKLOADS = {
     # prompts per step, samples per prompt, new tokens, lr, token budget per micro-batch, SGLang memory fraction
     "step": {"prompts": 64, "n": 8, "new_tokens": 512, "lr": 1e-6, "tokens": 16384, "mem": 0.4},
     "toy": {"prompts": 32, "n": 8, "new_tokens": 5, "lr": 3e-3, "tokens": 16384, "mem": 0.3},
+    "7b": {"prompts": 16, "n": 4, "new_tokens": 256, "lr": 1e-6, "tokens": 4096, "mem": 0.3, "offload": True},
 }
-"""The issue's workloads: the realistic colocated step, and the toy task of configs/toy_gpu.yaml."""
+"""The issue's workloads: the realistic colocated step, the toy task of configs/toy_gpu.yaml, and 7B full-parameter
+on one GPU with the optimizer's states on the host (`offload`: verl's FSDP parameter and optimizer offload with
+gradient checkpointing, its docs' one-GPU settings for 7B; dsrl's ZeRO-Offload of 60% of them, one-step-off
+colocated with TIS, as docs/benchmarks.md's 7B rows ran)."""
 
 _CONSOLE = re.compile(r"step:(\d+) - (.*)$")
 
