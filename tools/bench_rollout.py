@@ -32,13 +32,18 @@ from dsrl.serving.client import RolloutClient  # noqa: E402
 from dsrl.serving.fleet import start_fleet  # noqa: E402
 
 
-def payloads(n: int, prompt_len: int, new_tokens: int, vocab: int) -> list[dict]:
+def payloads(n: int, prompt_len: int, new_tokens: int, vocab: int, as_train: bool = True) -> list[dict]:
+    """`n` requests of fixed lengths; `as_train`: with what dsrl's rollouts add to each (the tokens' logprobs, a
+    sampling seed), which SGLang computes and sends back."""
     params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
     low = min(20, vocab // 2)  # past the special tokens of a real vocabulary
-    return [
-        {"input_ids": [(7 * i + j) % (vocab - low) + low for j in range(prompt_len)], "sampling_params": params}
+    reqs = [
+        {"input_ids": [(7 * i + j) % (vocab - low) + low for j in range(prompt_len)], "sampling_params": dict(params)}
         for i in range(n)
     ]
+    for i, r in enumerate(reqs if as_train else []):
+        r["return_logprob"], r["sampling_params"]["sampling_seed"] = True, i
+    return reqs
 
 
 async def plain(url: str, reqs: list[dict], in_flight: int | None = None) -> list[dict]:
@@ -67,6 +72,7 @@ def main() -> None:
     p.add_argument("--servers", type=int, default=1)
     p.add_argument("--routes", action="store_true", help="compare route group with least_loaded")
     p.add_argument("--n", type=int, default=8, help="--routes: requests per group (one prompt)")
+    p.add_argument("--plain-requests", action="store_true", help="without logprobs and seeds (as before 11-26)")
     p.add_argument("--max-concurrency", type=int, default=1024, help="dsrl client's requests in flight (train: 256)")
     args = p.parse_args()
     import json
@@ -84,7 +90,7 @@ def main() -> None:
     with start_fleet(cfg, args.model, run_dir, 0, args.engine) as fleet:
         print(f"server ready in {time.perf_counter() - launched:.0f} s", flush=True)
         client = RolloutClient(fleet.urls, max_concurrency=args.max_concurrency, timeout_s=3600)
-        reqs = payloads(args.requests, args.prompt_len, args.new_tokens, vocab)
+        reqs = payloads(args.requests, args.prompt_len, args.new_tokens, vocab, not args.plain_requests)
         client.run(plain(fleet.urls[0], reqs[:8]))  # warm-up (JIT, graphs)
         print(f"warmed up at {time.perf_counter() - launched:.0f} s", flush=True)
         results = {"dsrl": [], "plain": []}

@@ -102,7 +102,7 @@ for s in "$@"; do
       tail -2 "$OUT/rollout.log" | tee -a "$SUMMARY"
       ;;
     throughput)  # 1 GPU: SGLang's own throughput (a bare client) against dsrl's client, each at train's 256 requests in
-      # flight, on peers' 1.5B batch (512 x 4 -> 512) and server flags, for each attention backend
+      # flight, on peers' 1.5B batch (512 x 4 -> 512, logprobs and seeds as train asks) and server flags, per backend
       for be in ${TP_BACKENDS:-triton flashinfer}; do
         stage throughput_$be ${TP_LIMIT:-300} python3 tools/bench_rollout.py --model /tmp/models/${TP_MODEL:-1.5b} \
           --requests 512 --prompt-len 4 --new-tokens 512 --max-concurrency ${TP_CONCURRENCY:-256} --server-args \
