@@ -13,7 +13,7 @@ messages' text as it is (verl always applies one), so both send the same token i
     python3 tools/peers/report.py $OUT                                                   # the table again
 
 On an H200 (1.5B), verl's three steps took 317 s in all: ~200 s of start-up and exit, ~65 s for its first step
-(one-time compilation and warm-up), ~24 s a step after it; dsrl ~130 s to its first step, ~17 s a step after it:
+(one-time compilation and warm-up), ~24 s a step after it; dsrl ~130 s to its first step, ~14 s a step after it:
 give each run's --limits room for the steps asked.
 
 A run is `verl` (its best settings this image can run), `dsrl` (dsrl's defaults), `dsrl-padded` or
