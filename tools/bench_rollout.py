@@ -32,18 +32,19 @@ from dsrl.serving.client import RolloutClient  # noqa: E402
 from dsrl.serving.fleet import start_fleet  # noqa: E402
 
 
-def payloads(n: int, prompt_len: int, new_tokens: int, vocab: int, as_train: bool = True) -> list[dict]:
+def payloads(n: int, prompt_len: int, new_tokens: int, vocab: int, as_train: bool = False) -> list[dict]:
     """`n` requests of fixed lengths; `as_train`: with what dsrl's rollouts add to each (the tokens' logprobs, a
-    sampling seed), which SGLang computes and sends back."""
-    params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
+    sampling seed of its own), which SGLang computes and sends back."""
     low = min(20, vocab // 2)  # past the special tokens of a real vocabulary
-    reqs = [
-        {"input_ids": [(7 * i + j) % (vocab - low) + low for j in range(prompt_len)], "sampling_params": dict(params)}
-        for i in range(n)
-    ]
-    for i, r in enumerate(reqs if as_train else []):
-        r["return_logprob"], r["sampling_params"]["sampling_seed"] = True, i
-    return reqs
+
+    def request(i: int) -> dict:
+        params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
+        body = {"input_ids": [(7 * i + j) % (vocab - low) + low for j in range(prompt_len)], "sampling_params": params}
+        if as_train:
+            body["return_logprob"], params["sampling_seed"] = True, i
+        return body
+
+    return [request(i) for i in range(n)]
 
 
 async def plain(url: str, reqs: list[dict], in_flight: int | None = None) -> list[dict]:
