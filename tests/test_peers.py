@@ -86,6 +86,8 @@ def test_the_table_puts_both_on_the_same_phases():
     assert f"dsrl step / verl step = {ratio:.2f} (first steps)" in text
     assert text.count("| verl 1.5b | verl |") == 1 and text.count("| dsrl 1.5b | dsrl |") == 2
     assert "| 1 after the first | **17.15** |" in text and "failed" not in text
+    header, rule = text.splitlines()[:2]
+    assert rule.count("|---") == header.count("|") - 1  # a column of the rule for each of the header's
 
 
 def test_runs_from_separate_calls_make_one_table(tmp_path):
@@ -213,13 +215,14 @@ def test_each_dsrl_run_is_a_config_dsrl_reads_differing_from_the_defaults_in_its
 
 
 def test_the_7b_workload_offloads_in_both_frameworks():
-    """7B full-parameter on one GPU: verl with its FSDP parameter and optimizer offload and gradient checkpointing,
-    dsrl with ZeRO-Offload of 60% of the optimizer's states, one-step-off colocated; the same batch in both."""
+    """7B full-parameter on one GPU: verl with its FSDP optimizer offload and gradient checkpointing (the parameters
+    on the GPU: offloading them too ran the host out of memory), dsrl with ZeRO-Offload of 60% of the optimizer's
+    states, one-step-off colocated, or synchronous as verl is (dsrl-sync); the same batch in both."""
     from dsrl.config import build_parser, to_config, validate
 
     w = peers.WORKLOADS["7b"]
     verl = dict(a.split("=", 1) for a in peers.verl_command(w, Path("m"), Path("d"), Path("w"), 3, 0)[3:])
-    assert verl["actor_rollout_ref.actor.fsdp_config.param_offload"] == "true"
+    assert verl["actor_rollout_ref.actor.fsdp_config.param_offload"] == "false"
     assert verl["actor_rollout_ref.actor.fsdp_config.optimizer_offload"] == "true"
     assert verl["actor_rollout_ref.model.enable_gradient_checkpointing"] == "true"
     assert (verl["data.train_batch_size"], verl["actor_rollout_ref.rollout.n"]) == ("16", "4")
@@ -229,4 +232,9 @@ def test_the_7b_workload_offloads_in_both_frameworks():
     validate(cfg, 1, check_paths=False)  # one-step-off colocated with TIS: a schedule dsrl accepts on one GPU
     assert cfg.trainer.offload_optimizer and cfg.trainer.offload_optimizer_ratio == 0.6
     assert cfg.rollout.max_staleness == 1 and cfg.algorithm.off_policy == "tis"
+    argv = peers.dsrl_command(w, Path("m"), Path("d.parquet"), Path("r"), 3, 0, "dsrl-sync")
+    sync = to_config(parser, parser.parse_args([str(a) for a in argv[4:]]))
+    validate(sync, 1, check_paths=False)
+    assert sync.rollout.max_staleness == 0 and sync.algorithm.off_policy == "none"
+    assert sync.trainer.offload_optimizer and sync.trainer.offload_optimizer_ratio == 0.6
     assert (cfg.rollout.prompts_per_step, cfg.rollout.n_samples, cfg.rollout.max_new_tokens) == (16, 4, 256)

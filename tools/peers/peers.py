@@ -161,8 +161,9 @@ def verl_command(
     if toy:
         args |= {"actor_rollout_ref.rollout.dtype": "float16",
                  "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": "fp32"}  # fmt: skip
-    if w.get("offload"):
-        args |= {"actor_rollout_ref.actor.fsdp_config.param_offload": True,
+    if w.get("offload"):  # the optimizer's states alone: with the parameters too (its docs' one-GPU 7B setting),
+        # its first weight sync ran a 128 GB host out of memory (docs/benchmarks.md, "Beside verl": 7B)
+        args |= {"actor_rollout_ref.actor.fsdp_config.param_offload": False,
                  "actor_rollout_ref.actor.fsdp_config.optimizer_offload": True,
                  "actor_rollout_ref.model.enable_gradient_checkpointing": True}  # fmt: skip
     args |= dict(o.split("=", 1) for o in overrides)  # one value a key: hydra refuses a key given twice
@@ -174,10 +175,12 @@ def _hydra(value) -> str:
 
 
 DSRL_VARIANTS = {"dsrl": {}, "dsrl-padded": {"--trainer.pack_sequences": "false"},
-                 "dsrl-recompute": {"--trainer.old_logprobs": "recompute"}}  # fmt: skip
+                 "dsrl-recompute": {"--trainer.old_logprobs": "recompute"},
+                 "dsrl-sync": {"--rollout.max_staleness": 0, "--algorithm.off_policy": "none"}}  # fmt: skip
 """dsrl's runs: its defaults; padded rows, like verl's here (flash-attn, which verl's remove-padding needs, has
-no wheel for this torch); the old log-probs in a pass of their own before the update, as verl computes them."""
-MODES = {"dsrl-padded": "padded rows", "dsrl-recompute": "old log-probs pass"}
+no wheel for this torch); the old log-probs in a pass of their own before the update, as verl computes them;
+synchronous (the 7B workload's dsrl is one-step-off), as verl's trainer is."""
+MODES = {"dsrl-padded": "padded rows", "dsrl-recompute": "old log-probs pass", "dsrl-sync": "synchronous"}
 
 
 def dsrl_command(w: dict, model: Path, data: Path, run_dir: Path, steps: int, seed: int, name: str = "dsrl") -> list:

@@ -42,9 +42,9 @@ WORKLOADS = {
     "7b": {"prompts": 16, "n": 4, "new_tokens": 256, "lr": 1e-6, "tokens": 4096, "mem": 0.3, "offload": True},
 }
 """The issue's workloads: the realistic colocated step, the toy task of configs/toy_gpu.yaml, and 7B full-parameter
-on one GPU with the optimizer's states on the host (`offload`: verl's FSDP parameter and optimizer offload with
-gradient checkpointing, its docs' one-GPU settings for 7B; dsrl's ZeRO-Offload of 60% of them, one-step-off
-colocated with TIS, as docs/benchmarks.md's 7B rows ran)."""
+on one GPU with the optimizer's states on the host (`offload`: verl's FSDP optimizer offload with gradient
+checkpointing, its parameters kept on the GPU, since offloading them as well ran the host out of memory; dsrl's
+ZeRO-Offload of 60% of the states, one-step-off colocated with TIS, as docs/benchmarks.md's 7B rows ran)."""
 
 _CONSOLE = re.compile(r"step:(\d+) - (.*)$")
 
@@ -142,7 +142,7 @@ def table(record: dict) -> str:
     lines = [
         "| run | framework | mode | steps | step s | " + " | ".join(PHASES) + " | other | GPU peak GB "
         "| host peak GB | tokens/s | reward (last) |",
-        "|---" * (11 + len(PHASES)) + "|",
+        "|---" * (10 + len(PHASES)) + "|",
     ]
     steady_rows, first_rows = rows(record), rows(record, first=True)
     for r, r1 in zip(steady_rows, first_rows):
