@@ -16,8 +16,8 @@ On an H200 (1.5B), verl's three steps took 317 s in all: ~200 s of start-up and 
 (one-time compilation and warm-up), ~24 s a step after it; dsrl ~130 s to its first step, ~14 s a step after it:
 give each run's --limits room for the steps asked.
 
-A run is `verl` (its best settings this image can run), `dsrl` (dsrl's defaults), `dsrl-padded` or
-`dsrl-recompute` (like verl's in one respect each: DSRL_VARIANTS). Each run's record
+A run is `verl` (its best settings this image can run), `dsrl` (dsrl's defaults), `dsrl-padded`, `dsrl-recompute`
+or `dsrl-sync` (like verl's in one respect each: DSRL_VARIANTS). Each run's record
 goes into OUT/peers.json as soon as it ends, so a call cut off keeps what finished; with --budget (the seconds the
 caller gives the whole invocation) each run's limit is cut so that the harness, not the caller, stops the last one,
 and its steps so far are kept too.
@@ -174,13 +174,16 @@ def _hydra(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-DSRL_VARIANTS = {"dsrl": {}, "dsrl-padded": {"--trainer.pack_sequences": "false"},
-                 "dsrl-recompute": {"--trainer.old_logprobs": "recompute"},
-                 "dsrl-sync": {"--rollout.max_staleness": 0, "--algorithm.off_policy": "none"}}  # fmt: skip
-"""dsrl's runs: its defaults; padded rows, like verl's here (flash-attn, which verl's remove-padding needs, has
-no wheel for this torch); the old log-probs in a pass of their own before the update, as verl computes them;
-synchronous (the 7B workload's dsrl is one-step-off), as verl's trainer is."""
-MODES = {"dsrl-padded": "padded rows", "dsrl-recompute": "old log-probs pass", "dsrl-sync": "synchronous"}
+DSRL_VARIANTS = {
+    "dsrl": ("best", {}),
+    "dsrl-padded": ("padded rows", {"--trainer.pack_sequences": "false"}),
+    "dsrl-recompute": ("old log-probs pass", {"--trainer.old_logprobs": "recompute"}),
+    "dsrl-sync": ("synchronous", {"--rollout.max_staleness": 0, "--algorithm.off_policy": "none"}),
+}
+"""dsrl's runs, each a mode (the table's column) and the flags that differ from its defaults: padded rows, like
+verl's here (flash-attn, which verl's remove-padding needs, has no wheel for this torch); the old log-probs in a pass
+of their own before the update, as verl computes them; synchronous (the 7B workload's dsrl is one-step-off), as
+verl's trainer is."""
 
 
 def dsrl_command(w: dict, model: Path, data: Path, run_dir: Path, steps: int, seed: int, name: str = "dsrl") -> list:
@@ -199,7 +202,7 @@ def dsrl_command(w: dict, model: Path, data: Path, run_dir: Path, steps: int, se
     if w.get("offload"):  # (the host's RAM holds 60% of 7B's Adam states beside the rest: docs/benchmarks.md)
         args |= {"--trainer.offload_optimizer": "true", "--trainer.offload_optimizer_ratio": 0.6,
                  "--rollout.max_staleness": 1, "--algorithm.off_policy": "tis"}  # fmt: skip
-    args |= DSRL_VARIANTS[name]
+    args |= DSRL_VARIANTS[name][1]
     if toy:
         server = SERVER | {"disable_cuda_graph": True}
         args |= {"--trainer.precision": "fp32", "--rollout.server_args": json.dumps(server)}
@@ -346,7 +349,7 @@ def one_run(name: str, args, w: dict, model: Path, data: Path, seed: int, limit:
         steps = report.verl_steps(work / "metrics.jsonl", log.read_text(errors="replace"))
     else:
         steps = report.dsrl_steps(work / "run")
-    mode = MODES.get(name, "best")
+    mode = DSRL_VARIANTS[name][0] if framework == "dsrl" else "best"
     return {"framework": framework, "mode": mode, "workload": f"{args.workload} {model.name}", "model": str(model),
             "seed": seed, "samples": w["prompts"] * w["n"], "steps": steps, "command": " ".join(map(str, argv)),
             **outcome}  # fmt: skip
