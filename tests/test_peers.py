@@ -83,11 +83,28 @@ def test_the_table_puts_both_on_the_same_phases():
     text = report.table(record)
     # verl logged one step, dsrl two: the ratio is of the first steps, each run's steady mean where it has one
     ratio = report.steady("dsrl", dsrl, first=True)["step"] / report.steady("verl", verl)["step"]
-    assert f"dsrl step / verl step = {ratio:.2f} (first steps)" in text
+    assert f"dsrl step / verl step = {ratio:.2f} (first steps; beside verl 1.5b, on another or unrecorded GPU)" in text
     assert text.count("| verl 1.5b | verl |") == 1 and text.count("| dsrl 1.5b | dsrl |") == 2
     assert "| 1 after the first | **17.15** |" in text and "failed" not in text
     header, rule = text.splitlines()[:2]
     assert rule.count("|---") == header.count("|") - 1  # a column of the rule for each of the header's
+
+
+def test_the_ratio_is_taken_beside_verl_on_the_same_gpu():
+    """Step times differ by up to 25% between hosts: a dsrl run's ratio is over the verl run on its GPU (the records'
+    nvidia-smi UUID), wherever that run is in the record, and says so; without one, over the first verl run."""
+    verl = report.verl_steps(DATA / "verl_metrics.jsonl")
+    dsrl = json.loads((DATA / "dsrl_steps.json").read_text())
+    faster = [{k: v / 2 if k.startswith("timing_s/") else v for k, v in s.items()} for s in verl]
+    same = {"workload": "step model_1.5b", "samples": 512}
+    record = {"runs": {"verl elsewhere": {"framework": "verl", "steps": faster, "gpu": "GPU-a", **same},
+                       "verl here": {"framework": "verl", "steps": verl, "gpu": "GPU-b", **same},
+                       "dsrl here": {"framework": "dsrl", "steps": dsrl, "gpu": "GPU-b", **same},
+                       "dsrl unknown": {"framework": "dsrl", "steps": dsrl, **same}}}  # fmt: skip
+    text = report.table(record)
+    mine, theirs = report.steady("dsrl", dsrl, first=True)["step"], report.steady("verl", verl)["step"]
+    assert f"dsrl here: dsrl step / verl step = {mine / theirs:.2f} (first steps; on one GPU, beside verl here)" in text
+    assert f"dsrl unknown: dsrl step / verl step = {2 * mine / theirs:.2f} (first steps; beside verl elsewhere" in text
 
 
 def test_runs_from_separate_calls_make_one_table(tmp_path):

@@ -351,8 +351,8 @@ def one_run(name: str, args, w: dict, model: Path, data: Path, seed: int, limit:
         steps = report.dsrl_steps(work / "run")
     mode = DSRL_VARIANTS[name][0] if framework == "dsrl" else "best"
     return {"framework": framework, "mode": mode, "workload": f"{args.workload} {model.name}", "model": str(model),
-            "seed": seed, "samples": w["prompts"] * w["n"], "steps": steps, "command": " ".join(map(str, argv)),
-            **outcome}  # fmt: skip
+            "gpu": gpu_query("uuid"), "seed": seed, "samples": w["prompts"] * w["n"], "steps": steps,
+            "command": " ".join(map(str, argv)), **outcome}  # fmt: skip
 
 
 def main() -> None:

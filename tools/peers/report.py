@@ -138,7 +138,8 @@ def rows(record: dict, first: bool = False) -> list[dict]:
 def table(record: dict) -> str:
     """The markdown table of every run: the steady steps' means, and the first step of each run (start-up work
     included) where a run logged no later step; each dsrl run's step time over verl's at the same workload, on the
-    steady steps where both have them, else on the first steps."""
+    steady steps where both have them, else on the first steps: over a verl run's on the same GPU (the records'
+    `gpu`, nvidia-smi's UUID) where there is one, since step times differ by up to 25% between hosts."""
     lines = [
         "| run | framework | mode | steps | step s | " + " | ".join(PHASES) + " | other | GPU peak GB "
         "| host peak GB | tokens/s | reward (last) |",
@@ -161,12 +162,16 @@ def table(record: dict) -> str:
     for r, r1 in zip(steady_rows, first_rows):
         if r["framework"] != "dsrl" or r["failed"]:
             continue
-        for v, v1 in zip(steady_rows, first_rows):
-            if v["framework"] == "verl" and not v["failed"] and v.get("workload") == r.get("workload"):
-                both = r["steady_steps"] and v["steady_steps"]
-                mine, theirs, basis = (r, v, "steady steps") if both else (r1, v1, "first steps")
-                lines.append(f"\n{r['name']}: dsrl step / verl step = {mine['step'] / theirs['step']:.2f} ({basis})")
-                break
+        verls = [(v, v1) for v, v1 in zip(steady_rows, first_rows) if v["framework"] == "verl" and not v["failed"]]
+        verls = [(v, v1) for v, v1 in verls if v.get("workload") == r.get("workload")]
+        same_gpu = [(v, v1) for v, v1 in verls if r.get("gpu") and v.get("gpu") == r["gpu"]]
+        if not verls:
+            continue
+        v, v1 = (same_gpu or verls)[0]
+        both = r["steady_steps"] and v["steady_steps"]
+        mine, theirs, basis = (r, v, "steady steps") if both else (r1, v1, "first steps")
+        where = f"on one GPU, beside {v['name']}" if same_gpu else f"beside {v['name']}, on another or unrecorded GPU"
+        lines.append(f"\n{r['name']}: dsrl step / verl step = {mine['step'] / theirs['step']:.2f} ({basis}; {where})")
     return "\n".join(lines)
 
 
