@@ -31,6 +31,13 @@ def per_token(mb: MicroBatch, key: str) -> torch.Tensor:
     return out
 
 
+def keep_per_sample(rows: torch.Tensor, samples: list[Sample], key: str) -> None:
+    """`per_token`'s inverse: each sample's response part of response-aligned `rows` under `extras[key]`, fp32 on
+    the CPU (a copy each, so that no sample's keeps the whole micro-batch's tensor alive)."""
+    for row, s in zip(rows.float().cpu(), samples):
+        s.extras[key] = row[: len(s.response_ids)].clone()
+
+
 LOGPROB_CHUNK = 512
 """Positions whose fp32 log-softmax is computed at once: the fp32 [positions, vocabulary] tensor never exists
 whole (at 151,936 tokens of vocabulary a chunk is 0.3 GB, and the backward pass holds about five; a micro-batch
@@ -108,8 +115,7 @@ def compute_logprobs(engine, samples: list[Sample], key: str, cfg: Config, pad_i
     for chunk in trainer_micro_batches(samples, cfg):
         mb = MicroBatch.build(chunk, pad_id, engine.device, packs(cfg))
         logprobs, _ = forward_logprobs(engine, mb, cfg.rollout.temperature, with_entropy=False)
-        for row, s in zip(logprobs, chunk):
-            s.extras[key] = row[: len(s.response_ids)].float().cpu()
+        keep_per_sample(logprobs, chunk, key)
 
 
 def old_from_update(cfg: Config) -> bool:
@@ -162,8 +168,7 @@ def micro_batch_loss(
     logprobs, entropy = forward_logprobs(engine, mb, cfg.rollout.temperature)
     if old_from_update(cfg):
         old = logprobs.detach()
-        for row, s in zip(old.float().cpu(), mb.samples):
-            s.extras["old_logprobs"] = row[: len(s.response_ids)].clone()
+        keep_per_sample(old, mb.samples, "old_logprobs")
     else:
         old = per_token(mb, "old_logprobs")
     agg = (a.loss_agg, num_tokens, num_seqs)

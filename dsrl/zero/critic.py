@@ -22,7 +22,14 @@ from transformers.modeling_outputs import TokenClassifierOutput
 from dsrl.algorithms import value_loss
 from dsrl.config import Config
 from dsrl.data import Sample
-from dsrl.zero.actor import micro_batch_loss, per_token, run_updates, stash_engine_logprobs, trainer_micro_batches
+from dsrl.zero.actor import (
+    keep_per_sample,
+    micro_batch_loss,
+    per_token,
+    run_updates,
+    stash_engine_logprobs,
+    trainer_micro_batches,
+)
 from dsrl.zero.batches import MicroBatch, packs
 from dsrl.zero.lora import ADAPTER
 
@@ -111,9 +118,8 @@ def forward_values(engine, mb: MicroBatch) -> torch.Tensor:
 def compute_values(engine, samples: list[Sample], cfg: Config, pad_id: int) -> None:
     """Each sample's values of its response positions, under extras["values"]."""
     for chunk in trainer_micro_batches(samples, cfg, cfg.critic.micro_batch_size):
-        values = forward_values(engine, MicroBatch.build(chunk, pad_id, engine.device, packs(cfg)))
-        for row, s in zip(values, chunk):
-            s.extras["values"] = row[: len(s.response_ids)].float().cpu()
+        mb = MicroBatch.build(chunk, pad_id, engine.device, packs(cfg))
+        keep_per_sample(forward_values(engine, mb), chunk, "values")
 
 
 def critic_loss(engine, mb: MicroBatch, cfg: Config, num_tokens: float, num_seqs: float):
