@@ -54,11 +54,24 @@ def init_weight_update_group(
         rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
     )
     store.set_timeout(timeout)
-    # torch's helper is private; SGLang, verl and OpenRLHF all build the group through it, and the
-    # trainer side must match SGLang's server side key for key.
-    group, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name, timeout=timeout
-    )
+    # DeepSpeed binds each rank's GPU to the trainers' default group when there are several ranks, and torch
+    # then builds every later NCCL group by ncclCommSplit of the default group's communicator: a collective
+    # of every trainer rank, which only rank 0 enters here. The first broadcast on this group hung forever
+    # with 2 trainer ranks (4xH100). Unbound while it is built, the group gets a communicator of its own.
+    default = dist.group.WORLD if dist.is_initialized() else None
+    bound = getattr(default, "bound_device_id", None)
+    if bound is not None:
+        default.bound_device_id = None
+    try:
+        # torch's helper is private; SGLang, verl and OpenRLHF all build the group through it, and the
+        # trainer side must match SGLang's server side key for key.
+        prefixed = PrefixStore(group_name, store)
+        group, _ = _new_process_group_helper(
+            world_size, rank, [], Backend(backend), prefixed, group_name=group_name, timeout=timeout
+        )
+    finally:
+        if bound is not None:
+            default.bound_device_id = bound
     # Register its ranks, as SGLang does: torch's collectives log a failure with get_rank(group), which
     # raises "Group ... is not registered" on an unregistered group and hides the real error.
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
