@@ -291,7 +291,9 @@ class SyncConfig:
     """Largest mean |logprob difference| a probe accepts (bf16 kernels differ by ~1e-2; a random-init 7B on an
     H200 reads 0.050, and 0.055 with --model.liger_kernel, whose kernels are not SGLang's: raise it there)."""
     timeout_s: float = 300.0
-    """Seconds a weight-update group set-up or one bucket's transfer may take."""
+    """Seconds a weight-update group set-up or one bucket's transfer may take; one that does not fail by then is
+    tried again after the fleet is healed. A wait stuck past it in NCCL ends the run, every process of it, with a
+    line naming the wait and the servers; so does a whole update that outlasts two tries."""
     disk_dir: str | None = None
     """Directory the disk transport writes to; must be readable by every server. Default: <run_dir>/weights."""
     master_address: str | None = None

@@ -14,6 +14,8 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -216,15 +218,57 @@ class OwnerWatch:
                         self._end(f"trainer rank 0 (its store at {self.store[0]}:{self.store[1]})")
 
     def _end(self, who: str) -> None:
-        import psutil
-
-        log.error("the run's owner, %s, is gone: this rank and the processes it started exit now", who)
-        for child in psutil.Process().children(recursive=True):
-            child.kill()
-        os.kill(os.getpid(), signal.SIGKILL)
+        end_process(f"the run's owner, {who}, is gone")
 
     def stop(self) -> None:
         self.stopped.set()
+
+
+def end_process(why: str) -> None:
+    """Log `why`, kill every process this one started, then this one (SIGKILL: no cleanup can hang)."""
+    import psutil
+
+    log.error("%s: this rank and the processes it started exit now", why)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    for child in psutil.Process().children(recursive=True):
+        child.kill()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+_deadlines: list[tuple[str, float]] = []
+"""The armed `deadline` blocks of this process, innermost last: (what, when it is due)."""
+_deadlines_lock = threading.Lock()
+_deadline_watch: list[threading.Thread] = []
+
+
+@contextmanager
+def deadline(what: str, seconds: float, flag: str) -> Iterator[None]:
+    """End this process (`end_process`) when the block runs past `seconds`, with one line naming `what` and
+    the `flag` that sets the limit. For waits across processes that Python cannot interrupt: an NCCL call stuck
+    in C++, a collective a peer never enters. A thread watches, so it fires whatever the block waits in (torch's
+    collectives and HTTP waits release the GIL). The rest of the run follows: its launcher stops every rank
+    when one fails, and the other ranks' own deadlines and owner watches fire too."""
+    entry = (f"{what} did not finish within {seconds:.0f}s ({flag})", time.monotonic() + seconds)
+    with _deadlines_lock:
+        if not _deadline_watch:
+            _deadline_watch.append(threading.Thread(target=_watch_deadlines, name="dsrl-deadline", daemon=True))
+            _deadline_watch[0].start()
+        _deadlines.append(entry)
+    try:
+        yield
+    finally:
+        with _deadlines_lock:
+            _deadlines.remove(entry)
+
+
+def _watch_deadlines() -> None:
+    while True:
+        time.sleep(0.25)
+        with _deadlines_lock:
+            late = [why for why, due in _deadlines if time.monotonic() > due]
+        if late:
+            end_process(late[-1])  # the innermost names the phase
 
 
 # -- stopping a run --------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from dsrl.collectives import init_weight_update_group
 from dsrl.config import SyncConfig
 from dsrl.metrics import Timer
+from dsrl.rundir import deadline
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import free_port, routable_address
 from dsrl.sync.base import CheckpointEngine, SyncError
@@ -87,18 +88,18 @@ class BroadcastEngine(CheckpointEngine):
                 pass
             return 0
         sent, in_flight, replies, failure = 0, None, [], None
-        clock = Timer()
-        for bucket in clock.each(self.gatherer, "gather"):  # gathering bucket i+1 overlaps sending bucket i
+        clock, n = Timer(), len(self.gatherer.plan)
+        for i, bucket in enumerate(clock.each(self.gatherer, "gather")):  # gathering i+1 overlaps sending i
             if failure is not None:
                 continue  # keep joining the other ranks' transfers, send nothing more
             try:
                 if self.group is None:
-                    with clock("connect"):
+                    with clock("connect"), self._deadline("forming the weight-update group"):
                         self.connect()
                 if in_flight is not None:
-                    with clock("broadcast"):
+                    with clock("broadcast"), self._deadline(f"the broadcast of bucket {i}/{n}"):
                         self._wait(in_flight, replies)  # its buffer is reused two buckets later
-                with clock("post"):
+                with clock("post"), self._deadline(f"the broadcast of bucket {i + 1}/{n}"):
                     previous = replies[-1] if replies else None
                     reply, in_flight = self._send(bucket, weight_version, flush_cache, previous)
                 replies.append(reply)
@@ -106,12 +107,13 @@ class BroadcastEngine(CheckpointEngine):
             except Exception as e:  # noqa: BLE001 -- re-raised once the gathers are done
                 failure = e
         try:
-            if failure is None and in_flight is not None:
-                with clock("broadcast"):
-                    self._wait(in_flight, replies)
-            with clock("server_replies"):  # the last bucket's load and the KV flush
-                for reply in replies if failure is None else []:
-                    reply.result(self.cfg.timeout_s)
+            with self._deadline(f"the broadcast of bucket {n}/{n} and the servers' replies"):
+                if failure is None and in_flight is not None:
+                    with clock("broadcast"):
+                        self._wait(in_flight, replies)
+                with clock("server_replies"):  # the last bucket's load and the KV flush
+                    for reply in replies if failure is None else []:
+                        reply.result(self.cfg.timeout_s)
         except Exception as e:  # noqa: BLE001
             failure = e
         self.profile = clock.seconds
@@ -122,6 +124,12 @@ class BroadcastEngine(CheckpointEngine):
 
     def reset(self) -> None:
         self.group = None
+
+    def _deadline(self, what: str):
+        """A wait NCCL may never return from (a peer that never joins, a broadcast nobody receives) ends the run,
+        naming it, a little after the waits below have had their own chance to fail and be retried."""
+        servers = ", ".join(self.client.live_urls())
+        return deadline(f"weight update: {what} (servers {servers})", self.cfg.timeout_s + 10, "--sync.timeout_s")
 
     def _send(
         self, bucket: FlatBucket, weight_version: int, flush_cache: bool, previous: Future | None

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from dsrl.collectives import agreed
 from dsrl.config import Config, SyncConfig
 from dsrl.metrics import Timer
+from dsrl.rundir import deadline
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import ServerFleet
 from dsrl.sync.adapter import AdapterServing
@@ -91,7 +92,14 @@ class WeightSync:
         batch generated ahead needs the weights the trainer just trained on."""
 
     def update(self, version: int) -> dict[str, float]:
-        """Bring every server to weight `version`; returns the sync metrics (rank 0's are the real ones)."""
+        """Bring every server to weight `version`; returns the sync metrics (rank 0's are the real ones). An update
+        that outlasts two tries ends the run on every rank, naming it: the ranks above 0 wait in collectives for
+        rank 0 all along, whose own waits have deadlines of --sync.timeout_s."""
+        what = f"the weight update to version {version} (servers {', '.join(self.client.urls)})"
+        with deadline(what, 2 * self.cfg.sync.timeout_s + 30, "twice --sync.timeout_s, and 30 s"):
+            return self._update(version)
+
+    def _update(self, version: int) -> dict[str, float]:
         timer, metrics = Timer(), self.check_probe()
         for attempt in (1, 2):
             with timer("heal"):
