@@ -24,6 +24,8 @@
 #   Longer than one call (verl's toy run to 100 steps, two seeds: ~1,400 s): tools/gpu_detach.sh runs the stages
 #   detached on the held machine and brings back their output call by call (docs/benchmarks.md, "Beside verl").
 #   source .gpu/setup.sh; MODELS="1.5b 1.5b-rm" bash tools/gpu_run.sh setup rm       # 1 GPU (reward model, 3 tenants)
+#   source .gpu/setup.sh; bash tools/gpu_run.sh setup split_hang placements           # 4 GPUs: every placement, one
+#                         line each (issue 52; PLACEMENTS="dis2x2 colo4 ..." picks; ray2x2 needs .gpu/ray_site.tar.xz)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py;
 #                                                         ASYNC_EXTRA="--rollout.max_concurrency 768" passes flags on)
 # Pure-Python wheels the image lacks travel in .whl/ (carried; `setup` installs them into /tmp/site): peft, and
@@ -50,6 +52,45 @@ stage() {  # stage NAME TIMEOUT_S COMMAND...
   return $rc
 }
 
+# One placement of the `placements` stage: `dsrl train` (or the launcher) on a small run, then one summary line
+# (PASS: it ran every step with each sync's probe matching the trainer's weights, and exited 0).
+placement() {
+  local name=$1 args cmd=(python3 -m dsrl.cli train) pre=()
+  local dis=(--config configs/gpu_disaggregate.yaml --trainer.num_ranks 2 --rollout.num_servers 2 --rollout.first_gpu 2)
+  local colo=(--config configs/gpu_colocate.yaml --trainer.num_ranks 4 --rollout.num_servers 4)
+  case $name in
+    dis2x2) args=("${dis[@]}") ;;
+    dis2_tp2) args=("${dis[@]}" --rollout.num_servers 1 --rollout.tp_size 2) ;;
+    off2x2) args=("${dis[@]}" --rollout.max_staleness 1 --algorithm.off_policy tis) ;;
+    async2x2_partial) args=("${dis[@]}" --rollout.max_staleness 2 --rollout.interrupt partial --algorithm.off_policy tis) ;;
+    async2x2_pause) args=("${dis[@]}" --rollout.max_staleness 4 --rollout.interrupt pause --rollout.max_ahead 1
+                          --algorithm.off_policy tis) ;;
+    colo2) args=(--config configs/gpu_colocate.yaml --trainer.num_ranks 2 --rollout.num_servers 2) ;;
+    colo4) args=("${colo[@]}") ;;
+    colo4_tp2) args=("${colo[@]}" --rollout.num_servers 2 --rollout.tp_size 2) ;;
+    ray2x2)  # a Ray cluster that owns GPUs 2-3 places the servers; the trainer ranks take GPUs 0-1
+      CUDA_VISIBLE_DEVICES=2,3 timeout 120 python3 -m ray.scripts.scripts start --head --num-gpus 2 --num-cpus 16 \
+        --include-dashboard false --disable-usage-stats > "$OUT/ray_start.log" 2>&1 || note "ray start failed"
+      pre=(env CUDA_VISIBLE_DEVICES=0,1); args=("${dis[@]}" --rollout.fleet ray) ;;
+    launcher)  # the design's launcher, as a user types it: deepspeed --num_gpus 2 --module dsrl.train
+      cmd=(python3 -m deepspeed.launcher.runner --num_gpus 2 --master_port 29611 --module dsrl.train)
+      args=("${dis[@]}") ;;
+    *) note "placement $name: unknown"; return ;;
+  esac
+  rm -rf "/tmp/runs/pl_$name"
+  stage "pl_$name" "${PL_LIMIT:-150}" "${pre[@]}" "${cmd[@]}" "${args[@]}" --model.path "/tmp/models/${PL_MODEL:-0.5b}" \
+    --trainer.total_steps "${PL_STEPS:-4}" --logging.tensorboard "$TB" --logging.export_hf false \
+    --logging.run_dir "/tmp/runs/pl_$name" --rollout.server_args "$PL_SERVER_ARGS"
+  local rc=$? verdict=FAIL
+  grep -aq "final metrics" "$OUT/pl_$name.log" && [ $rc = 0 ] && verdict=PASS
+  [ "$name" = ray2x2 ] && timeout 60 python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
+  pkill -9 -f "sglang|dsrl\.(train|cli)|deepspeed\.launcher" 2>/dev/null; sleep 2  # a failed run's leftovers
+  local figures
+  figures=$(python3 tools/step_report.py --line "/tmp/runs/pl_$name" 2>/dev/null || grep -a "Error\|error:" \
+    "$OUT/pl_$name.log" | tail -1 | cut -c1-200)
+  note "placement $name: $verdict (rc=$rc) | $figures"
+}
+
 for s in "$@"; do
   case $s in
     setup)
@@ -60,6 +101,7 @@ for s in "$@"; do
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$SUMMARY"
       python3 -c "import torch, sglang, deepspeed, transformers, aiohttp, jsonargparse, tqdm; print('torch', torch.__version__, 'sglang', sglang.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)" 2>&1 | tail -1 | tee -a "$SUMMARY"
       python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null || note "no tensorboard here: runs pass --logging.tensorboard false"
+      if [ -f .gpu/ray_site.tar.xz ] && [ ! -d /tmp/site/ray ]; then tar xJf .gpu/ray_site.tar.xz -C /tmp/site; fi
       stage models ${MODELS_LIMIT:-300} python3 tools/gpu_models.py /tmp/models ${MODELS:-0.5b 1.5b 3b}
       ;;
     smoke)
@@ -336,6 +378,19 @@ for s in "$@"; do
       grep -a "final metrics" "$OUT/rm.log" | grep -o '"reward/[a-z_]*": [0-9.e-]*\|"timing/[a-z]*": [0-9.e-]*\|"memory/[a-z]*_peak_gb": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
       python3 tools/step_report.py /tmp/runs/rm | tee -a "$SUMMARY"
       tail -c 100000 /tmp/runs/rm/logs/reward_server_0.log > "$OUT/rm_reward_server.log" 2>/dev/null
+      ;;
+    split_hang)  # 3 GPUs: the first-sync hang of 2 trainer ranks at its smallest, as before the fix and now
+      stage split_hang 120 python3 tools/gpu_split_hang.py --limit "${SPLIT_LIMIT:-40}"
+      grep -a "^split hang" "$OUT/split_hang.log" | tee -a "$SUMMARY"
+      ;;
+    placements)  # 4 GPUs: every placement of the design on one host, one line each (PLACEMENTS picks them; PL_MODEL,
+      # PL_STEPS, PL_LIMIT). SGLang without CUDA graphs: it starts in ~30 s instead of 50-130 (these runs check, the
+      # speed stages measure). ray2x2 needs Ray: carry .gpu/ray_site.tar.xz (tools/peers/build_site.sh, RAY_ONLY=1).
+      TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
+      PL_SERVER_ARGS=${PL_SERVER_ARGS:-'{"attention_backend": "triton", "sampling_backend": "pytorch", "disable_cuda_graph": true}'}
+      for p in ${PLACEMENTS:-dis2x2 dis2_tp2 off2x2 async2x2_partial async2x2_pause colo4 colo4_tp2 ray2x2 launcher}; do
+        placement "$p"
+      done
       ;;
     *) note "unknown stage $s" ;;
   esac

@@ -4,7 +4,8 @@
 first, from the run's tensorboard; the last step's `final_metrics.json` when there is none), the
 overhead (all but generate, logprobs and update) as seconds and as a fraction of the step, and the
 peak memory per phase. The GPU stages of `tools/gpu_run.sh` call it after their runs.
-`--against OTHER_RUN_DIR` prints one line instead: the step, its phases and the update's peak against the other
+`--line` prints one line instead: the step, its work phases, the sync and the plumbing's share (the `placements`
+stage). `--against OTHER_RUN_DIR` prints one line instead: the step, its phases and the update's peak against the other
 run's (LoRA against full fine-tuning in the `lora` stage).
 """
 
@@ -79,12 +80,26 @@ def compare(run_dir: Path, against: Path) -> str:
     return f"{run_dir.name} against {against.name}: " + ", ".join(figures)
 
 
+def line(run_dir: Path) -> str:
+    """One line: the step, its work phases, the sync (its bytes and rate) and the plumbing's share."""
+    m, steps = step_means(run_dir)
+    step = m["timing/step"]
+    work = sum(m.get(f"timing/{k}", 0.0) for k in WORK)
+    phases = ", ".join(f"{k} {m[f'timing/{k}']:.2f}" for k in (*WORK, "sync") if f"timing/{k}" in m)
+    sync = f"; sync {m['sync/bytes'] / 1e9:.2f} GB at {m['sync/gb_per_s']:.0f} GB/s" if "sync/bytes" in m else ""
+    return f"step {step:.2f} s ({steps} steps after the first): {phases}{sync}; plumbing {1 - work / step:.1%}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--against", type=Path, help="Print one line: run_dir's figures against this run's.")
+    parser.add_argument("--line", action="store_true", help="Print one line: the step, its phases and the sync.")
     args = parser.parse_args()
-    print(compare(args.run_dir, args.against) if args.against else report(*step_means(args.run_dir)))
+    if args.line:
+        print(line(args.run_dir))
+    else:
+        print(compare(args.run_dir, args.against) if args.against else report(*step_means(args.run_dir)))
 
 
 if __name__ == "__main__":
