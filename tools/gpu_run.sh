@@ -43,9 +43,14 @@ SUMMARY=$OUT/summary.txt
 : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
-stage() {  # stage NAME TIMEOUT_S COMMAND...
-  local name=$1 limit=$2; shift 2
+stage() {  # stage NAME TIMEOUT_S COMMAND...; with BUDGET=S (the call's seconds) no stage runs past S - 30,
+  local name=$1 limit=$2; shift 2  # so the logs' archive and the summary still come back
   local start=$SECONDS
+  if [ -n "${BUDGET:-}" ]; then
+    local left=$((BUDGET - 30 - SECONDS))
+    [ "$left" -lt 10 ] && { note "== $name: skipped, the call's BUDGET is spent"; return 124; }
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   note "== $name: rc=$rc in $((SECONDS - start))s"
@@ -80,7 +85,7 @@ placement() {
   rm -rf "/tmp/runs/pl_$name"
   stage "pl_$name" "${PL_LIMIT:-150}" "${pre[@]}" "${cmd[@]}" "${args[@]}" --model.path "/tmp/models/${PL_MODEL:-0.5b}" \
     --trainer.total_steps "${PL_STEPS:-4}" --logging.tensorboard "$TB" --logging.export_hf false \
-    --logging.run_dir "/tmp/runs/pl_$name" --rollout.server_args "$PL_SERVER_ARGS"
+    --logging.run_dir "/tmp/runs/pl_$name" --rollout.server_args "$PL_SERVER_ARGS" --sync.timeout_s "${PL_SYNC_TIMEOUT:-60}"
   local rc=$? verdict=FAIL
   grep -aq "final metrics" "$OUT/pl_$name.log" && [ $rc = 0 ] && verdict=PASS
   [ "$name" = ray2x2 ] && timeout 60 python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
