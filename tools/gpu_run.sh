@@ -25,7 +25,8 @@
 #   detached on the held machine and brings back their output call by call (docs/benchmarks.md, "Beside verl").
 #   source .gpu/setup.sh; MODELS="1.5b 1.5b-rm" bash tools/gpu_run.sh setup rm       # 1 GPU (reward model, 3 tenants)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup split_hang placements           # 4 GPUs: every placement, one
-#                         line each (issue 52; PLACEMENTS="dis2x2 colo4 ..." picks; ray2x2 needs .gpu/ray_site.tar.xz)
+#                         line each (issue 52; PLACEMENTS="dis2x2 off2x2|colo4" picks them, in waves; ray2x2 needs
+#                         .gpu/ray_site.tar.xz)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py;
 #                                                         ASYNC_EXTRA="--rollout.max_concurrency 768" passes flags on)
 # Pure-Python wheels the image lacks travel in .whl/ (carried; `setup` installs them into /tmp/site): peft, and
@@ -58,9 +59,11 @@ stage() {  # stage NAME TIMEOUT_S COMMAND...; with BUDGET=S (the call's seconds)
 }
 
 # One placement of the `placements` stage: `dsrl train` (or the launcher) on a small run, then one summary line
-# (PASS: it ran every step with each sync's probe matching the trainer's weights, and exited 0).
+# (PASS: it ran every step with each sync's probe matching the trainer's weights, and exited 0). $2: the GPUs it sees,
+# in order (CUDA_VISIBLE_DEVICES; empty: all, as they are).
 placement() {
   local name=$1 args cmd=(python3 -m dsrl.cli train) pre=()
+  [ -n "${2:-}" ] && pre=(env "CUDA_VISIBLE_DEVICES=$2")
   local dis=(--config configs/gpu_disaggregate.yaml --trainer.num_ranks 2 --rollout.num_servers 2 --rollout.first_gpu 2)
   local colo=(--config configs/gpu_colocate.yaml --trainer.num_ranks 4 --rollout.num_servers 4)
   case $name in
@@ -76,7 +79,7 @@ placement() {
     ray2x2)  # a Ray cluster that owns GPUs 2-3 places the servers; the trainer ranks take GPUs 0-1
       CUDA_VISIBLE_DEVICES=2,3 timeout 120 python3 -m ray.scripts.scripts start --head --num-gpus 2 --num-cpus 16 \
         --include-dashboard false --disable-usage-stats > "$OUT/ray_start.log" 2>&1 || note "ray start failed"
-      pre=(env CUDA_VISIBLE_DEVICES=0,1); args=("${dis[@]}" --rollout.fleet ray) ;;
+      pre=(env CUDA_VISIBLE_DEVICES=0,1); args=("${dis[@]}" --rollout.fleet ray) ;;  # (ray stop: after the wave)
     launcher)  # the design's launcher, as a user types it: deepspeed --num_gpus 2 --module dsrl.train
       cmd=(python3 -m deepspeed.launcher.runner --num_gpus 2 --master_port 29611 --module dsrl.train)
       args=("${dis[@]}") ;;
@@ -85,11 +88,10 @@ placement() {
   rm -rf "/tmp/runs/pl_$name"
   stage "pl_$name" "${PL_LIMIT:-150}" "${pre[@]}" "${cmd[@]}" "${args[@]}" --model.path "/tmp/models/${PL_MODEL:-0.5b}" \
     --trainer.total_steps "${PL_STEPS:-4}" --logging.tensorboard "$TB" --logging.export_hf false \
-    --logging.run_dir "/tmp/runs/pl_$name" --rollout.server_args "$PL_SERVER_ARGS" --sync.timeout_s "${PL_SYNC_TIMEOUT:-60}"
+    --logging.run_dir "/tmp/runs/pl_$name" --rollout.server_args "$PL_SERVER_ARGS" --sync.timeout_s "${PL_SYNC_TIMEOUT:-60}" \
+    --rollout.mem_fraction_static "${PL_MEM:-0.1}"
   local rc=$? verdict=FAIL
   grep -aq "final metrics" "$OUT/pl_$name.log" && [ $rc = 0 ] && verdict=PASS
-  [ "$name" = ray2x2 ] && timeout 60 python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
-  pkill -9 -f "sglang|dsrl\.(train|cli)|deepspeed\.launcher" 2>/dev/null; sleep 2  # a failed run's leftovers
   local figures
   figures=$(python3 tools/step_report.py --line "/tmp/runs/pl_$name" 2>/dev/null || grep -a "Error\|error:" \
     "$OUT/pl_$name.log" | tail -1 | cut -c1-200)
@@ -393,8 +395,20 @@ for s in "$@"; do
       # speed stages measure). ray2x2 needs Ray: carry .gpu/ray_site.tar.xz (tools/peers/build_site.sh, RAY_ONLY=1).
       TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
       PL_SERVER_ARGS=${PL_SERVER_ARGS:-'{"attention_backend": "triton", "sampling_backend": "pytorch", "disable_cuda_graph": true}'}
-      for p in ${PLACEMENTS:-dis2x2 dis2_tp2 off2x2 async2x2_partial async2x2_pause colo4 colo4_tp2 ray2x2 launcher}; do
-        placement "$p"
+      # Waves, split by "|", run one after another; the placements of a wave run side by side, each on the 4 GPUs in
+      # another order (a disaggregated run's ranks take the first two it sees, its servers the last two), with
+      # small servers (PL_MEM of each GPU): they check placements, the speed stages time them alone.
+      rotations=("" 2,3,0,1 1,2,3,0 3,0,1,2 0,2,1,3 1,3,0,2)
+      IFS='|' read -ra waves <<< "${PLACEMENTS:-launcher dis2x2 dis2_tp2 off2x2 async2x2_partial async2x2_pause|colo4 colo4_tp2 ray2x2}"
+      for wave in "${waves[@]}"; do
+        k=0
+        for p in $wave; do
+          case $p in colo*|ray*) placement "$p" & ;; *) placement "$p" "${rotations[$((k % 6))]}" & k=$((k + 1)) ;; esac
+          sleep 1
+        done
+        wait
+        timeout 60 python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
+        pkill -9 -f "sglang|dsrl\.(train|cli)|deepspeed\.launcher" 2>/dev/null; sleep 2  # a failed run's leftovers
       done
       ;;
     *) note "unknown stage $s" ;;
