@@ -5,7 +5,7 @@
 
 Starts `dsrl train` under `timeout -k 10 300`, SIGKILLs the CLI once step `--at` has been logged (the next step is
 under way), then polls every 0.5 s and prints when the run's processes were gone and, where nvidia-smi is, when
-GPU 0's memory was back to what it was before the run. On an H200 a 0.5B colocated run took over 120 s to its
+the GPUs' memory was back to what it was before the run. On an H200 a 0.5B colocated run took over 120 s to its
 second step (SGLang's start with CUDA graphs, DeepSpeed's init): give it 240 s.
 """
 
@@ -19,14 +19,14 @@ import psutil
 
 
 def gpu_state() -> tuple[set[int], int] | None:
-    """(pids with a CUDA context, MiB used) of GPU 0; None without nvidia-smi."""
+    """(pids with a CUDA context, MiB used on all GPUs together); None without nvidia-smi."""
     if shutil.which("nvidia-smi") is None:
         return None
     apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
                           capture_output=True, text=True).stdout  # fmt: skip
-    used = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+    used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                           capture_output=True, text=True).stdout  # fmt: skip
-    return {int(p) for p in apps.split() if p.strip().isdigit()}, int(used.strip() or 0)
+    return {int(p) for p in apps.split() if p.strip().isdigit()}, sum(int(u) for u in used.split())
 
 
 def main() -> None:
@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=None, help="--trainer.num_ranks (default: the config's)")
     parser.add_argument("--at", type=int, default=2, help="Kill once this step is logged.")
     parser.add_argument("--run-dir", default="/tmp/runs/kill9")
+    parser.add_argument("train_args", nargs="*", help="More `dsrl train` flags, after `--`.")
     args = parser.parse_args()
     before = gpu_state()
     cmd = ["timeout", "-k", "10", "300", sys.executable, "-m", "dsrl.cli", "train", "--config", args.config,
@@ -43,6 +44,7 @@ def main() -> None:
            "--logging.tensorboard", "false", "--logging.run_dir", args.run_dir]  # fmt: skip
     cmd += ["--model.path", args.model] if args.model else []
     cmd += ["--trainer.num_ranks", str(args.ranks)] if args.ranks else []
+    cmd += args.train_args
     print("$", " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
     for line in proc.stderr:
@@ -50,7 +52,7 @@ def main() -> None:
             break
     cli = next(p for p in psutil.Process(proc.pid).children() if "dsrl.cli" in " ".join(p.cmdline()))
     run = cli.children(recursive=True)
-    print(f"before: {len(run) + 1} processes of the run" + (f", GPU 0 {before[1]} MiB used" if before else ""))
+    print(f"before: {len(run) + 1} processes of the run" + (f", GPUs {before[1]} MiB used" if before else ""))
     start = time.monotonic()
     cli.kill()
     gone_at = freed_at = None

@@ -120,7 +120,8 @@ for s in "$@"; do
       grep -a "^RESULT\|^killing\|Error" "$OUT/crash.log" | tee -a "$SUMMARY"
       ;;
     kill9)  # kill -9 of dsrl train mid-step: the run's processes and GPU memory gone within 15 s (tools/bench_kill9.py)
-      stage kill9 ${KILL9_LIMIT:-240} python3 tools/bench_kill9.py --config configs/gpu_colocate.yaml --model /tmp/models/${KILL9_MODEL:-0.5b}
+      stage kill9 ${KILL9_LIMIT:-240} python3 tools/bench_kill9.py --config configs/gpu_colocate.yaml --model /tmp/models/${KILL9_MODEL:-0.5b} \
+        ${KILL9_RANKS:+--ranks $KILL9_RANKS -- --rollout.num_servers $KILL9_RANKS}
       grep -a "^before\|^RESULT\|Error" "$OUT/kill9.log" | tee -a "$SUMMARY"
       ;;
     smoke_nosaver)
