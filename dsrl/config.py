@@ -848,7 +848,10 @@ def reward_rollout(cfg: Config, used: float = 0.0) -> RolloutConfig:
 
 
 def build_parser(prog: str = "dsrl train") -> ArgumentParser:
-    parser = ArgumentParser(prog=prog, description="Train an LLM policy with RL on DeepSpeed ZeRO-3 and SGLang.")
+    # No abbreviations: a misspelt flag (--rollout.num_server) is an error, not a guess (jsonargparse 5 agrees)
+    parser = ArgumentParser(
+        prog=prog, description="Train an LLM policy with RL on DeepSpeed ZeRO-3 and SGLang.", allow_abbrev=False
+    )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML config file; later flags override it.")
     parser.add_class_arguments(Config, None)
     return parser
