@@ -516,6 +516,16 @@ def test_verl_on_its_own_stack_leaves_the_dsrl_site_off_its_path(tmp_path):
     assert peers.verl_env(env, own, tmp_path)["FLASHINFER_WORKSPACE_BASE"].endswith("fi_verl")
     assert peers.verl_env(env, layered, tmp_path)["PYTHONPATH"].split(os.pathsep)[-1] == "/tmp/site"
     assert peers.verl_env(env, own, tmp_path)["VERL_FILE_LOGGER_PATH"] == str(tmp_path / "metrics.jsonl")
+    # its SGLang 0.5.12 gets the same server settings in its own words (it has no cuda_graph_backend_prefill)
+    assert peers.own_stack(own) and not peers.own_stack(layered)
+    verl = _verl(peers.WORKLOADS["tail"], server=peers.SERVER_0512)
+    sglang = {k.rsplit(".", 1)[1]: v for k, v in verl.items() if ".engine_kwargs.sglang." in k}
+    assert sglang == {
+        "attention_backend": "triton",
+        "sampling_backend": "pytorch",
+        "disable_piecewise_cuda_graph": "true",
+    }
+    assert {k.rsplit(".", 1)[1] for k in _verl(peers.WORKLOADS["tail"]) if ".sglang." in k} == set(peers.SERVER)
 
 
 def test_the_runs_logs_are_kept_in_one_compressed_archive(tmp_path):

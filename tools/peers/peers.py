@@ -186,6 +186,16 @@ SERVER = {"attention_backend": "triton", "sampling_backend": "pytorch", "cuda_gr
 """SGLang's settings in both frameworks: the kernels this image carries (no FA3), and no prefill CUDA graphs (SGLang
 0.5.17 captures 58 by default, a minute of each start, for prompts of 4 tokens here); decode graphs stay on."""
 
+SERVER_0512 = {"attention_backend": "triton", "sampling_backend": "pytorch", "disable_piecewise_cuda_graph": True}
+"""The same settings for verl's own stack: SGLang 0.5.12 has no `cuda_graph_backend_prefill` (a ServerArgs field it
+would refuse); its prefill CUDA graphs are its piecewise ones, on by default for Qwen2 on CUDA."""
+
+
+def own_stack(site: Path) -> bool:
+    """Whether a verl site holds its own SGLang (build_site.sh STACK=own) rather than layering on dsrl's."""
+    return (site / "sglang").is_dir()
+
+
 WORKLOADS = report.WORKLOADS
 CHECKPOINTING_PARAMS = 5e9
 """verl's gradient checkpointing (its default) stays on for models past this size; below it, the activations of a
@@ -270,11 +280,13 @@ def verl_settings(
     pair: Pair | None = None,
     poll: float = 0.05,
     overrides: list[str] = (),
+    server: dict = SERVER,
 ) -> list[Setting]:
     """verl 0.9.1's PPO entry point, GRPO, colocated with SGLang (its hybrid engine) on `gpus` GPUs of one host, at
     its best on this machine: FSDP2, dynamic batch size by tokens, its fused log-prob kernels, its replay buffer's
     poll at `poll` seconds, no remove-padding (it needs flash-attn, which has no wheel for torch 2.11: sdpa instead,
-    padded rows), no offload, KL off; `pair`'s settings on top. `overrides` (hydra's KEY=VALUE) replace or add
+    padded rows), no offload, KL off, SGLang with `server` (SERVER_0512 on verl's own stack); `pair`'s settings on
+    top. `overrides` (hydra's KEY=VALUE) replace or add
     settings last: actor_rollout_ref.model.use_fused_kernels=false is the path the first runs took (a Python loop
     over every token's log-softmax; docs/benchmarks.md, "Beside verl")."""
     toy, tail = w["new_tokens"] < 16, w.get("tail", False)
@@ -319,7 +331,7 @@ def verl_settings(
         Setting("+actor_rollout_ref.model.override_config.attn_implementation", "sdpa",
                 "its default is flash_attention_2 (no package here): torch's own flash kernel on padded rows"),
         Setting("trainer.v1.sampler.custom_sampler.path", SAMPLER,
-                "its replay buffer as it is, polling every `poll` s instead of every 2 s (verl_sampler.py)"),
+                "its replay buffer as it is, polling at sampler_kwargs.poll_interval instead of every 2 s"),
         Setting("trainer.v1.sampler.custom_sampler.name",
                 "QuickPollReplayBuffer" if mode == "sync" else "QuickPollReplayBufferAsync",
                 "the class its trainer mode builds by default, with the shorter poll"),
@@ -329,8 +341,9 @@ def verl_settings(
         Setting("actor_rollout_ref.rollout.tensor_model_parallel_size", 1,
                 "its tuning guide: more replicas before more TP (one SGLang server a GPU, as dsrl's)"),
         Setting("actor_rollout_ref.rollout.enforce_eager", toy, "CUDA graphs in decode, as dsrl (not for the toy)"),
-        *(Setting(f"+actor_rollout_ref.rollout.engine_kwargs.sglang.{k}", v, "the same SGLang settings as dsrl's")
-          for k, v in SERVER.items()),
+        *(Setting(f"+actor_rollout_ref.rollout.engine_kwargs.sglang.{k}", v,
+                  "the same SGLang settings as dsrl's (triton attention: no FA3 kernels carried; no prefill graphs)")
+          for k, v in server.items()),
         Setting("trainer.n_gpus_per_node", trainer_gpus, "the GPUs of the host (the trainer's half, split)"),
         Setting("trainer.nnodes", 1, "one host, as dsrl's runs"),
         Setting("trainer.total_training_steps", steps, same), Setting("trainer.total_epochs", 1000, same),
@@ -576,7 +589,7 @@ def verl_env(env: dict, site: Path, work: Path) -> dict:
     replaces the caller's PYTHONPATH (the dsrl site: SGLang 0.5.17, transformers 5.12.1), and gets JIT caches of its
     own (its flashinfer and tvm-ffi are other versions); a layered one goes before it."""
     env = dict(env, VERL_FILE_LOGGER_PATH=str(work / "metrics.jsonl"))
-    own = (site / "sglang").is_dir()
+    own = own_stack(site)
     rest = [] if own else [env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(ROOT), str(PEERS), *rest) if p)
     if own:
@@ -602,8 +615,9 @@ def one_run(name: str, args, w: dict, model: Path, data: dict[str, Path], seed: 
     settings = []
     if framework == "verl":
         env = verl_env(env, args.verl_site, work)
+        server = SERVER_0512 if own_stack(args.verl_site) else SERVER
         settings = verl_settings(w, model, data["verl"], work, args.steps, seed, args.gpus, p, args.verl_poll,
-                                 args.verl_overrides)  # fmt: skip
+                                 args.verl_overrides, server)  # fmt: skip
         argv = verl_command(settings)
     else:
         argv = dsrl_command(w, model, data["dsrl"], work / "run", args.steps, seed, name, args.gpus, p)
