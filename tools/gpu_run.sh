@@ -384,6 +384,10 @@ verl_sampler, verl_agent, sglang.srt.entrypoints.http_server, sglang.srt.manager
 sglang.srt.model_executor.model_runner, sglang, transformers, flashinfer, sgl_kernel; \
 print('verl stack: verl', verl.__version__, 'sglang', sglang.__version__, 'transformers', transformers.__version__)" \
           2>&1 | tail -3 | tee -a "$SUMMARY"
+        # and verl's own checks of every setting the harness gives it (hydra, validate_config, its dataclasses)
+        PYTHONPATH=/tmp/verlstack:$PWD:$PWD/tools/peers timeout 300 python3 tools/peers/verl_check.py \
+          --gpus ${PEERS_GPUS:-1} > "$OUT/verl_check.log" 2>&1; grep -a "refused\|taken\|Error" "$OUT/verl_check.log" \
+          | grep -v ": ok$" | tail -4 | tee -a "$SUMMARY"
       fi
       [ "${PEERS_UNPACK_ONLY:-0}" = 1 ] && continue
       if [ -n "${PEERS_PAIRS:-}" ]; then
