@@ -587,14 +587,19 @@ def verl_env(env: dict, site: Path, work: Path) -> dict:
     """verl's environment: its site first on PYTHONPATH, with the repo (dsrl.tasks.toy, for the reward) and
     tools/peers (its sampler, agent loop and reward). A site that holds its own SGLang (build_site.sh STACK=own)
     replaces the caller's PYTHONPATH (the dsrl site: SGLang 0.5.17, transformers 5.12.1), and gets JIT caches of its
-    own (its flashinfer and tvm-ffi are other versions); a layered one goes before it."""
+    own (VERL_JIT); a layered one goes before it."""
     env = dict(env, VERL_FILE_LOGGER_PATH=str(work / "metrics.jsonl"))
     own = own_stack(site)
     rest = [] if own else [env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(ROOT), str(PEERS), *rest) if p)
-    if own:
-        env |= {"FLASHINFER_WORKSPACE_BASE": "/tmp/jitcache/fi_verl", "TVM_FFI_CACHE_DIR": "/tmp/jitcache/tvmffi_verl"}
+    if own:  # outside /tmp/jitcache, which gpu_run.sh brings back for .gpu: that would outgrow a call's 64 MiB
+        env |= {k: f"/tmp/jitcache_verl/{v}" for k, v in VERL_JIT.items()}
     return env
+
+
+VERL_JIT = {"FLASHINFER_WORKSPACE_BASE": "fi", "TVM_FFI_CACHE_DIR": "tvmffi", "TRITON_CACHE_DIR": "triton"}
+"""verl's own stack's JIT caches (its flashinfer and tvm-ffi are other versions than the dsrl site's): compiled in
+the first verl run on a machine (~1 min: sgl_kernel's RMSNorm builds flashinfer's norm.cu), kept for the next."""
 
 
 def one_run(name: str, args, w: dict, model: Path, data: dict[str, Path], seed: int, limit: float,
