@@ -9,6 +9,8 @@ start-up costs are not a step's).
                                                     # one call per framework), and its PNGs into OUT_DIR; a DIR
                                                     # may be a verl console log (verl_toy_s0.log, `log_run`)
     python tools/peers/report.py /tmp/toy docs/peers_runs/toy   # the toy runs in docs/benchmarks.md, redrawn
+    python tools/peers/report.py /tmp/t A/auto01 B/auto2        # matched pairs from two machines: the runs, the pair
+                                                                # table (pair_table) and verl's settings
 """
 
 import json
@@ -369,6 +371,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     record = merged([p for p in map(Path, sys.argv[1:]) if p.is_file() or (p / "peers.json").exists()])
     print(table(record))
+    if any(run.get("pair") for run in record["runs"].values()):
+        print(pair_table(record))
+        print(settings_text(record))
     plot_phases(record, out / "phases.png")
     plot_curves(record, out / "curves.png")
 
