@@ -368,8 +368,10 @@ for s in "$@"; do
       # .peers/verl_site.tar.xz over the dsrl site, as before issue 53. PEERS_PAIRS="auto recompute" runs matched
       # pairs PEERS_REPEATS times in alternating order from repeat PEERS_REPEAT_FROM (else PEERS_RUNS back to back).
       # verl takes ~4 min to its first step and ~1 min for that step (compilation, warm-up).
+      CHECK=${PEERS_UNPACK_ONLY:-0}
       if [ -f .peers/verl_stack.tar.xz ] && [ ! -f /tmp/verlstack/.ok ]; then
         mkdir -p /tmp/verlstack && tar xJf .peers/verl_stack.tar.xz -C /tmp/verlstack && touch /tmp/verlstack/.ok
+        CHECK=1
       fi
       VSITE=/tmp/verlstack
       if [ ! -f /tmp/verlstack/.ok ]; then
@@ -377,7 +379,7 @@ for s in "$@"; do
         [ -f /tmp/verlsite/.ok ] || { mkdir -p /tmp/verlsite && tar xJf ${VERL_SITE:-.peers/verl_site.tar.xz} -C /tmp/verlsite \
           && touch /tmp/verlsite/.ok; } || note "no verl site (.peers/verl_stack.tar.xz or .peers/verl_site.tar.xz)"
       fi
-      if [ "$VSITE" = /tmp/verlstack ]; then  # its imports, without the dsrl site: what a missing package looks like
+      if [ "$VSITE" = /tmp/verlstack ] && [ "$CHECK" = 1 ]; then  # once a machine: its imports without the dsrl site
         PYTHONPATH=/tmp/verlstack:$PWD:$PWD/tools/peers timeout 300 python3 -c "import verl.trainer.main_ppo, \
 verl.workers.rollout.sglang_rollout.async_sglang_server, verl.experimental.agent_loop.single_turn_agent_loop, \
 verl_sampler, verl_agent, sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler, \
