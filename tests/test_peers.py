@@ -184,13 +184,15 @@ def test_a_detached_job_outlives_its_call_and_wait_brings_back_what_it_wrote(tmp
 
 
 def test_verl_overrides_replace_a_setting_or_add_one_and_each_key_is_given_once():
-    """verl's fast paths this image may run (its fused log-prob kernels) are tried by override; hydra refuses a key
-    given twice, so an override replaces the harness's value."""
-    over = ["actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.use_fused_kernels=true"]
-    argv = peers.verl_command(peers.WORKLOADS["step"], Path("m"), Path("d"), Path("w"), 3, 0, over)
+    """verl's paths this image may not run (remove-padding) are tried by override; hydra refuses a key given twice,
+    so an override replaces the harness's value, and the record says where it came from."""
+    over = ["actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.use_fused_kernels=false"]
+    settings = peers.verl_settings(peers.WORKLOADS["step"], Path("m"), Path("d"), Path("w"), 3, 0, overrides=over)
+    argv = peers.verl_command(settings)
     keys = [a.split("=", 1)[0] for a in argv[3:]]
     assert len(keys) == len(set(keys))
-    assert "actor_rollout_ref.model.use_remove_padding=true" in argv and over[1] in argv
+    assert over[0] in argv and over[1] in argv and "actor_rollout_ref.model.use_fused_kernels=true" not in argv
+    assert {s.why for s in settings if s.key in (over[0].split("=")[0], over[1].split("=")[0])} == {"--verl-overrides"}
 
 
 def test_a_run_that_logged_its_end_but_hangs_is_stopped_after_a_grace_the_rest_at_exit_or_deadline(
@@ -238,7 +240,7 @@ def test_the_7b_workload_offloads_in_both_frameworks():
     from dsrl.config import build_parser, to_config, validate
 
     w = peers.WORKLOADS["7b"]
-    verl = dict(a.split("=", 1) for a in peers.verl_command(w, Path("m"), Path("d"), Path("w"), 3, 0)[3:])
+    verl = _verl(w)
     assert verl["actor_rollout_ref.actor.fsdp_config.param_offload"] == "false"
     assert verl["actor_rollout_ref.actor.fsdp_config.optimizer_offload"] == "true"
     assert verl["actor_rollout_ref.model.enable_gradient_checkpointing"] == "true"
@@ -255,3 +257,282 @@ def test_the_7b_workload_offloads_in_both_frameworks():
     assert sync.rollout.max_staleness == 0 and sync.algorithm.off_policy == "none"
     assert sync.trainer.offload_optimizer and sync.trainer.offload_optimizer_ratio == 0.6
     assert (cfg.rollout.prompts_per_step, cfg.rollout.n_samples, cfg.rollout.max_new_tokens) == (16, 4, 256)
+
+
+# -- issue 53: matched pairs, repeats in alternating order, verl at its best, N GPUs, the realistic workload --------
+
+
+def _verl(w: dict, model: Path = Path("m"), gpus: int = 1, pair: str | None = None, **kw) -> dict[str, str]:
+    """verl's argv for `w` as {key: value}."""
+    p = peers.PAIRS[pair] if pair else None
+    argv = peers.verl_command(peers.verl_settings(w, model, Path("d"), Path("w"), 11, 0, gpus, p, **kw))
+    return dict(a.split("=", 1) for a in argv[3:])
+
+
+def _dsrl(w: dict, gpus: int = 1, pair: str | None = None, name: str = "dsrl"):
+    """dsrl's config for `w`, as dsrl parses and checks it (for `gpus` GPUs: the trainer's ranks)."""
+    from dsrl.config import build_parser, to_config, validate
+
+    p = peers.PAIRS[pair] if pair else None
+    argv = peers.dsrl_command(w, Path("m"), Path("d.parquet"), Path("r"), 11, 0, name, gpus, p)
+    parser = build_parser()
+    cfg = to_config(parser, parser.parse_args([str(a) for a in argv[4:]]))
+    validate(cfg, cfg.trainer.num_ranks, check_paths=False)
+    return cfg, argv
+
+
+def test_pairs_run_their_repeats_back_to_back_and_alternate_which_side_goes_first():
+    """Each repeat is verl and dsrl back to back on one host; which one goes first alternates over the repeats and
+    over the pairs, so neither side always runs first (verl always did before issue 53); a later call's share
+    (--repeat-from) continues the same order."""
+    order = peers.schedule(["auto", "recompute"], 3)
+    assert order[:6] == [("auto", "verl", 0), ("auto", "dsrl", 0), ("auto", "dsrl", 1), ("auto", "verl", 1),
+                         ("auto", "verl", 2), ("auto", "dsrl", 2)]  # fmt: skip
+    assert order[6:8] == [("recompute", "dsrl", 0), ("recompute", "verl", 0)]
+    assert sorted(order) == sorted((p, s, r) for p in ("auto", "recompute") for s in ("verl", "dsrl") for r in range(3))
+    firsts = [order[i][1] for i in range(0, len(order), 2)]
+    assert firsts.count("verl") == firsts.count("dsrl") == 3
+    assert peers.schedule(["auto"], 2) + peers.schedule(["auto"], 1, start=2) == order[:6]
+
+
+def test_each_pair_does_the_same_algorithmic_work_on_both_sides():
+    """auto: neither side runs a pass for the old log-probs (dsrl's update forward gives them, verl's bypass_mode
+    takes the rollout's); recompute: both do (verl's default); offpolicy: one-step-off in both (verl's own
+    colocated async trainer). Synchronous unless the pair says otherwise, the same prompts in each step."""
+    w = peers.WORKLOADS["tail"]
+    auto, _ = _dsrl(w, pair="auto")
+    assert auto.trainer.old_logprobs == "auto" and auto.rollout.max_staleness == 0 and not auto.data.shuffle
+    verl = _verl(w, pair="auto")
+    assert verl["algorithm.rollout_correction.bypass_mode"] == "true" and "trainer.v1.trainer_mode" not in verl
+    assert verl["trainer.v1.sampler.custom_sampler.name"] == "QuickPollReplayBuffer" and verl["data.shuffle"] == "false"
+    recompute, _ = _dsrl(w, pair="recompute")
+    assert recompute.trainer.old_logprobs == "recompute" and recompute.rollout.max_staleness == 0
+    assert "algorithm.rollout_correction.bypass_mode" not in _verl(w, pair="recompute")
+    off, _ = _dsrl(w, pair="offpolicy")
+    assert off.rollout.max_staleness == 1 and off.algorithm.off_policy == "tis" and off.rollout.placement == "colocate"
+    verl = _verl(w, pair="offpolicy")
+    assert verl["trainer.v1.trainer_mode"] == "colocate_async"
+    assert verl["trainer.v1.sampler.custom_sampler.name"] == "QuickPollReplayBufferAsync"
+    # the rest of the work is the same in every pair
+    rest = {k: v for k, v in _verl(w, pair="auto").items() if not k.startswith(("algorithm.rollout", "trainer.v1"))}
+    assert rest == {k: v for k, v in _verl(w, pair="recompute").items() if not k.startswith("trainer.v1")}
+    assert (auto.rollout.prompts_per_step, auto.rollout.n_samples) == (32, 8) == (
+        int(verl["data.train_batch_size"]), int(verl["actor_rollout_ref.rollout.n"]))  # fmt: skip
+    assert auto.trainer.max_tokens_per_micro_batch == int(verl["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"])
+
+
+def test_verl_runs_at_its_best_and_every_setting_says_why(tmp_path):
+    """FSDP2, fused kernels on every workload (the toy's too), dynamic batch sizes, its replay buffer's poll at
+    0.05 s through its custom-sampler hook (2 s when asked), no remove-padding (no flash-attn for torch 2.11);
+    gradient checkpointing off where the activations fit, its default (on) at 7B. Each setting carries a reason."""
+    for name in ("step", "tail", "toy", "7b"):
+        settings = peers.verl_settings(peers.WORKLOADS[name], Path("m"), Path("d"), Path("w"), 11, 0)
+        verl = {s.key: peers._hydra(s.value) for s in settings}
+        assert verl["actor_rollout_ref.actor.strategy"] == "fsdp2"
+        assert verl["actor_rollout_ref.model.use_fused_kernels"] == "true"
+        assert verl["actor_rollout_ref.actor.use_dynamic_bsz"] == "true"
+        assert verl["actor_rollout_ref.model.use_remove_padding"] == "false"
+        assert verl["trainer.v1.sampler.custom_sampler.path"] == str(peers.SAMPLER)
+        assert verl["+trainer.v1.sampler.sampler_kwargs.poll_interval"] == "0.05"
+        assert all(len(s.why) > 8 for s in settings) and len({s.key for s in settings}) == len(settings)
+    assert _verl(peers.WORKLOADS["step"], poll=2.0)["+trainer.v1.sampler.sampler_kwargs.poll_interval"] == "2.0"
+    for size, hidden, layers, inter, on in (("1.5b", 1536, 28, 8960, "false"), ("7b", 3584, 28, 18944, "true")):
+        model = tmp_path / size
+        model.mkdir()
+        config = {"hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": inter,
+                  "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936}  # fmt: skip
+        (model / "config.json").write_text(json.dumps(config))
+        assert _verl(peers.WORKLOADS["step"], model)["actor_rollout_ref.model.enable_gradient_checkpointing"] == on
+    assert 1.4e9 < peers.model_params(tmp_path / "1.5b") < 1.8e9 and 7e9 < peers.model_params(tmp_path / "7b") < 8e9
+
+
+def test_both_run_on_n_gpus_of_one_host_dsrl_at_its_placement_for_n():
+    """--gpus 4: dsrl's 4 colocated ranks and 4 servers against verl's 4 FSDP ranks and 4 SGLang replicas (TP 1);
+    7B offloads nothing there; the split pair puts the trainer on 2 GPUs and the servers on the other 2 on both."""
+    w = peers.WORKLOADS["7b"]
+    cfg, _ = _dsrl(w, gpus=4, pair="auto")
+    assert (cfg.trainer.num_ranks, cfg.rollout.num_servers, cfg.rollout.placement) == (4, 4, "colocate")
+    assert not cfg.trainer.offload_optimizer
+    verl = _verl(w, gpus=4, pair="auto")
+    assert (
+        verl["trainer.n_gpus_per_node"] == "4" and verl["actor_rollout_ref.rollout.tensor_model_parallel_size"] == "1"
+    )
+    assert "actor_rollout_ref.actor.fsdp_config.optimizer_offload" not in verl
+    assert verl["actor_rollout_ref.model.enable_gradient_checkpointing"] == "false"  # (a 7B model dir: on, above)
+    split, argv = _dsrl(w, gpus=4, pair="offpolicy-split")
+    assert (split.trainer.num_ranks, split.rollout.num_servers, split.rollout.first_gpu) == (2, 2, 2)
+    assert split.rollout.placement == "disaggregate" and split.rollout.max_staleness == 1
+    verl = _verl(w, gpus=4, pair="offpolicy-split")
+    assert (verl["trainer.n_gpus_per_node"], verl["actor_rollout_ref.rollout.n_gpus_per_node"]) == ("2", "2")
+    assert verl["actor_rollout_ref.hybrid_engine"] == "false" and verl["trainer.v1.trainer_mode"] == "separate_async"
+    assert verl["actor_rollout_ref.rollout.checkpoint_engine.backend"] == "nccl"
+    assert verl["actor_rollout_ref.rollout.gpu_memory_utilization"] == str(split.rollout.mem_fraction_static)
+    one, _ = _dsrl(w, gpus=1)
+    assert one.trainer.offload_optimizer and "--trainer.num_ranks" not in peers.dsrl_command(
+        w, Path("m"), Path("d"), Path("r"), 3, 0)  # fmt: skip
+
+
+def test_the_tail_workload_gives_both_the_same_long_tail_and_a_reward_with_a_spread(tmp_path):
+    """Each row its own max_new_tokens (ignore_eos): dsrl reads them from its file's `sampling_params`, verl from
+    extra_info (its agent loop: verl_agent.py); every step's prompts hold the same caps; the `graded` reward
+    differs between responses, so a group's advantages are not all 0, and both frameworks' calls agree."""
+    rows = peers.tail_rows(toy.make_rows(256, seed=0))
+    paths = {fw: peers.write_parquet(rows, tmp_path / f"{fw}.parquet", "graded", fw) for fw in ("verl", "dsrl")}
+    verl_rows = pq.read_table(paths["verl"]).to_pylist()
+    assert "sampling_params" not in verl_rows[0]  # it would collide with verl's agent-loop argument
+    tokenizer = AutoTokenizer.from_pretrained(peers.chat_model(ROOT / "examples/toy/model", tmp_path / "model"))
+    cfg = DataConfig(train_path=str(paths["dsrl"]), answer_key="reward_model.ground_truth")
+    prompts = PromptDataset(cfg, tokenizer).prompts
+    caps = [p.sampling["max_new_tokens"] for p in prompts]
+    assert caps == [r["extra_info"]["sampling_params"]["max_new_tokens"] for r in verl_rows]
+    assert all(p.sampling["ignore_eos"] for p in prompts) and max(caps) == peers.WORKLOADS["tail"]["new_tokens"]
+    step = peers.WORKLOADS["tail"]["prompts"]
+    batches = [sorted(caps[i : i + step]) for i in range(0, len(caps), step)]
+    assert all(b == batches[0] for b in batches) and 200 < sum(caps) / len(caps) < 260
+    responses = ["<unused_24> <unused_7> 8", "<unused_35>", "<unused_80> <unused_4>", ""]
+    scores = [call_reward(verl_reward.compute_score, "", r, "1", {"data_source": "graded"}) for r in responses]
+    direct = [verl_reward.compute_score("graded", r, "1") for r in responses]
+    assert scores == direct == [0.75, 0.0, 1.0, 0.0]
+    assert verl_reward.compute_score("toy", "12", "12") == 1.0  # the old workloads keep the toy's reward
+
+
+def _stub(monkeypatch, module: str, **attrs) -> None:
+    """A stand-in for a verl module (verl is not installed here): its classes as given."""
+    import types
+
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):
+        monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    for k, v in attrs.items():
+        setattr(sys.modules[module], k, v)
+
+
+def test_verls_agent_loop_takes_each_rows_own_sampling_parameters(monkeypatch):
+    import asyncio
+
+    import numpy as np
+
+    class SingleTurnAgentLoop:
+        async def run(self, sampling_params, **kwargs):
+            return sampling_params
+
+    _stub(monkeypatch, "verl.experimental.agent_loop.single_turn_agent_loop", SingleTurnAgentLoop=SingleTurnAgentLoop)
+    monkeypatch.delitem(sys.modules, "verl_agent", raising=False)
+    import verl_agent
+
+    batch = {"temperature": 1.0, "logprobs": True}
+    extra = {"index": 3, "sampling_params": {"max_new_tokens": np.int64(512), "ignore_eos": np.bool_(True)}}
+    got = asyncio.run(verl_agent.RowSamplingAgentLoop().run(batch, extra_info=extra, raw_prompt=[]))
+    assert got == {"temperature": 1.0, "logprobs": True, "max_new_tokens": 512, "ignore_eos": True}
+    assert type(got["max_new_tokens"]) is int and type(got["ignore_eos"]) is bool
+    assert batch == {"temperature": 1.0, "logprobs": True}  # the batch's own parameters untouched
+    assert asyncio.run(verl_agent.RowSamplingAgentLoop().run(batch, extra_info={"index": 0})) == batch
+    loops = (ROOT / "tools/peers/verl_agent_loops.yaml").read_text()
+    assert "name: row_sampling_agent" in loops and "_target_: verl_agent.RowSamplingAgentLoop" in loops
+
+
+def test_verls_replay_buffers_poll_at_the_interval_given_instead_of_2_s(monkeypatch):
+    class ReplayBuffer:  # verl's: poll_interval 2.0 unless given; sampler_kwargs kept as they came
+        def __init__(self, trainer_mode, trainer_config, max_off_policy_threshold, max_off_policy_strategy,
+                     sampler_kwargs, poll_interval=2.0, refill_fn=None):  # fmt: skip
+            self.sampler_kwargs, self.poll_interval = sampler_kwargs, poll_interval
+
+    _stub(monkeypatch, "verl.trainer.ppo.v1.replay_buffer", ReplayBuffer=ReplayBuffer,
+          ReplayBufferAsync=type("ReplayBufferAsync", (ReplayBuffer,), {}))  # fmt: skip
+    monkeypatch.delitem(sys.modules, "verl_sampler", raising=False)
+    import verl_sampler
+
+    # the keyword arguments verl 0.9.1 gives a custom sampler (trainer_base._build_replay_buffer)
+    kwargs = {"trainer_mode": "sync", "trainer_config": {}, "max_off_policy_threshold": 8,
+              "max_off_policy_strategy": "drop", "refill_fn": None}  # fmt: skip
+    assert verl_sampler.QuickPollReplayBuffer(**kwargs, sampler_kwargs={"poll_interval": 0.1}).poll_interval == 0.1
+    assert verl_sampler.QuickPollReplayBufferAsync(**kwargs, sampler_kwargs={}).poll_interval == verl_sampler.POLL_S
+    verls = sys.modules["verl.trainer.ppo.v1.replay_buffer"]
+    assert issubclass(verl_sampler.QuickPollReplayBufferAsync, verls.ReplayBufferAsync)
+
+
+def _pair_runs(verl_s: list[float], dsrl_s: list[float], steps: int = 11) -> dict:
+    """A record of the `auto` pair: one verl and one dsrl run a repeat, each `steps` steps of the given steady
+    seconds (the first step 3x), alternating which runs first, on one host and GPU."""
+    runs, k = {}, 0
+    for r, (v, d) in enumerate(zip(verl_s, dsrl_s)):
+        sides = [("verl", v), ("dsrl", d)] if r % 2 == 0 else [("dsrl", d), ("verl", v)]
+        for fw, secs in sides:
+            prefix, gen = ("timing_s/", "gen") if fw == "verl" else ("timing/", "generate")
+            metrics = [{prefix + "step": secs * (3 if i == 0 else 1 + 0.01 * i), prefix + gen: secs / 2}
+                       for i in range(steps)]  # fmt: skip
+            runs[f"auto {fw} 1.5b r{r}"] = {"framework": fw, "pair": "auto", "repeat": r, "order": k, "steps": metrics,
+                                            "host": "h1", "gpu": "GPU-a", "workload": "tail model_1.5b", "samples": 512,
+                                            "settings": [["actor_rollout_ref.actor.strategy", "fsdp2", "its guide"],
+                                                         ["data.train_batch_size", "64", "the workload: same"]]
+                                            if fw == "verl" else []}  # fmt: skip
+            k += 1
+    return {"runs": runs}
+
+
+def test_each_pairs_ratio_is_the_median_of_its_repeats_with_their_min_max():
+    record = _pair_runs([20.0, 22.0, 21.0], [10.0, 12.1, 12.6])
+    p = report.pair_ratios(record)["auto"]
+    assert [round(p["ratios"][i], 3) for i in range(3)] == [0.5, 0.55, 0.6]
+    assert (round(p["median"], 3), round(p["min"], 3), round(p["max"], 3)) == (0.55, 0.5, 0.6)
+    assert p["hosts"] == ["h1"] and p["few_steps"] == [] and math.isclose(p["phases"]["generate"], 0.55, rel_tol=1e-9)
+    text = report.pair_table(record)
+    assert "auto: dsrl / verl = 0.550 (median of 3 repeats, min–max 0.500–0.600; one host)" in text
+    assert "| auto | 1 | dsrl | 23.21 (22.22–24.20) | 12.77 (12.22–13.31) | 0.550 |" in text  # mean (min–max)
+    assert "dsrl step / verl step" not in report.table(record)  # a pair's ratio is its own repeat's, not any verl's
+    # a run with fewer than 10 steady steps is named; a repeat missing a side has no ratio; another host is said
+    short = _pair_runs([20.0, 22.0], [10.0, 11.0], steps=6)
+    del short["runs"]["auto dsrl 1.5b r1"]
+    short["runs"]["auto verl 1.5b r0"]["host"] = "h2"
+    text = report.pair_table(short)
+    assert "median of 1 repeats" in text and "fewer than 10 steady steps: auto dsrl 1.5b r0, auto verl 1.5b r0" in text
+    assert "hosts ['h1', 'h2']" in text
+
+
+def test_verls_settings_are_listed_once_with_their_reasons():
+    text = report.settings_text(_pair_runs([20.0, 22.0, 21.0], [10.0, 11.0, 12.0]))
+    assert text.count("actor_rollout_ref.actor.strategy=fsdp2: its guide") == 1
+    assert "- the same on both sides: data.train_batch_size=64" in text
+
+
+def test_each_run_names_its_host_and_gpus(monkeypatch):
+    import socket
+
+    monkeypatch.setattr(peers, "gpu_query", lambda field: "GPU-a\nGPU-b\nGPU-c\nGPU-d" if field == "uuid" else "")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert peers.where(1) == {"host": socket.gethostname(), "gpu": "GPU-a"}
+    assert peers.where(4)["gpu"] == "GPU-a,GPU-b,GPU-c,GPU-d"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert peers.where(2)["gpu"] == "GPU-c,GPU-d"
+
+
+def test_verl_on_its_own_stack_leaves_the_dsrl_site_off_its_path(tmp_path):
+    env = {"PYTHONPATH": "/tmp/site", "PATH": "/usr/bin"}
+    own, layered = tmp_path / "verlstack", tmp_path / "verlsite"
+    (own / "sglang").mkdir(parents=True)
+    layered.mkdir()
+    path = peers.verl_env(env, own, tmp_path)["PYTHONPATH"].split(os.pathsep)
+    assert path == [str(own), str(peers.ROOT), str(peers.PEERS)]
+    assert peers.verl_env(env, own, tmp_path)["FLASHINFER_WORKSPACE_BASE"] == "/tmp/jitcache_verl/fi"
+    assert peers.verl_env(env, layered, tmp_path)["PYTHONPATH"].split(os.pathsep)[-1] == "/tmp/site"
+    assert peers.verl_env(env, own, tmp_path)["VERL_FILE_LOGGER_PATH"] == str(tmp_path / "metrics.jsonl")
+    # its SGLang 0.5.12 gets the same server settings in its own words (it has no cuda_graph_backend_prefill)
+    assert peers.own_stack(own) and not peers.own_stack(layered)
+    verl = _verl(peers.WORKLOADS["tail"], server=peers.SERVER_0512)
+    sglang = {k.rsplit(".", 1)[1]: v for k, v in verl.items() if ".engine_kwargs.sglang." in k}
+    assert sglang == {
+        "attention_backend": "triton",
+        "sampling_backend": "pytorch",
+        "disable_piecewise_cuda_graph": "true",
+    }
+    assert {k.rsplit(".", 1)[1] for k in _verl(peers.WORKLOADS["tail"]) if ".sglang." in k} == set(peers.SERVER)
+
+
+def test_the_runs_logs_are_kept_in_one_compressed_archive(tmp_path):
+    logs = [tmp_path / "auto_verl_r0_tail_s0.log", tmp_path / "auto_dsrl_r0_tail_s0.log"]
+    for log in logs:
+        log.write_text("step:1 - timing_s/step:3.0\n" * 1000)
+    path = peers.archive_logs(tmp_path, [*logs, tmp_path / "never_written.log"], "logs_tail.tar.gz")
+    with tarfile.open(path) as tar:
+        assert sorted(tar.getnames()) == sorted(log.name for log in logs)
+    assert not any(log.exists() for log in logs) and path.stat().st_size < 2000

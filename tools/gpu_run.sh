@@ -361,15 +361,46 @@ for s in "$@"; do
       grep -a "^model \|^ *lengths \|^ *longtail \|^ *uniform \|Error" "$OUT/bench_trainer.log" | tail -40 | tee -a "$SUMMARY"
       grep -a "^summary" "$OUT/bench_trainer.log" | tee -a "$SUMMARY"
       ;;
-    peers)  # 1 GPU: verl 0.9.1 and dsrl back to back on one model, parquet, reward and batch (tools/peers/peers.py).
-      # verl's packages travel as .peers/verl_site.tar.xz (DEST=.peers bash tools/peers/build_site.sh); verl takes ~4 min
-      # to its first step and ~2 min for that step (compilation, warm-up): PEERS_RUNS=verl alone for its steady steps.
-      [ -f /tmp/verlsite/.ok ] || { mkdir -p /tmp/verlsite && tar xJf ${VERL_SITE:-.peers/verl_site.tar.xz} -C /tmp/verlsite \
-        && touch /tmp/verlsite/.ok; } || note "no verl site (.peers/verl_site.tar.xz)"
-      stage peers ${PEERS_LIMIT:-540} python3 tools/peers/peers.py --model /tmp/models/${PEERS_MODEL:-1.5b} \
-        --runs ${PEERS_RUNS:-verl dsrl} --limits ${PEERS_LIMITS:-330 170} --steps ${PEERS_STEPS:-3} --out "$OUT" \
-        --budget $((${PEERS_LIMIT:-540} - 20)) ${PEERS_EXTRA:-}
-      grep -a "^| \|dsrl step" "$OUT/peers.log" | tail -8 | tee -a "$SUMMARY"
+    peers)  # verl 0.9.1 and dsrl on one model, parquet, reward and batch (tools/peers/peers.py), on PEERS_GPUS GPUs.
+      # verl's own stack (SGLang 0.5.12, transformers 5.9.0): .peers/verl_stack.tar.xz (STACK=own DEST=.peers bash
+      # tools/peers/build_site.sh), unpacked into /tmp/verlstack once; too big to travel beside .gpu, it comes in a call
+      # of its own (PEERS_UNPACK_ONLY=1: unpack, check its imports, stop). Without it, the layered
+      # .peers/verl_site.tar.xz over the dsrl site, as before issue 53. PEERS_PAIRS="auto recompute" runs matched
+      # pairs PEERS_REPEATS times in alternating order from repeat PEERS_REPEAT_FROM (else PEERS_RUNS back to back).
+      # verl takes ~4 min to its first step and ~1 min for that step (compilation, warm-up).
+      CHECK=${PEERS_UNPACK_ONLY:-0}
+      if [ -f .peers/verl_stack.tar.xz ] && [ ! -f /tmp/verlstack/.ok ]; then
+        mkdir -p /tmp/verlstack && tar xJf .peers/verl_stack.tar.xz -C /tmp/verlstack && touch /tmp/verlstack/.ok
+        CHECK=1
+      fi
+      VSITE=/tmp/verlstack
+      if [ ! -f /tmp/verlstack/.ok ]; then
+        VSITE=/tmp/verlsite
+        [ -f /tmp/verlsite/.ok ] || { mkdir -p /tmp/verlsite && tar xJf ${VERL_SITE:-.peers/verl_site.tar.xz} -C /tmp/verlsite \
+          && touch /tmp/verlsite/.ok; } || note "no verl site (.peers/verl_stack.tar.xz or .peers/verl_site.tar.xz)"
+      fi
+      if [ "$VSITE" = /tmp/verlstack ] && [ "$CHECK" = 1 ]; then  # once a machine: its imports without the dsrl site
+        PYTHONPATH=/tmp/verlstack:$PWD:$PWD/tools/peers timeout 300 python3 -c "import verl.trainer.main_ppo, \
+verl.workers.rollout.sglang_rollout.async_sglang_server, verl.experimental.agent_loop.single_turn_agent_loop, \
+verl_sampler, verl_agent, sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler, \
+sglang.srt.model_executor.model_runner, sglang, transformers, flashinfer, sgl_kernel; \
+print('verl stack: verl', verl.__version__, 'sglang', sglang.__version__, 'transformers', transformers.__version__)" \
+          2>&1 | tail -3 | tee -a "$SUMMARY"
+        # and verl's own checks of every setting the harness gives it (hydra, validate_config, its dataclasses)
+        PYTHONPATH=/tmp/verlstack:$PWD:$PWD/tools/peers timeout 300 python3 tools/peers/verl_check.py \
+          --gpus ${PEERS_GPUS:-1} > "$OUT/verl_check.log" 2>&1; grep -a "refused\|taken\|Error" "$OUT/verl_check.log" \
+          | grep -v ": ok$" | tail -4 | tee -a "$SUMMARY"
+      fi
+      [ "${PEERS_UNPACK_ONLY:-0}" = 1 ] && continue
+      if [ -n "${PEERS_PAIRS:-}" ]; then
+        WHAT="--pairs $PEERS_PAIRS --repeats ${PEERS_REPEATS:-3} --repeat-from ${PEERS_REPEAT_FROM:-0}"
+      else
+        WHAT="--runs ${PEERS_RUNS:-verl dsrl}"
+      fi
+      stage peers ${PEERS_LIMIT:-540} python3 tools/peers/peers.py --model /tmp/models/${PEERS_MODEL:-1.5b} $WHAT \
+        --gpus ${PEERS_GPUS:-1} --workload ${PEERS_WORKLOAD:-step} --limits ${PEERS_LIMITS:-330 170} \
+        --steps ${PEERS_STEPS:-3} --verl-site $VSITE --out "$OUT" --budget $((${PEERS_LIMIT:-540} - 20)) ${PEERS_EXTRA:-}
+      grep -a "^| \|dsrl step\|dsrl / verl" "$OUT/peers.log" | tail -12 | tee -a "$SUMMARY"
       ;;
     rm)  # 1 GPU: GRPO 64x8x512 colocated with SGLang, rewarded by a 1.5B reward model on its own SGLang server
       # (--is-embedding, /classify) on the same GPU: three tenants. The memory plan, the phases, and the reward model's

@@ -1,37 +1,80 @@
-"""verl and dsrl back to back on one GPU: the same model directory, prompts, reward function and GRPO settings;
-each framework's own timings mapped to the same phases, peak GPU and host memory polled the same way, one table.
+"""verl and dsrl on one host: the same model directory, prompts, reward function and GRPO settings; each framework's
+own timings mapped to the same phases, peak GPU and host memory polled the same way, one table.
 
 Both read one parquet file in verl's format (chat-message prompts, the answer at reward_model.ground_truth,
 data_source) made from the toy task's prompts, and score with one function in verl's interface
 (tools/peers/verl_reward.py, which dsrl calls as it is). The model directory gets a chat template that renders the
-messages' text as it is (verl always applies one), so both send the same token ids. On the GPU machine, after
-`source .gpu/setup.sh` and with verl's packages unpacked (tools/peers/build_site.sh):
+messages' text as it is (verl always applies one), so both send the same token ids.
 
-    python3 tools/peers/peers.py --model /tmp/models/1.5b --runs verl dsrl --limits 305 170 --out $OUT  # 64 x 8 x 512
+**Matched pairs** (`--pairs`, issue 53): each pair is two runs doing the same algorithmic work, one per framework,
+repeated `--repeats` times on one host in alternating order (`schedule`: the side that goes first alternates from
+repeat to repeat and from pair to pair), both sides of a repeat with the same seed; each run's record names its host
+and GPUs (nvidia-smi's UUIDs), and the report gives each pair's ratio per repeat (the two runs of a repeat back to
+back), their median and min–max (report.pair_table). `--repeat-from K` runs a later call's share of the repeats:
+the same order and seeds, the records merged by report.py.
+
+- `auto`: dsrl `--trainer.old_logprobs auto` (the update's own forward gives the old log-probs) against verl with
+  `algorithm.rollout_correction.bypass_mode=true` (the rollout's log-probs stand for them): neither runs a pass of
+  its own for them. Synchronous against synchronous: the headline.
+- `recompute`: dsrl `recompute` against verl's default, each with its pass for the old log-probs.
+- `offpolicy`: one-step-off on the same GPUs: dsrl `--rollout.max_staleness 1` with TIS against verl 0.9.1's own
+  colocated asynchronous trainer (`trainer.v1.trainer_mode=colocate_async`, one batch ahead, partial rollout, the
+  rollout's log-probs as its one-step-off recipe sets them). A row of its own, never the headline.
+- `offpolicy-split` (2 GPUs or more): one-step-off with the trainer on half the GPUs and the servers on the other half:
+  dsrl disaggregated against verl's `separate_async` trainer (`hybrid_engine=false`, its recipe's NCCL checkpoint
+  engine, a weight sync every step). verl's experimental `one_step_off_policy` and `fully_async_policy` recipes need
+  the same split; `separate_async` is the one its main entry point runs.
+
+verl runs at its best: FSDP2, its fused log-prob kernels, dynamic batch sizes by tokens, its replay buffer with a
+0.05 s poll in place of its fixed 2 s (its own extension point: tools/peers/verl_sampler.py; `--verl-poll 2` keeps
+verl's and the poll then shows in its generate phase), on its own pinned stack where `--verl-site` holds one
+(tools/peers/build_site.sh STACK=own). Every setting the harness gives verl is a `Setting` with its reason, kept in
+each verl run's record and printed beside the table (report.settings_text). `--gpus N` runs both on N GPUs of one
+host: dsrl with N colocated ranks and N servers (or N/2 + N/2 disaggregated for `offpolicy-split`), verl with N
+FSDP ranks and N SGLang replicas of TP 1 (its tuning guide: more replicas before more TP).
+
+Workloads (report.WORKLOADS): `step` (every sample to 512 tokens; a random-init model's rewards all 0), `tail` (the
+realistic one: per-row `max_new_tokens` from 64 to 1024 tokens, each with `ignore_eos`, the same prompts in the same
+step on both sides, and the `graded` reward, whose groups have a spread), `toy`, `7b` (16 x 4 x 256 with the
+optimizer offloaded on one GPU; on several GPUs nothing is offloaded).
+
+On the GPU machine, after `source .gpu/setup.sh` and with verl's stack unpacked (tools/peers/build_site.sh):
+
+    python3 tools/peers/peers.py --model /tmp/models/1.5b --workload tail --pairs auto --repeats 3 --steps 11 \
+        --verl-site /tmp/verlstack --out $OUT                     # 3 x (verl, dsrl) alternating, 10 steady steps each
+    python3 tools/peers/peers.py --model /tmp/models/1.5b --runs verl dsrl --limits 305 170 --out $OUT  # one of each
     python3 tools/peers/peers.py --workload toy --runs verl dsrl --seeds 0 1 --steps 100 --out $OUT
-    python3 tools/peers/peers.py --workload 7b --model /tmp/models/7b --runs verl dsrl --out $OUT  # 16 x 4 x 256
-    python3 tools/peers/report.py $OUT                                                   # the table again
+    python3 tools/peers/report.py $OUT                                                   # the tables again
 
-On an H200 (1.5B), verl's three steps took 317 s in all: ~200 s of start-up and exit, ~65 s for its first step
-(one-time compilation and warm-up), ~24 s a step after it; dsrl ~130 s to its first step, ~14 s a step after it:
-give each run's --limits room for the steps asked.
+**Carrying the two stacks.** A device call carries at most 64 MiB beside the tree. verl's own stack
+(.peers/verl_stack.tar.xz, 54.5 MiB) and dsrl's (.gpu: site.tar.xz, its JIT cache and setup.sh, ~53 MiB) cannot
+travel in one call, so on one held machine: call 1 carries `.peers` and unpacks it into /tmp/verlstack; call 2
+carries `.gpu`, sources its setup.sh (which unpacks /tmp/site) and starts the runs detached (tools/gpu_detach.sh);
+later calls carry nothing (ignored folders already on the machine stay) and `wait`. verl's runs get
+/tmp/verlstack alone on PYTHONPATH (with the repo and tools/peers): the dsrl site's SGLang 0.5.17 and
+transformers 5.12.1 stay off it. docs/benchmarks.md ("Beside verl") has the calls.
 
-A run is `verl` (its best settings this image can run), `dsrl` (dsrl's defaults), `dsrl-padded`, `dsrl-recompute`
-or `dsrl-sync` (like verl's in one respect each: DSRL_VARIANTS). Each run's record
-goes into OUT/peers.json as soon as it ends, so a call cut off keeps what finished; with --budget (the seconds the
-caller gives the whole invocation) each run's limit is cut so that the harness, not the caller, stops the last one,
-and its steps so far are kept too.
+On an H200 (1.5B, 64 x 8 x 512), verl took ~200 s of start-up, ~65 s for its first step, ~24 s a step after it;
+dsrl ~130 s to its first step, ~14 s a step after it: give each run's --limits room for the steps asked.
+
+`--runs` is the older form: `verl`, `dsrl` (its defaults), `dsrl-padded`, `dsrl-recompute` or `dsrl-sync` (like
+verl's in one respect each: DSRL_VARIANTS), back to back. Each run's record goes into OUT/peers.json as soon as it
+ends, so a call cut off keeps what finished; with --budget (the seconds the caller gives the whole invocation) each
+run's limit is cut so that the harness, not the caller, stops the last one, and its steps so far are kept too. The
+runs' logs go into one compressed archive per invocation (OUT/logs_*.tar.gz), for committing beside peers.json.
 """
 
 import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,28 +86,46 @@ import report  # noqa: E402
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 """The chat template given to the model: the messages' text as it is, so a templated prompt is the toy prompt."""
 
-REWARD = ROOT / "tools/peers/verl_reward.py"
+PEERS = ROOT / "tools/peers"
+REWARD = PEERS / "verl_reward.py"
+SAMPLER = PEERS / "verl_sampler.py"
+AGENT_LOOPS = PEERS / "verl_agent_loops.yaml"
+
+TAIL_CAPS = (64,) * 6 + (128,) * 4 + (256,) * 3 + (512,) * 2 + (1024,)
+"""The `tail` workload's `max_new_tokens`, row by row in turn (a mean of 232 tokens, one row in 16 at 1024): every
+step's 32 prompts, taken in order on both sides, hold each cap twice."""
+
+
+def tail_rows(rows: list[dict]) -> list[dict]:
+    """`rows` with the long-tail caps (TAIL_CAPS in turn), each sample run to its cap (ignore_eos)."""
+    return [row | {"sampling_params": {"max_new_tokens": TAIL_CAPS[i % len(TAIL_CAPS)], "ignore_eos": True}}
+            for i, row in enumerate(rows)]  # fmt: skip
 
 
 def verl_rows(rows: list[dict], source: str = "toy") -> list[dict]:
-    """Rows of prompt/answer as verl's data preprocessing writes them (e.g. its gsm8k.py)."""
-    return [
-        {
-            "data_source": source,
-            "prompt": [{"role": "user", "content": row["prompt"]}],
-            "ability": "copy",
-            "reward_model": {"style": "rule", "ground_truth": row["answer"]},
-            "extra_info": {"split": "train", "index": i},
-        }
-        for i, row in enumerate(rows)
-    ]
+    """Rows of prompt/answer as verl's data preprocessing writes them (e.g. its gsm8k.py); a row's own sampling
+    parameters go into its extra_info, where tools/peers/verl_agent.py reads them."""
+    out = []
+    for i, row in enumerate(rows):
+        extra = {"split": "train", "index": i}
+        if row.get("sampling_params"):
+            extra["sampling_params"] = row["sampling_params"]
+        out.append({"data_source": source, "prompt": [{"role": "user", "content": row["prompt"]}], "ability": "copy",
+                    "reward_model": {"style": "rule", "ground_truth": row["answer"]}, "extra_info": extra})  # fmt: skip
+    return out
 
 
-def write_parquet(rows: list[dict], path: Path) -> Path:
+def write_parquet(rows: list[dict], path: Path, source: str = "toy", framework: str = "verl") -> Path:
+    """The rows in verl's format; for dsrl, a row's own sampling parameters also at the top (dsrl reads a row's
+    `sampling_params`; in verl's file that column would collide with its agent loop's own argument)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.Table.from_pylist(verl_rows(rows)), path)
+    table = verl_rows(rows, source)
+    if framework == "dsrl":
+        table = [r | ({"sampling_params": r["extra_info"]["sampling_params"]} if "sampling_params" in r["extra_info"]
+                      else {}) for r in table]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(table), path)
     return path
 
 
@@ -113,65 +174,226 @@ def toy_model(out: Path, seed: int = 0) -> Path:
     return out
 
 
+def model_params(model: Path) -> float:
+    """A decoder's parameter count from its config.json (embeddings once: the harness's models tie them)."""
+    c = json.loads((model / "config.json").read_text())
+    h, layers, inter = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"]
+    kv = c.get("num_key_value_heads", c["num_attention_heads"]) * h // c["num_attention_heads"]
+    return c["vocab_size"] * h + layers * (2 * h * h + 2 * h * kv + 3 * h * inter)
+
+
 SERVER = {"attention_backend": "triton", "sampling_backend": "pytorch", "cuda_graph_backend_prefill": "disabled"}
 """SGLang's settings in both frameworks: the kernels this image carries (no FA3), and no prefill CUDA graphs (SGLang
 0.5.17 captures 58 by default, a minute of each start, for prompts of 4 tokens here); decode graphs stay on."""
 
+SERVER_0512 = {"attention_backend": "triton", "sampling_backend": "pytorch", "disable_piecewise_cuda_graph": True}
+"""The same settings for verl's own stack: SGLang 0.5.12 has no `cuda_graph_backend_prefill` (a ServerArgs field it
+would refuse); its prefill CUDA graphs are its piecewise ones, on by default for Qwen2 on CUDA."""
+
+
+def own_stack(site: Path) -> bool:
+    """Whether a verl site holds its own SGLang (build_site.sh STACK=own) rather than layering on dsrl's."""
+    return (site / "sglang").is_dir()
+
+
 WORKLOADS = report.WORKLOADS
+CHECKPOINTING_PARAMS = 5e9
+"""verl's gradient checkpointing (its default) stays on for models past this size; below it, the activations of a
+micro-batch fit without it and the step is faster (dsrl's `auto` chose off at 1.5B and 3B)."""
 
 
-def verl_command(
-    w: dict, model: Path, data: Path, work: Path, steps: int, seed: int, overrides: list[str] = ()
-) -> list[str]:
-    """verl 0.9.1's PPO entry point, GRPO, one GPU, colocated with SGLang (its hybrid engine), at the settings its
-    docs give for one GPU that this image can run: dynamic batch size by tokens, its fused log-prob kernels, no
-    remove-padding (it needs flash-attn, which has no wheel for torch 2.11: sdpa instead, padded rows), no offload,
-    KL off. `overrides` (hydra's KEY=VALUE) replace or add settings: actor_rollout_ref.model.use_fused_kernels=false
-    is the path the first runs took (a Python loop over every token's log-softmax; docs/benchmarks.md, "Beside
-    verl")."""
-    toy = w["new_tokens"] < 16
-    args = {
-        "algorithm.adv_estimator": "grpo", "algorithm.use_kl_in_reward": False,
-        "data.train_files": data, "data.val_files": data, "data.train_batch_size": w["prompts"],
-        "data.max_prompt_length": 16, "data.max_response_length": w["new_tokens"], "data.seed": seed,
-        "data.filter_overlong_prompts": False, "data.dataloader_num_workers": 0,
-        "actor_rollout_ref.model.path": model, "actor_rollout_ref.model.use_remove_padding": False,
-        "actor_rollout_ref.model.enable_gradient_checkpointing": False,
-        "actor_rollout_ref.model.use_fused_kernels": True,
-        "+actor_rollout_ref.model.override_config.attn_implementation": "sdpa",
-        "actor_rollout_ref.actor.optim.lr": w["lr"], "actor_rollout_ref.actor.optim.weight_decay": 0.0,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": w["prompts"], "actor_rollout_ref.actor.use_dynamic_bsz": True,
-        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": w["tokens"], "actor_rollout_ref.actor.use_kl_loss": False,
-        "actor_rollout_ref.actor.entropy_coeff": 0, "actor_rollout_ref.actor.clip_ratio": 0.2,
-        "actor_rollout_ref.actor.loss_agg_mode": "token-mean",
-        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": 2 * w["tokens"],
-        "actor_rollout_ref.rollout.name": "sglang", "actor_rollout_ref.rollout.mode": "async",
-        "actor_rollout_ref.rollout.n": w["n"], "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
-        "actor_rollout_ref.rollout.gpu_memory_utilization": w["mem"], "actor_rollout_ref.rollout.enforce_eager": toy,
-        **{f"+actor_rollout_ref.rollout.engine_kwargs.sglang.{k}": v for k, v in SERVER.items()},
-        "reward.custom_reward_function.path": REWARD, "reward.custom_reward_function.name": "compute_score",
-        "trainer.n_gpus_per_node": 1, "trainer.nnodes": 1, "trainer.total_training_steps": steps,
-        "trainer.total_epochs": 1000, "trainer.logger": '["console","file"]', "trainer.val_before_train": False,
-        "trainer.test_freq": -1, "trainer.save_freq": -1, "trainer.project_name": "peers",
-        "trainer.experiment_name": "verl", "trainer.default_local_dir": work / "verl_ckpt",
-        "+ray_kwargs.ray_init.include_dashboard": False, "hydra.run.dir": work / "verl_hydra",
-    }  # fmt: skip
-    # fp32 training as dsrl's toy run (configs/toy_gpu.yaml: precision fp32, no CUDA graphs); SGLang serves that
-    # fp32 model in float16 (its `--dtype auto`), as it does for dsrl: its RMSNorm kernel has no fp32
-    if toy:
-        args |= {"actor_rollout_ref.rollout.dtype": "float16",
-                 "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": "fp32"}  # fmt: skip
-    if w.get("offload"):  # the optimizer's states alone: with the parameters too (its docs' one-GPU 7B setting),
-        # its first weight sync ran a 128 GB host out of memory (docs/benchmarks.md, "Beside verl": 7B)
-        args |= {"actor_rollout_ref.actor.fsdp_config.param_offload": False,
-                 "actor_rollout_ref.actor.fsdp_config.optimizer_offload": True,
-                 "actor_rollout_ref.model.enable_gradient_checkpointing": True}  # fmt: skip
-    args |= dict(o.split("=", 1) for o in overrides)  # one value a key: hydra refuses a key given twice
-    return [sys.executable, "-m", "verl.trainer.main_ppo", *(f"{k}={_hydra(v)}" for k, v in args.items())]
+@dataclass(frozen=True)
+class Setting:
+    """One hydra KEY=VALUE the harness gives verl, and why."""
+
+    key: str
+    value: object
+    why: str
 
 
 def _hydra(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Two runs doing the same algorithmic work: dsrl's flags and verl's settings that differ from each one's
+    defaults (the rest: the workload's and the GPUs', the same in every pair)."""
+
+    what: str
+    dsrl: dict = field(default_factory=dict)
+    verl: tuple[Setting, ...] = ()
+    split: bool = False  # trainer and servers on GPUs of their own, half each
+
+
+BYPASS = Setting(
+    "algorithm.rollout_correction.bypass_mode",
+    True,
+    "verl's own switch that skips its pass for the old log-probs (the rollout's stand for them), as "
+    "dsrl's `auto` skips its own (the update's forward gives them): the same passes on both sides",
+)
+PAIRS = {
+    "auto": Pair("no old log-probs pass", {"--trainer.old_logprobs": "auto"}, (BYPASS,)),
+    "recompute": Pair("old log-probs pass", {"--trainer.old_logprobs": "recompute"}),
+    "offpolicy": Pair(
+        "one-step-off, colocated",
+        {"--rollout.max_staleness": 1, "--algorithm.off_policy": "tis"},
+        (
+            Setting(
+                "trainer.v1.trainer_mode",
+                "colocate_async",
+                "verl's own one-step-off on shared GPUs (v1 trainer): one batch generated ahead, partial rollout",
+            ),
+            Setting(BYPASS.key, True, "what verl's one-step-off recipe sets (the rollout's log-probs as the old ones)"),
+        ),
+    ),
+    "offpolicy-split": Pair(
+        "one-step-off, split GPUs",
+        {"--rollout.max_staleness": 1, "--algorithm.off_policy": "tis"},
+        (
+            Setting(
+                "trainer.v1.trainer_mode", "separate_async", "verl's own one-step-off with rollout GPUs of their own"
+            ),
+            Setting("trainer.v1.separate_async.parameter_sync_step", 1, "a weight sync every step, as dsrl's"),
+            Setting("actor_rollout_ref.hybrid_engine", False, "the servers on their own GPUs only"),
+            Setting(
+                "actor_rollout_ref.rollout.checkpoint_engine.backend",
+                "nccl",
+                "what separate_async asks for (its one-step-off recipe's too)",
+            ),
+            Setting(BYPASS.key, True, "what verl's one-step-off recipe sets (the rollout's log-probs as the old ones)"),
+        ),
+        split=True,
+    ),
+}
+"""The matched pairs (module docstring)."""
+
+
+def verl_settings(
+    w: dict,
+    model: Path,
+    data: Path,
+    work: Path,
+    steps: int,
+    seed: int,
+    gpus: int = 1,
+    pair: Pair | None = None,
+    poll: float = 0.05,
+    overrides: list[str] = (),
+    server: dict = SERVER,
+) -> list[Setting]:
+    """verl 0.9.1's PPO entry point, GRPO, colocated with SGLang (its hybrid engine) on `gpus` GPUs of one host, at
+    its best on this machine: FSDP2, dynamic batch size by tokens, its fused log-prob kernels, its replay buffer's
+    poll at `poll` seconds, no remove-padding (it needs flash-attn, which has no wheel for torch 2.11: sdpa instead,
+    padded rows), no offload, KL off, SGLang with `server` (SERVER_0512 on verl's own stack); `pair`'s settings on
+    top. `overrides` (hydra's KEY=VALUE) replace or add
+    settings last: actor_rollout_ref.model.use_fused_kernels=false is the path the first runs took (a Python loop
+    over every token's log-softmax; docs/benchmarks.md, "Beside verl")."""
+    toy, tail = w["new_tokens"] < 16, w.get("tail", False)
+    offload = w.get("offload", False) and gpus == 1
+    split = pair is not None and pair.split
+    trainer_gpus = gpus // 2 if split else gpus
+    mode = next((x.value for x in (pair.verl if pair else ()) if x.key == "trainer.v1.trainer_mode"), "sync")
+    same, run = "the workload: the same on both sides", "the harness's run: logs, no validation, no saving"
+    s = [
+        Setting("algorithm.adv_estimator", "grpo", same), Setting("algorithm.use_kl_in_reward", False, same),
+        Setting("data.train_files", data, same), Setting("data.val_files", data, run),
+        Setting("data.train_batch_size", w["prompts"], same), Setting("data.max_prompt_length", 16, same),
+        Setting("data.max_response_length", w["new_tokens"], same), Setting("data.seed", seed, same),
+        Setting("data.shuffle", False, "the same prompts (and per-row lengths) in the same step on both sides"),
+        Setting("data.filter_overlong_prompts", False, same), Setting("data.dataloader_num_workers", 0, run),
+        Setting("actor_rollout_ref.model.path", model, same),
+        Setting("actor_rollout_ref.actor.optim.lr", w["lr"], same),
+        Setting("actor_rollout_ref.actor.optim.weight_decay", 0.0, same),
+        Setting("actor_rollout_ref.actor.ppo_mini_batch_size", w["prompts"], "one optimizer step a batch, as dsrl"),
+        Setting("actor_rollout_ref.actor.use_kl_loss", False, same),
+        Setting("actor_rollout_ref.actor.entropy_coeff", 0, same),
+        Setting("actor_rollout_ref.actor.clip_ratio", 0.2, same),
+        Setting("actor_rollout_ref.actor.loss_agg_mode", "token-mean", same),
+        Setting("actor_rollout_ref.rollout.n", w["n"], same),
+        Setting("actor_rollout_ref.rollout.gpu_memory_utilization", 0.7 if split else w["mem"],
+                "SGLang's static memory, as dsrl's --rollout.mem_fraction_static: the KV cache holds every request of "
+                "the step at once either way"),
+        Setting("reward.custom_reward_function.path", REWARD, "the reward both frameworks call (verl_reward.py)"),
+        Setting("reward.custom_reward_function.name", "compute_score", same),
+        # verl at its best
+        Setting("actor_rollout_ref.actor.strategy", "fsdp2", "its tuning guide: FSDP2 over FSDP1 (the ref follows)"),
+        Setting("actor_rollout_ref.model.use_fused_kernels", True,
+                "its fused log-prob/entropy kernels: without flash-attn its fallback loops over every token"),
+        Setting("actor_rollout_ref.actor.use_dynamic_bsz", True, "its tuning guide: micro-batches by tokens"),
+        Setting("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", w["tokens"],
+                "tokens a micro-batch, as dsrl's --trainer.max_tokens_per_micro_batch (its guide: at least 2x "
+                "prompt + response)"),
+        Setting("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", 2 * w["tokens"],
+                "its tuning guide: forward-only micro-batches 2x the update's"),
+        Setting("actor_rollout_ref.model.use_remove_padding", False,
+                "its packing needs flash-attn, which has no wheel for the image's torch 2.11 (PyPI: source only)"),
+        Setting("+actor_rollout_ref.model.override_config.attn_implementation", "sdpa",
+                "its default is flash_attention_2 (no package here): torch's own flash kernel on padded rows"),
+        Setting("trainer.v1.sampler.custom_sampler.path", SAMPLER,
+                "its replay buffer as it is, polling at sampler_kwargs.poll_interval instead of every 2 s"),
+        Setting("trainer.v1.sampler.custom_sampler.name",
+                "QuickPollReplayBuffer" if mode == "sync" else "QuickPollReplayBufferAsync",
+                "the class its trainer mode builds by default, with the shorter poll"),
+        Setting("+trainer.v1.sampler.sampler_kwargs.poll_interval", poll, "seconds between its looks for a batch"),
+        Setting("actor_rollout_ref.rollout.name", "sglang", "SGLang, as dsrl"),
+        Setting("actor_rollout_ref.rollout.mode", "async", "its SGLang server mode (the default), as dsrl's"),
+        Setting("actor_rollout_ref.rollout.tensor_model_parallel_size", 1,
+                "its tuning guide: more replicas before more TP (one SGLang server a GPU, as dsrl's)"),
+        Setting("actor_rollout_ref.rollout.enforce_eager", toy, "CUDA graphs in decode, as dsrl (not for the toy)"),
+        *(Setting(f"+actor_rollout_ref.rollout.engine_kwargs.sglang.{k}", v,
+                  "the same SGLang settings as dsrl's (triton attention: no FA3 kernels carried; no prefill graphs)")
+          for k, v in server.items()),
+        Setting("trainer.n_gpus_per_node", trainer_gpus, "the GPUs of the host (the trainer's half, split)"),
+        Setting("trainer.nnodes", 1, "one host, as dsrl's runs"),
+        Setting("trainer.total_training_steps", steps, same), Setting("trainer.total_epochs", 1000, same),
+        Setting("trainer.logger", '["console","file"]', run), Setting("trainer.val_before_train", False, run),
+        Setting("trainer.test_freq", -1, run), Setting("trainer.save_freq", -1, run),
+        Setting("trainer.project_name", "peers", run), Setting("trainer.experiment_name", "verl", run),
+        Setting("trainer.default_local_dir", work / "verl_ckpt", run),
+        Setting("+ray_kwargs.ray_init.include_dashboard", False, "Ray as its minimal install runs: no dashboard"),
+        Setting("hydra.run.dir", work / "verl_hydra", run),
+    ]  # fmt: skip
+    big = model_params(model) > CHECKPOINTING_PARAMS if (model / "config.json").is_file() else False
+    s.append(Setting("actor_rollout_ref.model.enable_gradient_checkpointing", big or offload,
+                     "its default (on) for 7B; off where a micro-batch's activations fit (faster; dsrl's auto chose "
+                     "off at 1.5B and 3B)"))  # fmt: skip
+    if split:
+        s += [Setting("actor_rollout_ref.rollout.nnodes", 1, "the servers' GPUs: the other half of the host"),
+              Setting("actor_rollout_ref.rollout.n_gpus_per_node", gpus - trainer_gpus, "the other half")]  # fmt: skip
+    if tail:
+        s += [
+            Setting(
+                "actor_rollout_ref.rollout.agent.agent_loop_config_path",
+                AGENT_LOOPS,
+                "each row's own max_new_tokens and ignore_eos, as dsrl takes a row's sampling_params "
+                "(verl_agent.py: its single-turn loop with the row's parameters merged in)",
+            ),
+            Setting(
+                "actor_rollout_ref.rollout.agent.default_agent_loop", "row_sampling_agent", "that loop for every row"
+            ),
+        ]
+    # fp32 training as dsrl's toy run (configs/toy_gpu.yaml: precision fp32, no CUDA graphs); SGLang serves that
+    # fp32 model in float16 (its `--dtype auto`), as it does for dsrl: its RMSNorm kernel has no fp32
+    if toy:
+        s += [Setting("actor_rollout_ref.rollout.dtype", "float16", "the toy's fp32 model served as dsrl serves it"),
+              Setting("+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype", "fp32",
+                      "the toy trains in fp32 on both sides")]  # fmt: skip
+    if offload:  # the optimizer's states alone: with the parameters too (its docs' one-GPU 7B setting), its first
+        # weight sync ran a 128 GB host out of memory (docs/benchmarks.md, "Beside verl": 7B)
+        s += [Setting("actor_rollout_ref.actor.fsdp_config.param_offload", False,
+                      "its docs' one-GPU 7B setting offloads these too: that ran a 128 GB host out of memory"),
+              Setting("actor_rollout_ref.actor.fsdp_config.optimizer_offload", True,
+                      "7B's Adam states do not fit one GPU beside the rest (dsrl offloads 60% of them)")]  # fmt: skip
+    s += list(pair.verl if pair else ())
+    given = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in overrides}
+    s = [x for x in s if x.key not in given]  # one value a key: hydra refuses a key given twice
+    s += [Setting(k, v, "--verl-overrides") for k, v in given.items()]
+    return list({x.key: x for x in s}.values())  # a pair's setting replaces the base's
+
+
+def verl_command(settings: list[Setting]) -> list[str]:
+    return [sys.executable, "-m", "verl.trainer.main_ppo", *(f"{s.key}={_hydra(s.value)}" for s in settings)]
 
 
 DSRL_VARIANTS = {
@@ -186,28 +408,53 @@ of their own before the update, as verl computes them; synchronous (the 7B workl
 verl's trainer is."""
 
 
-def dsrl_command(w: dict, model: Path, data: Path, run_dir: Path, steps: int, seed: int, name: str = "dsrl") -> list:
-    """dsrl's colocated GRPO at its defaults (`name` a variant: DSRL_VARIANTS), with the same workload, reward and
-    learning settings as verl's."""
-    toy = w["new_tokens"] < 16
+def dsrl_command(w: dict, model: Path, data: Path, run_dir: Path, steps: int, seed: int, name: str = "dsrl",
+                 gpus: int = 1, pair: Pair | None = None) -> list:  # fmt: skip
+    """dsrl's GRPO at its defaults (`name` a variant: DSRL_VARIANTS; or `pair`'s flags, synchronous unless the pair
+    says otherwise), with the same workload, reward and learning settings as verl's, on `gpus` GPUs: N colocated
+    ranks and N servers, or (a split pair) N/2 ranks and N/2 servers on GPUs of their own."""
+    toy, offload = w["new_tokens"] < 16, w.get("offload", False) and gpus == 1
+    split = pair is not None and pair.split
     args = {
         "--model.path": model, "--data.train_path": data, "--data.answer_key": "reward_model.ground_truth",
         "--algorithm.reward_fn": "verl_reward:compute_score",
         "--rollout.prompts_per_step": w["prompts"], "--rollout.n_samples": w["n"],
-        "--rollout.max_new_tokens": w["new_tokens"], "--rollout.mem_fraction_static": w["mem"],
+        "--rollout.max_new_tokens": w["new_tokens"], "--rollout.mem_fraction_static": 0.7 if split else w["mem"],
         "--trainer.lr": w["lr"], "--trainer.max_tokens_per_micro_batch": w["tokens"],
         "--trainer.total_steps": steps, "--seed": seed, "--sync.verify": "off",
         "--logging.tensorboard": "true", "--logging.run_dir": run_dir, "--rollout.server_args": json.dumps(SERVER),
     }  # fmt: skip
-    if w.get("offload"):  # (the host's RAM holds 60% of 7B's Adam states beside the rest: docs/benchmarks.md)
+    if gpus > 1:
+        half = gpus // 2
+        args |= ({"--trainer.num_ranks": half, "--rollout.num_servers": gpus - half, "--rollout.first_gpu": half}
+                 if split else {"--trainer.num_ranks": gpus, "--rollout.num_servers": gpus})  # fmt: skip
+    if offload:  # (the host's RAM holds 60% of 7B's Adam states beside the rest: docs/benchmarks.md)
         args |= {"--trainer.offload_optimizer": "true", "--trainer.offload_optimizer_ratio": 0.6,
                  "--rollout.max_staleness": 1, "--algorithm.off_policy": "tis"}  # fmt: skip
-    args |= DSRL_VARIANTS[name][1]
+    if pair is not None:  # synchronous unless the pair says otherwise; the same prompts in each step as verl's
+        args |= {"--rollout.max_staleness": 0, "--algorithm.off_policy": "none", "--data.shuffle": "false"}
+        args |= pair.dsrl
+    else:
+        args |= DSRL_VARIANTS[name][1]
     if toy:
         server = SERVER | {"disable_cuda_graph": True}
         args |= {"--trainer.precision": "fp32", "--rollout.server_args": json.dumps(server)}
     flat = [str(x) for kv in args.items() for x in kv]
-    return [sys.executable, "-m", "dsrl.cli", "train", "--config", str(ROOT / "configs/gpu_colocate.yaml"), *flat]
+    config = ROOT / f"configs/gpu_{'disaggregate' if split else 'colocate'}.yaml"
+    return [sys.executable, "-m", "dsrl.cli", "train", "--config", str(config), *flat]
+
+
+def schedule(pairs: list[str], repeats: int, start: int = 0) -> list[tuple[str, str, int]]:
+    """(pair, framework, repeat) in the order they run: each pair's repeats `start`, `start` + 1, ... in turn, the
+    two sides of a repeat back to back, verl first where the repeat's number plus the pair's place in PAIRS is even:
+    within a pair and across pairs neither side always runs first, and a later call with `--repeat-from` continues
+    the same order (each repeat keeps its number, and so its seed and its side that goes first)."""
+    order = []
+    for pair in pairs:
+        for r in range(start, start + repeats):
+            sides = ("verl", "dsrl") if (r + list(PAIRS).index(pair)) % 2 == 0 else ("dsrl", "verl")
+            order += [(pair, side, r) for side in sides]
+    return order
 
 
 class Monitor:
@@ -240,6 +487,16 @@ def gpu_query(field: str) -> str:
                               capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
         return ""
+
+
+def where(gpus: int = 1) -> dict[str, str]:
+    """The host and the GPUs a run uses: nvidia-smi's UUIDs of the first `gpus` it lists (or of CUDA_VISIBLE_DEVICES'
+    indices where set), comma-joined, "" without nvidia-smi."""
+    uuids = gpu_query("uuid").split()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if visible and all(v.isdigit() and int(v) < len(uuids) for v in visible.split(",")):
+        uuids = [uuids[int(v)] for v in visible.split(",")]
+    return {"host": socket.gethostname(), "gpu": ",".join(uuids[:gpus])}
 
 
 def gpu_used_gb() -> float:
@@ -326,47 +583,102 @@ VERL_DONE = "Final validation metrics"
 """What verl's trainer prints after its last step (`trainer/ppo/v1`, validation or not)."""
 
 
-def one_run(name: str, args, w: dict, model: Path, data: Path, seed: int, limit: float) -> dict:
-    """Run `name` (verl, or one of DSRL_VARIANTS) once; its record: per-step metrics, memory, the command."""
-    work = args.workdir / f"{name}_{args.workload}_s{seed}"
+def verl_env(env: dict, site: Path, work: Path) -> dict:
+    """verl's environment: its site first on PYTHONPATH, with the repo (dsrl.tasks.toy, for the reward) and
+    tools/peers (its sampler, agent loop and reward). A site that holds its own SGLang (build_site.sh STACK=own)
+    replaces the caller's PYTHONPATH (the dsrl site: SGLang 0.5.17, transformers 5.12.1), and gets JIT caches of its
+    own (VERL_JIT); a layered one goes before it."""
+    env = dict(env, VERL_FILE_LOGGER_PATH=str(work / "metrics.jsonl"))
+    own = own_stack(site)
+    rest = [] if own else [env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(ROOT), str(PEERS), *rest) if p)
+    if own:  # outside /tmp/jitcache, which gpu_run.sh brings back for .gpu: that would outgrow a call's 64 MiB
+        env |= {k: f"/tmp/jitcache_verl/{v}" for k, v in VERL_JIT.items()}
+    return env
+
+
+VERL_JIT = {"FLASHINFER_WORKSPACE_BASE": "fi", "TVM_FFI_CACHE_DIR": "tvmffi", "TRITON_CACHE_DIR": "triton"}
+"""verl's own stack's JIT caches (its flashinfer and tvm-ffi are other versions than the dsrl site's): compiled in
+the first verl run on a machine (~1 min: sgl_kernel's RMSNorm builds flashinfer's norm.cu), kept for the next."""
+
+
+def one_run(name: str, args, w: dict, model: Path, data: dict[str, Path], seed: int, limit: float,
+            pair: str | None = None, repeat: int = 0, order: int = 0) -> dict:  # fmt: skip
+    """Run `name` (verl, or one of DSRL_VARIANTS; with `pair`, that pair's side) once; its record: per-step
+    metrics, memory, host and GPUs, the command, and verl's settings with their reasons."""
+    framework = name.split("-")[0]
+    tag = f"{pair}_{framework}_r{repeat}" if pair else name
+    work = args.workdir / f"{tag}_{args.workload}_s{seed}"
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     # DeepSpeed's FusedAdam build (dsrl) cannot parse torch's default arch list ("9.0a"): name the GPU's own
-    env["TORCH_CUDA_ARCH_LIST"] = gpu_query("compute_cap") or "9.0"
+    env["TORCH_CUDA_ARCH_LIST"] = (gpu_query("compute_cap").split() or ["9.0"])[0]
     env.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/jitcache/torch_extensions")
     # tools/peers for dsrl's `verl_reward:compute_score` (the GPU site has a top-level package named `tools`)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(REWARD.parent), env.get("PYTHONPATH", "")) if p)
-    framework = name.split("-")[0]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(PEERS), env.get("PYTHONPATH", "")) if p)
+    p = PAIRS[pair] if pair else None
+    settings = []
     if framework == "verl":
-        env["VERL_FILE_LOGGER_PATH"] = str(work / "metrics.jsonl")
-        env["PYTHONPATH"] = os.pathsep.join((str(args.verl_site), env["PYTHONPATH"]))
-        argv = verl_command(w, model, data, work, args.steps, seed, args.verl_overrides)
+        env = verl_env(env, args.verl_site, work)
+        server = SERVER_0512 if own_stack(args.verl_site) else SERVER
+        settings = verl_settings(w, model, data["verl"], work, args.steps, seed, args.gpus, p, args.verl_poll,
+                                 args.verl_overrides, server)  # fmt: skip
+        argv = verl_command(settings)
     else:
-        argv = dsrl_command(w, model, data, work / "run", args.steps, seed, name)
-    log = args.out / f"{name}_{args.workload}_s{seed}.log"
+        argv = dsrl_command(w, model, data["dsrl"], work / "run", args.steps, seed, name, args.gpus, p)
+    log = args.out / f"{tag}_{args.workload}_s{seed}.log"
+    started = time.time()
     outcome = run(argv, log, limit, env, VERL_DONE if framework == "verl" else None)
     if framework == "verl":
         steps = report.verl_steps(work / "metrics.jsonl", log.read_text(errors="replace"))
     else:
         steps = report.dsrl_steps(work / "run")
-    mode = DSRL_VARIANTS[name][0] if framework == "dsrl" else "best"
+    mode = p.what if p else DSRL_VARIANTS[name][0] if framework == "dsrl" else "best"
     return {"framework": framework, "mode": mode, "workload": f"{args.workload} {model.name}", "model": str(model),
-            "gpu": gpu_query("uuid"), "seed": seed, "samples": w["prompts"] * w["n"], "steps": steps,
-            "command": " ".join(map(str, argv)), **outcome}  # fmt: skip
+            **where(args.gpus), "gpus": args.gpus, "seed": seed, "samples": w["prompts"] * w["n"], "steps": steps,
+            "pair": pair, "repeat": repeat, "order": order, "started": started, "log": log.name,
+            "command": " ".join(map(str, argv)), "settings": [[s.key, _hydra(s.value), s.why] for s in settings],
+            **outcome}  # fmt: skip
+
+
+def archive_logs(out: Path, logs: list[Path], name: str) -> Path | None:
+    """The runs' logs in one compressed archive (few files come back from a device call's $OUT; the archive is
+    what gets committed beside peers.json), the logs themselves removed."""
+    logs = [log for log in logs if log.is_file()]
+    if not logs:
+        return None
+    path = out / name
+    with tarfile.open(path, "w:gz") as tar:
+        for log in logs:
+            tar.add(log, arcname=log.name)
+    for log in logs:
+        log.unlink()
+    return path
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, help="a model directory (tools/gpu_models.py); the toy's is built")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="step")
+    p.add_argument("--pairs", nargs="*", default=[], choices=sorted(PAIRS), help="matched pairs (module docstring)")
+    p.add_argument("--repeats", type=int, default=3, help="repeats of each pair, alternating which side runs first")
+    p.add_argument("--repeat-from", type=int, default=0, help="the first repeat's number (a later call's share)")
     p.add_argument("--runs", nargs="+", default=["verl", "dsrl"], choices=["verl", *DSRL_VARIANTS])
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--limits", type=float, nargs="+", default=[240], help="seconds each run may take (one for all)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs of the host both frameworks run on")
+    p.add_argument("--steps", type=int, default=3, help="steps a run (the first is warm-up: 11 gives 10 steady)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="--runs: one set a seed; --pairs: the first's")
+    p.add_argument(
+        "--limits",
+        type=float,
+        nargs="+",
+        default=[240],
+        help="seconds each run may take: one for all, one a run (--runs), or verl's and dsrl's (--pairs)",
+    )
     p.add_argument("--budget", type=float, default=float("inf"), help="seconds for the whole invocation (run_limit)")
     p.add_argument("--data", type=Path, default=ROOT / "examples/toy/train.jsonl")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/peers"))
     p.add_argument("--verl-site", type=Path, default=Path("/tmp/verlsite"))
+    p.add_argument("--verl-poll", type=float, default=0.05, help="verl's replay-buffer poll, s (its own: 2)")
     p.add_argument("--verl-overrides", nargs="*", default=[], help="hydra KEY=VALUE for verl's runs (replace or add)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
@@ -377,29 +689,36 @@ def main() -> None:
     source = toy_model(args.workdir / "toy_model") if args.workload == "toy" else args.model
     model = chat_model(source, args.workdir / f"model_{source.name}")
     rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
-    data = write_parquet(rows, args.workdir / "train.parquet")
+    rows = tail_rows(rows) if w.get("tail") else rows
+    data = {fw: write_parquet(rows, args.workdir / f"train_{fw}.parquet", w.get("source", "toy"), fw)
+            for fw in ("verl", "dsrl")}  # fmt: skip
     record_path = args.out / "peers.json"
     record = json.loads(record_path.read_text()) if record_path.is_file() else {"runs": {}}
-    limits = dict(zip(args.runs, args.limits * len(args.runs) if len(args.limits) == 1 else args.limits))
-    for seed in args.seeds:
-        for name in args.runs:
-            key = f"{name} {source.name}" + (f" seed {seed}" if len(args.seeds) > 1 else "")
-            limit = run_limit(limits[name], deadline, time.monotonic())
-            if limit <= 0:
-                print(f"{key}: not run, --budget {args.budget:.0f} s is spent", flush=True)
-                continue
-            record["runs"][key] = one_run(name, args, w, model, data, seed, limit)
-            record_path.write_text(json.dumps(record, indent=1))
-            print(report.table({"runs": {key: record["runs"][key]}}).splitlines()[-1], flush=True)
+    if args.pairs:
+        limits = dict(zip(("verl", "dsrl"), args.limits * 2 if len(args.limits) == 1 else args.limits))
+        todo = [(f"{pair} {side} {source.name} r{r}", side, args.seeds[0] + r, pair, r)
+                for pair, side, r in schedule(args.pairs, args.repeats, args.repeat_from)]  # fmt: skip
+    else:
+        limits = dict(zip(args.runs, args.limits * len(args.runs) if len(args.limits) == 1 else args.limits))
+        todo = [(f"{name} {source.name}" + (f" seed {seed}" if len(args.seeds) > 1 else ""), name, seed, None, 0)
+                for seed in args.seeds for name in args.runs]  # fmt: skip
+    logs = []
+    for k, (key, name, seed, pair, r) in enumerate(todo):
+        limit = run_limit(limits[name], deadline, time.monotonic())
+        if limit <= 0:
+            print(f"{key}: not run, --budget {args.budget:.0f} s is spent", flush=True)
+            continue
+        record["runs"][key] = one_run(name, args, w, model, data, seed, limit, pair, r, k)
+        logs.append(args.out / record["runs"][key]["log"])
+        record_path.write_text(json.dumps(record, indent=1))
+        print(report.table({"runs": {key: record["runs"][key]}}).splitlines()[-1], flush=True)
     print(report.table(record))
+    if args.pairs:
+        print(report.pair_table(record))
+        print(report.settings_text(record))
     report.plot_phases(record, args.out / "phases.png")
     report.plot_curves(record, args.out / "curves.png")
-    # few files come back from $OUT: the runs' logs go as one archive per invocation
-    with tarfile.open(args.out / f"logs_{args.workload}_{source.name}.tar.gz", "w:gz") as tar:
-        for name, seed in ((n, s) for s in args.seeds for n in args.runs):
-            log = args.out / f"{name}_{args.workload}_s{seed}.log"
-            tar.add(log, arcname=log.name)
-            log.unlink()
+    archive_logs(args.out, logs, f"logs_{args.workload}_{source.name}_{time.strftime('%H%M%S')}.tar.gz")
 
 
 if __name__ == "__main__":

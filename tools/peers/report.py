@@ -9,6 +9,8 @@ start-up costs are not a step's).
                                                     # one call per framework), and its PNGs into OUT_DIR; a DIR
                                                     # may be a verl console log (verl_toy_s0.log, `log_run`)
     python tools/peers/report.py /tmp/toy docs/peers_runs/toy   # the toy runs in docs/benchmarks.md, redrawn
+    python tools/peers/report.py /tmp/t A/auto01 B/auto2        # matched pairs from two machines: the runs, the pair
+                                                                # table (pair_table) and verl's settings
 """
 
 import json
@@ -40,11 +42,27 @@ WORKLOADS = {
     "step": {"prompts": 64, "n": 8, "new_tokens": 512, "lr": 1e-6, "tokens": 16384, "mem": 0.4},
     "toy": {"prompts": 32, "n": 8, "new_tokens": 5, "lr": 3e-3, "tokens": 16384, "mem": 0.3},
     "7b": {"prompts": 16, "n": 4, "new_tokens": 256, "lr": 1e-6, "tokens": 4096, "mem": 0.3, "offload": True},
+    "tail": {
+        "prompts": 32,
+        "n": 8,
+        "new_tokens": 1024,
+        "lr": 1e-6,
+        "tokens": 16384,
+        "mem": 0.4,
+        "tail": True,
+        "source": "graded",
+    },
 }
-"""The issue's workloads: the realistic colocated step, the toy task of configs/toy_gpu.yaml, and 7B full-parameter
-on one GPU with the optimizer's states on the host (`offload`: verl's FSDP optimizer offload with gradient
-checkpointing, its parameters kept on the GPU, since offloading them as well ran the host out of memory; dsrl's
-ZeRO-Offload of 60% of the states, one-step-off colocated with TIS, as docs/benchmarks.md's 7B rows ran)."""
+"""The issue's workloads: the colocated step (every sample to 512 tokens, every reward 0 on a random-init model), the
+toy task of configs/toy_gpu.yaml, 7B full-parameter on one GPU with the optimizer's states on the host (`offload`:
+verl's FSDP optimizer offload with gradient checkpointing, its parameters kept on the GPU, since offloading them as
+well ran the host out of memory; dsrl's ZeRO-Offload of 60% of the states, one-step-off colocated with TIS, as
+docs/benchmarks.md's 7B rows ran; on several GPUs neither offloads), and the realistic one, `tail`: each row its own
+`max_new_tokens` (peers.TAIL_CAPS, 64 to 1024, `ignore_eos`) and the `graded` reward (tools/peers/verl_reward.py),
+whose groups have a spread, so the gradients are not 0."""
+
+MIN_STEADY = 10
+"""Steady steps a pair's run should have (issue 53); the pair table marks a run with fewer."""
 
 _CONSOLE = re.compile(r"step:(\d+) - (.*)$")
 
@@ -114,6 +132,7 @@ def steady(framework: str, steps: list[dict[str, float]], first: bool = False) -
     later = steps[:1] if alone else steps[1:]
     each = [phases(framework, s) for s in later]
     out = {k: sum(e[k] for e in each) / len(each) for k in each[0]}
+    out["step_min"], out["step_max"] = min(e["step"] for e in each), max(e["step"] for e in each)
     out["reward"] = steps[-1].get(REWARD[framework], float("nan"))
     out["length"] = sum(s.get(LENGTH[framework], 0.0) for s in later) / len(later)
     out["steady_steps"] = 0 if alone else len(later)
@@ -160,7 +179,7 @@ def table(record: dict) -> str:
                 f"| {x['tokens_per_s']:.0f} | {x['reward']:.3f} |"
             )  # fmt: skip
     for r, r1 in zip(steady_rows, first_rows):
-        if r["framework"] != "dsrl" or r["failed"]:
+        if r["framework"] != "dsrl" or r["failed"] or r.get("pair"):  # a pair's ratios: pair_table
             continue
         verls = [(v, v1) for v, v1 in zip(steady_rows, first_rows) if v["framework"] == "verl" and not v["failed"]]
         verls = [(v, v1) for v, v1 in verls if v.get("workload") == r.get("workload")]
@@ -172,6 +191,82 @@ def table(record: dict) -> str:
         mine, theirs, basis = (r, v, "steady steps") if both else (r1, v1, "first steps")
         where = f"on one GPU, beside {v['name']}" if same_gpu else f"beside {v['name']}, on another or unrecorded GPU"
         lines.append(f"\n{r['name']}: dsrl step / verl step = {mine['step'] / theirs['step']:.2f} ({basis}; {where})")
+    return "\n".join(lines)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+
+def pair_ratios(record: dict) -> dict[str, dict]:
+    """Each matched pair's repeats: dsrl's steady step over verl's of the same repeat (the two runs back to back on
+    one host), and per phase; the median of the repeats' ratios and their min–max; the steady steps each run has;
+    the hosts and GPUs its runs name. A repeat with a side failed or missing has no ratio."""
+    by_pair: dict[str, dict[int, dict]] = {}
+    for r in rows(record):
+        if r.get("pair"):
+            by_pair.setdefault(r["pair"], {}).setdefault(r.get("repeat", 0), {})[r["framework"]] = r
+    out = {}
+    for pair, repeats in by_pair.items():
+        done = {i: sides for i, sides in sorted(repeats.items())
+                if all(k in sides and not sides[k]["failed"] for k in ("verl", "dsrl"))}  # fmt: skip
+        ratios = {i: s["dsrl"]["step"] / s["verl"]["step"] for i, s in done.items()}
+        runs = [x for sides in repeats.values() for x in sides.values()]
+        out[pair] = {
+            "repeats": done, "ratios": ratios,
+            "median": _median(list(ratios.values())) if ratios else float("nan"),
+            "min": min(ratios.values(), default=float("nan")), "max": max(ratios.values(), default=float("nan")),
+            "phases": {p: _median([s["dsrl"][p] / s["verl"][p] for s in done.values() if s["verl"][p] > 0])
+                       for p in PHASES if any(s["verl"][p] > 0 for s in done.values())},
+            "few_steps": sorted(x["name"] for x in runs if not x["failed"] and x["steady_steps"] < MIN_STEADY),
+            "failed": sorted(x["name"] for x in runs if x["failed"]),
+            "hosts": sorted({x.get("host", "") for x in runs}), "gpus": sorted({x.get("gpu", "") for x in runs}),
+        }  # fmt: skip
+    return out
+
+
+def pair_table(record: dict) -> str:
+    """The matched pairs: per repeat, each side's steady step (mean, and its steps' min–max) and the ratio, in the
+    order they ran; then each pair's ratio as the median of its repeats with their min–max, per phase too."""
+    lines = ["| pair | repeat | first | verl step s (min–max) | dsrl step s (min–max) | dsrl / verl |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    summary = []
+    for pair, p in pair_ratios(record).items():
+        for i, s in p["repeats"].items():
+            v, d = s["verl"], s["dsrl"]
+            first = "verl" if v.get("order", 0) < d.get("order", 0) else "dsrl"
+            lines.append(
+                f"| {pair} | {i} | {first} | {v['step']:.2f} ({v['step_min']:.2f}–{v['step_max']:.2f}) "
+                f"| {d['step']:.2f} ({d['step_min']:.2f}–{d['step_max']:.2f}) | {p['ratios'][i]:.3f} |"
+            )
+        if not p["ratios"]:
+            summary.append(f"{pair}: no repeat with both sides done")
+            continue
+        by_phase = ", ".join(f"{k} {v:.2f}" for k, v in p["phases"].items())
+        where = "one host" if len(p["hosts"]) == 1 and len(p["gpus"]) == 1 else f"hosts {p['hosts']}, GPUs {p['gpus']}"
+        line = (f"{pair}: dsrl / verl = {p['median']:.3f} (median of {len(p['ratios'])} repeats, min–max "
+                f"{p['min']:.3f}–{p['max']:.3f}; {where}); by phase (medians): {by_phase}")  # fmt: skip
+        if p["few_steps"]:
+            line += f"; fewer than {MIN_STEADY} steady steps: {', '.join(p['few_steps'])}"
+        if p["failed"]:
+            line += f"; failed: {', '.join(p['failed'])}"
+        summary.append(line)
+    return "\n".join(lines + [""] + summary)
+
+
+def settings_text(record: dict) -> str:
+    """Every setting the harness gave verl, with its reason, once each (from the verl runs' records), grouped by
+    reason; the workload's own (data files, batch, lengths) are listed in one line."""
+    seen: dict[str, tuple[str, str]] = {}
+    for run in record.get("runs", {}).values():
+        for key, value, why in run.get("settings", []):
+            seen.setdefault(key, (value, why))
+    if not seen:
+        return ""
+    workload = [f"{k}={v}" for k, (v, why) in seen.items() if why.startswith("the workload")]
+    lines = ["verl's settings beside its defaults, and why:", f"- the same on both sides: {', '.join(workload)}"]
+    lines += [f"- {k}={v}: {why}" for k, (v, why) in seen.items() if not why.startswith(("the workload", "the harn"))]
     return "\n".join(lines)
 
 
@@ -276,6 +371,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     record = merged([p for p in map(Path, sys.argv[1:]) if p.is_file() or (p / "peers.json").exists()])
     print(table(record))
+    if any(run.get("pair") for run in record["runs"].values()):
+        print(pair_table(record))
+        print(settings_text(record))
     plot_phases(record, out / "phases.png")
     plot_curves(record, out / "curves.png")
 
