@@ -119,12 +119,8 @@ def _holders(path: Path) -> list[tuple[int, str]]:
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             if any(os.readlink(fd) == target for fd in (proc / "fd").iterdir()):
-                found.append(
-                    (
-                        int(proc.name),
-                        (proc / "cmdline").read_bytes().replace(b"\0", b" ")[:60].decode(errors="replace").strip(),
-                    )
-                )
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ")[:60].decode(errors="replace")
+                found.append((int(proc.name), command.strip()))
         except OSError:
             continue
     return found
