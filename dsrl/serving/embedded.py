@@ -431,9 +431,8 @@ class Engine:
         self._maybe_crash()
         group = self.groups.get(body.get("group_name", "weight_update_group"))
         if group is None:
-            raise BadRequest(
-                f"no weight update group named {body.get('group_name')!r}; call /init_weights_update_group"
-            )
+            raise BadRequest(f"no weight update group named {body.get('group_name')!r}; "
+                             "call /init_weights_update_group")  # fmt: skip
         names, shapes = body["names"], body["shapes"]
         dtypes = [getattr(torch, d) for d in body["dtypes"]]
         if body.get("load_format") != "flattened_bucket":  # one broadcast per tensor, in order
@@ -683,9 +682,8 @@ class Api:
 
     async def health(self, request: web.Request) -> web.Response:
         if self.engine.released:  # SGLang's /health generates a token, and its scheduler dies doing so asleep
-            log.error(
-                "/health while memory %s is released: SGLang's scheduler crashes here", sorted(self.engine.released)
-            )
+            log.error("/health while memory %s is released: SGLang's scheduler crashes here",
+                      sorted(self.engine.released))  # fmt: skip
             os._exit(1)
         return web.Response(status=200 if self.engine.thread.is_alive() else 503)
 
@@ -697,9 +695,8 @@ class Api:
 
     async def server_info(self, request: web.Request) -> web.Response:
         engine = self.engine
-        return web.json_response(
-            {"model_path": engine.model_path, "weight_version": engine.weight_version, "engine": "dsrl-embedded"}
-        )
+        return web.json_response({"model_path": engine.model_path, "weight_version": engine.weight_version,
+                                  "engine": "dsrl-embedded"})  # fmt: skip
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         if not self.engine.is_idle():
@@ -748,9 +745,8 @@ class Api:
         if body.get("abort_all_requests", True):
             self.engine.abort(abort_all=True)
         self.engine.weight_version = str(body["new_version"])
-        return ok(
-            message=f"Weight version updated to {self.engine.weight_version}", new_version=self.engine.weight_version
-        )
+        version = self.engine.weight_version
+        return ok(message=f"Weight version updated to {version}", new_version=version)
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         body = await body_of(request)

@@ -19,6 +19,7 @@ from transformers.integrations import HfDeepSpeedConfig
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from dsrl.config import Config, ModelConfig, critic_on_actor_base, reward_beside_rollouts
+from dsrl.rundir import report_writes
 from dsrl.zero import varlen
 from dsrl.zero.actor import LOGPROB_CHUNK
 from dsrl.zero.batches import packs, use_cuda
@@ -264,6 +265,7 @@ def add_lora(model: torch.nn.Module, m: ModelConfig, critic: bool, checkpointing
 
 
 def init_distributed(cfg: Config) -> None:
+    build = None
     if use_cuda(cfg):
         # SGLang's processes run NCCL with cuMem off; a trainer with it on breaks the weight-update
         # group ("Cuda failure 'invalid argument'" on the server, the trainer's broadcast hangs).
@@ -273,9 +275,11 @@ def init_distributed(cfg: Config) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         op = Path(_get_build_directory("deepspeed_shm_comm", False), "deepspeed_shm_comm.so")
-        if not op.exists() and os.environ.get("RANK", "0") == "0":
-            log.info("building DeepSpeed's shared-memory comm op into %s (once: 25-70 s on 2 cores)", op.parent)
-    with redirect_stdout(StringIO()) as printed:  # DeepSpeed prints "... built successfully" at every load
+        if not op.exists() and os.environ.get("RANK", "0") == "0":  # rank 0 tells how the build goes
+            build = op.parent
+            log.info("building DeepSpeed's shared-memory comm op in %s: once, a minute or more on 2 cores", build)
+    # (DeepSpeed prints "... built successfully" at every load of it)
+    with report_writes(build, "the comm op's build"), redirect_stdout(StringIO()) as printed:
         deepspeed.init_distributed(dist_backend="nccl" if use_cuda(cfg) else "gloo")
     sys.stdout.write("".join(line for line in printed.getvalue().splitlines(True) if "built successfully" not in line))
     if not use_cuda(cfg):
