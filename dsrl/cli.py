@@ -154,7 +154,7 @@ def launch(cfg, run_dir: Path, cuda: bool) -> int:
         env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     cmd = launcher_command(cfg.trainer, cuda, env, free_port())
     cmd += ["--module", "--no_local_rank", "dsrl.train", "--config", str(config_path)]
-    print(f"dsrl train: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    say(f"{' '.join(cmd)}\ndsrl train: the ranks speak once torch, DeepSpeed and transformers are imported (10-70 s)")
     cmd.append(f"{OWNER_FLAG}{os.getpid()}@{socket.gethostname()}")  # each rank ends when this process does
     # Its own process group: a Ctrl-C on the terminal reaches this process only (the launcher would kill
     # the ranks at once), and the whole run can be killed as a group. Killed with this process (SIGKILL
