@@ -372,10 +372,10 @@ def report_writes(path: Path | None, what: str, published: Path | None = None, e
             size, seconds = sum(f.stat().st_size for f in where.rglob("*") if f.is_file()), time.monotonic() - start
         except OSError:  # a file renamed as it was counted: said the next time
             return
-        amount = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
         if size == 0:  # (a build writes its objects at the end)
             log.info("%s: nothing written yet, %.0f s on", what, seconds)
             return
+        amount = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
         log.info("%s: %s written%s in %.1f s (%.0f MB/s)", what, amount, so_far, seconds, size / 1e6 / (seconds + 1e-9))
 
     def watch() -> None:
