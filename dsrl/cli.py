@@ -2,6 +2,7 @@
 
 import base64
 import json
+import logging
 import os
 import signal
 import socket
@@ -48,6 +49,8 @@ def train(argv: list[str]) -> int:
     from dsrl.serving.servers import check_server_args
 
     cuda = trainer_on_cuda(cfg.trainer, cuda_available)
+    if not cuda:  # DeepSpeed (imported by PEFT here) would warn that it found no GPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     engine = rollout_engine(cfg, cuda)
     try:
         if fleet_kind(cfg.rollout) != "external":
@@ -151,14 +154,20 @@ def launch(cfg, run_dir: Path, cuda: bool) -> int:
         env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     cmd = launcher_command(cfg.trainer, cuda, env, free_port())
     cmd += ["--module", "--no_local_rank", "dsrl.train", "--config", str(config_path)]
-    print(f"dsrl train: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    say(f"{' '.join(cmd)}\ndsrl train: the ranks speak once torch, DeepSpeed and transformers are imported (10-70 s)")
     cmd.append(f"{OWNER_FLAG}{os.getpid()}@{socket.gethostname()}")  # each rank ends when this process does
     # Its own process group: a Ctrl-C on the terminal reaches this process only (the launcher would kill
     # the ranks at once), and the whole run can be killed as a group. Killed with this process (SIGKILL
     # included): the ranks see this process gone and end themselves (dsrl.rundir.OwnerWatch).
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
     signals: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _: signals.append(signum)) for sig in STOP_SIGNALS}
+
+    def asked(signum: int, _) -> None:  # the STOP file at once: the ranks read it at the end of the step under way
+        if not signals:
+            request_stop(run_dir, signum)
+        signals.append(signum)
+
+    previous = {sig: signal.signal(sig, asked) for sig in STOP_SIGNALS}
     try:
         return supervise(proc, run_dir, signals, cfg.logging.stop_timeout_s)
     finally:
@@ -171,14 +180,12 @@ def supervise(proc: subprocess.Popen, run_dir: Path, signals: list[int], stop_ti
     deadline = None
     while proc.poll() is None:
         if signals and deadline is None:
-            request_stop(run_dir, signals[0])
             deadline = time.monotonic() + stop_timeout_s
-            print(f"dsrl train: {signal.Signals(signals[0]).name}: the run stops at the end of this step "
-                  f"(within {stop_timeout_s:g}s, --logging.stop_timeout_s); send it again to stop at once",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            say(f"{signal.Signals(signals[0]).name}: the run stops at the end of this step (within "
+                f"{stop_timeout_s:g}s, --logging.stop_timeout_s); send it again to stop at once")  # fmt: skip
         if len(signals) > 1 or (deadline is not None and time.monotonic() > deadline):
-            why = "a second signal" if len(signals) > 1 else f"--logging.stop_timeout_s={stop_timeout_s:g}s passed"
-            print(f"dsrl train: {why}: killing the run", file=sys.stderr, flush=True)
+            say(f"{'a second signal' if len(signals) > 1 else f'--logging.stop_timeout_s={stop_timeout_s:g}s passed'}"
+                ": killing the run")  # fmt: skip
             kill_group(proc)
             break
         try:
@@ -188,7 +195,14 @@ def supervise(proc: subprocess.Popen, run_dir: Path, signals: list[int], stop_ti
     if signals:
         clear_stop(run_dir)
         return 128 + signals[0]
+    if proc.returncode not in (0, 1):  # 1: a rank said why (its error, or a traceback); the launcher is quiet (QUIET)
+        say(f"a trainer rank failed: the launcher exited with status {proc.returncode}")
     return proc.returncode
+
+
+def say(line: str) -> None:
+    """A line to stderr; on a terminal it first clears rank 0's progress bar from the line, which tqdm redraws below."""
+    print(("\r\x1b[K" if sys.stderr.isatty() else "") + f"dsrl train: {line}", file=sys.stderr, flush=True)
 
 
 def kill_group(proc: subprocess.Popen, grace_s: float = 40.0) -> None:
@@ -227,7 +241,8 @@ def launcher_command(t, cuda: bool, env: dict, port: int) -> list[str]:
     only reads the hostfile and starts the node launcher, cost 4 s of every run. With --trainer.hostfile the
     runner reaches the other nodes."""
     if t.hostfile:
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(port), "--hostfile", t.hostfile]
+        runner = [sys.executable, "-m", "deepspeed.launcher.runner", QUIET]
+        cmd = runner + ["--master_port", str(port), "--hostfile", t.hostfile]
         if not cuda:
             return cmd + ["--num_accelerators", str(t.num_ranks or 1)]
         return cmd + (["--num_gpus", str(t.num_ranks)] if t.num_ranks else [])  # per node; the hostfile's GPUs
@@ -235,8 +250,13 @@ def launcher_command(t, cuda: bool, env: dict, port: int) -> list[str]:
     if cuda:  # the node launcher sets CUDA_VISIBLE_DEVICES itself, to these
         devices = local_gpus(t.num_ranks, env.pop("CUDA_VISIBLE_DEVICES", ""), gpu_count)
     world = base64.urlsafe_b64encode(json.dumps({"localhost": list(devices)}).encode()).decode()
-    launch = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}"]
+    launch = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", QUIET, f"--world_info={world}"]
     return launch + ["--master_addr=127.0.0.1", f"--master_port={port}"]
+
+
+# DeepSpeed's launcher's own lines (its world, CUDA_VISIBLE_DEVICES even on CPU, pids, "[ERROR] ... exits with return
+# code = 1" after a rank's own message) tell a user nothing: `supervise` speaks when a rank failed without saying why.
+QUIET = "--log_level=critical"
 
 
 def local_gpus(num_ranks: int, visible: str, count) -> list[int]:
@@ -326,6 +346,7 @@ def export(argv: list[str]) -> int:
         "--overwrite", action="store_true", help="Replace a previous dsrl export in --out (nothing else is replaced)."
     )
     args = parser.parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(asctime)s [dsrl] %(message)s")  # the export's progress
     out = Path(args.out) if args.out else None
     try:
         out = export_to_hf(Path(args.checkpoint), out, int(args.shard_gb * (1 << 30)), args.overwrite)
@@ -359,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = args[0], args[1:]
+    if command in ("eval", "export") and not cuda_available():  # DeepSpeed would warn that it found no GPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if command == "train":
         return train(rest)
     if command == "serve":

@@ -818,7 +818,8 @@ def reward_model_kind(path: str) -> tuple[str | None, str]:
     try:
         config = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError) as e:
-        return None, f"no readable config.json ({e})"
+        build = f"`python tools/toy_reward_model.py {path}` builds the toy task's"
+        return None, f"no readable config.json ({e}; {build})"
     arch = (config.get("architectures") or ["model with no architectures"])[0]
     labels = len(config["id2label"]) if config.get("id2label") else config.get("num_labels", 2)
     if arch.endswith("ForRewardModel") or (arch.endswith("ForSequenceClassification") and labels == 1):

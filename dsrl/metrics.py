@@ -154,10 +154,14 @@ def _tracker(name: str, cfg, run_dir: Path):
     raise ValueError(f"--logging.trackers: unknown tracker {name!r}; expected wandb or mlflow")
 
 
+REWARD_PARTS = [("reward/model_mean", "model score"), ("reward/rule_mean", "rule reward")]
+
+
 def summary_line(step: int, total: int, m: dict[str, float]) -> str:
     """One line per step; a figure the step did not compute (KL without a reference model, the actor's
     during the critic's warm-up) is left out rather than printed as 0."""
     parts = [f"step {step}/{total}", f"reward {m['reward/mean']:.3f}±{m['reward/std']:.3f}"]
+    parts += [f"{name} {m[key]:.3f}" for key, name in REWARD_PARTS if key in m]  # with a reward model: its parts
     parts.append(f"len {m['response/length_mean']:.1f}")
     shown = [("actor/kl", "kl", 4), ("actor/entropy", "ent", 3), ("actor/clip_frac", "clip", 3)]
     shown += [("actor/grad_norm", "gnorm", 3), ("critic/value_loss", "vloss", 4)]

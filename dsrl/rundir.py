@@ -4,6 +4,7 @@ to stop through it, an export never deletes what dsrl did not write, and a faile
 Imports no torch: the CLI uses it before the launcher starts.
 """
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -120,12 +121,8 @@ def _holders(path: Path) -> list[tuple[int, str]]:
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             if any(os.readlink(fd) == target for fd in (proc / "fd").iterdir()):
-                found.append(
-                    (
-                        int(proc.name),
-                        (proc / "cmdline").read_bytes().replace(b"\0", b" ")[:60].decode(errors="replace").strip(),
-                    )
-                )
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ")[:60].decode(errors="replace")
+                found.append((int(proc.name), command.strip()))
         except OSError:
             continue
     return found
@@ -396,6 +393,47 @@ def write_private(path: Path, text: str, private: bool = True) -> None:
     with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
         f.write(text)
     os.chmod(path, mode)
+
+
+# -- long writes -----------------------------------------------------------------------------------
+
+PROGRESS_S = 10.0
+"""How long a wait (a server's start, a checkpoint, an export) goes before it says how far it got, and then again."""
+
+
+@contextlib.contextmanager
+def report_writes(path: Path | None, what: str, published: Path | None = None, every_s: float = PROGRESS_S):
+    """While the block writes under `path` (None: nothing to report here): every `every_s` a line with the bytes
+    written so far and the rate, and one at the end with those `published` there (on success), so that a checkpoint
+    or an export of GBs is never silent."""
+    if path is None:
+        yield
+        return
+    start, done = time.monotonic(), threading.Event()
+
+    def report(where: Path, so_far: str = "") -> None:
+        try:
+            size, seconds = sum(f.stat().st_size for f in where.rglob("*") if f.is_file()), time.monotonic() - start
+        except OSError:  # a file renamed as it was counted: said the next time
+            return
+        if size == 0:  # (a build writes its objects at the end)
+            log.info("%s: nothing written yet, %.0f s on", what, seconds)
+            return
+        amount = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
+        log.info("%s: %s written%s in %.1f s (%.0f MB/s)", what, amount, so_far, seconds, size / 1e6 / (seconds + 1e-9))
+
+    def watch() -> None:
+        while not done.wait(every_s):
+            report(path, " so far")
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+    report(published or path)
 
 
 # -- writes that fail ----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import transformers
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoTokenizer
@@ -93,8 +94,9 @@ def train(cfg: Config) -> dict[str, float]:
         if run.evaluator is not None and cfg.eval.before_train:
             evaluate(run, start)
         run.rollouts.start()
-        steps = tqdm(range(start, cfg.trainer.total_steps), desc="train", disable=run.rank != 0, dynamic_ncols=True)
-        for step in logging_redirect(steps, run.rank):
+        # A bar on rank 0's terminal only (disable=None: not when the output is a file); else the step lines alone
+        steps = tqdm(range(start, cfg.trainer.total_steps), "train", disable=run.rank != 0 or None, dynamic_ncols=True)
+        for step in logging_redirect(steps):
             timer = Timer(memory=True)
             with timer("step"):
                 with timer("generate"):
@@ -175,14 +177,16 @@ class Run:
 
 
 def setup(cfg: Config) -> Run:
+    level = cfg.logging.log_level if os.environ.get("RANK", "0") == "0" else "WARNING"
+    logging.basicConfig(level=level, format="%(asctime)s [dsrl] %(message)s", force=True)
+    logging.captureWarnings(True)  # through the handler tqdm redirects: never on the bar's line
+    if not sys.stderr.isatty():  # a log file: no progress bar's \r updates in it
+        transformers.utils.logging.disable_progress_bar()
     init_distributed(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     validate(cfg, world)
     if fleet_kind(cfg.rollout) != "external":
         check_server_args(cfg.rollout, rollout_engine(cfg, use_cuda(cfg)))
-    logging.basicConfig(
-        level=cfg.logging.log_level if rank == 0 else "WARNING", format="%(asctime)s [dsrl] %(message)s", force=True
-    )
     run_dir = Path(cfg.logging.run_dir)
     lock = take_run_dir(cfg, run_dir, rank)
     stop = StopRequests(run_dir, watch_file=rank == 0).install()
@@ -560,7 +564,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         train(parse_config(argv))
     except RunStopped as e:  # a clean stop: exit 0, so the launcher does not kill the ranks still closing
-        log.warning("%s; the same command resumes the run", e)
+        if os.environ.get("RANK", "0") == "0":  # said once
+            log.warning("%s; the same command resumes the run", e)
     except USER_ERRORS as e:  # they name the file, row or flag: a traceback would only hide that line
         log.error("error: %s", e)
         sys.exit(1)
@@ -573,9 +578,9 @@ USER_ERRORS = (WriteError, CheckpointError, DatasetError, RunDirLocked, ExportTa
 """Errors whose message says all a user needs: logged as one line, without a traceback."""
 
 
-def logging_redirect(steps, rank: int):
-    """The steps, with log lines written through tqdm on rank 0 so the bar and the logs stay readable."""
-    if rank != 0:
+def logging_redirect(steps: tqdm):
+    """The steps, with log lines written through tqdm while its bar shows, so that they never share its line."""
+    if steps.disable:
         yield from steps
         return
     with logging_redirect_tqdm():

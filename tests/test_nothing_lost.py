@@ -10,6 +10,7 @@ import errno
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -163,32 +164,38 @@ def test_a_new_run_waits_for_a_lost_runs_processes_to_end_and_names_those_that_d
 
 
 def test_sigterm_to_dsrl_train_stops_every_process_of_the_run_with_a_checkpoint(tmp_path):
-    """SIGTERM used to kill the CLI alone: the launcher, ranks and server trained on, detached, to the end."""
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen(train_cmd(run_dir, "--trainer.total_steps", "200"), cwd=ROOT, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
-    log = []
+    """SIGTERM used to kill the CLI alone: the launcher, ranks and server trained on, detached, to the end. Its output
+    goes to a file, as a job scheduler's does, and every line there means something: no library's warnings, no CUDA
+    or GPU on CPU, no launcher chatter, no progress bar's \\r, one line per step, and the stop said once, at the end
+    of the step the signal came in (it used to come two to four steps later)."""
+    run_dir, out = tmp_path / "run", tmp_path / "train.log"
+    with open(out, "w") as f:
+        proc = subprocess.Popen(train_cmd(run_dir, "--trainer.total_steps", "200"), cwd=ROOT, stdout=f,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+    logged = []
     try:
-        for line in proc.stderr:
-            log.append(line)
-            if "step 3/200 |" in line:
-                break
+        while proc.poll() is None and (not logged or logged[-1] < 3):
+            time.sleep(0.1)
+            logged = steps_logged(out.read_text())  # the steps done when the signal is sent
+        assert proc.poll() is None, out.read_text()[-3000:]
         run = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         assert len(run) >= 5, "the CLI, the launcher, its launch process, 2 ranks (and the server)"
         proc.send_signal(signal.SIGTERM)
-        log += proc.stderr.readlines()
         proc.wait(120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    text = "".join(log)
+    text = out.read_text()
     assert proc.returncode == 128 + signal.SIGTERM, text[-3000:]
-    assert "stops at the end of this step" in text and "stopped by SIGTERM after step" in text
+    assert "\r" not in text and not re.findall(r".*(?:Warning|CUDA|GPU|launch\.py).*", text), text
+    assert text.count("stops at the end of this step") == 1 and text.count("stopped by SIGTERM after step") == 1
     alive = [pid for pid in run if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"processes of the run still alive: {alive}"
 
     stopped_at = int((run_dir / "checkpoints" / "latest").read_text().split("_")[1])
-    assert stopped_at >= 3 and (run_dir / "checkpoints" / f"step_{stopped_at}" / "manifest.json").is_file()
+    assert stopped_at in (logged[-1], logged[-1] + 1), "the end of the step under way, or of the one just logged"
+    assert steps_logged(text) == list(range(1, stopped_at + 1)), "one line per step"
+    assert (run_dir / "checkpoints" / f"step_{stopped_at}" / "manifest.json").is_file()
     assert [r["step"] for r in trace(run_dir)] == list(range(stopped_at))
     assert not (run_dir / "STOP").exists() and (run_dir / ".dsrl.lock").read_text() == ""
 
@@ -200,6 +207,10 @@ def test_sigterm_to_dsrl_train_stops_every_process_of_the_run_with_a_checkpoint(
     records = trace(run_dir)
     assert [r["step"] for r in records] == list(range(stopped_at + 2))
     assert [r["rows"] for r in records] == [expected_rows(s) for s in range(stopped_at + 2)]
+
+
+def steps_logged(text: str) -> list[int]:
+    return [int(step) for step in re.findall(r"\[dsrl\] step (\d+)/\d+ \|", text)]
 
 
 def test_kill_9_of_dsrl_train_ends_every_process_of_the_run_and_the_run_dir_stays_locked_until_then(tmp_path):
@@ -341,6 +352,7 @@ def test_a_full_disk_names_the_checkpoint_and_the_cause(tmp_path):
         assert f"cannot write {run_dir}/checkpoints/.tmp_step_2: no space left on the device (" in proc.stderr, (
             proc.stderr[-3000:]
         )
+        assert "exits with return code" not in proc.stdout + proc.stderr  # the launcher adds nothing to the message
         assert not (tiny / "latest").exists()  # nothing half-written was published
     finally:
         subprocess.run(["umount", str(tiny)])

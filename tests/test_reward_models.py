@@ -5,6 +5,7 @@ that cannot work stop `dsrl train` before launch."""
 
 import json
 import os
+import re
 import runpy
 import signal
 import subprocess
@@ -52,6 +53,8 @@ def test_grpo_against_a_reward_model_raises_its_score_and_the_hidden_rule_reward
     cmd += ["--trainer.total_steps", str(STEPS), "--logging.save_every", "20", "--reward_model.normalize", "running"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # each step's line names the trained reward's parts (it used to show the model's raw score as 'reward')
+    assert re.search(rf"step {STEPS}/{STEPS} \| reward \S+ \| model score -?[\d.]+ \| rule reward [\d.]+ ", proc.stderr)
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     for tag, rise in (("reward/model_mean", 1.0), ("reward/rule_mean", 0.04)):
@@ -159,6 +162,8 @@ def test_bad_input_reward_models_that_cannot_work_stop_dsrl_train_before_launch(
     TOKENIZER.save_pretrained(tmp_path / "judge")
     train = ["train", "--config", str(ROOT / "configs/toy_cpu_rm.yaml"), "--logging.run_dir", str(tmp_path / "run")]
     cases = [
+        (["--reward_model.path", str(tmp_path / "not_built")],
+         f"`python tools/toy_reward_model.py {tmp_path}/not_built` builds the toy task's"),
         (["--reward_model.path", str(ROOT / "examples/toy/model")],
          f"--reward_model.path='{ROOT}/examples/toy/model': a model with no architectures: a reward model is a "
          "*ForSequenceClassification with one label"),

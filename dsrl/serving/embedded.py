@@ -28,19 +28,8 @@ from dsrl.serving.embedded_args import parse_args
 
 log = logging.getLogger("dsrl.embedded")
 
-SAMPLING_KEYS = {
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "stop_token_ids",
-    "ignore_eos",
-    "skip_special_tokens",
-    "no_stop_trim",
-    "sampling_seed",
-    "n",
-}
+SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos",
+                 "skip_special_tokens", "no_stop_trim", "sampling_seed", "n"}  # fmt: skip
 MEMORY_TAGS = {"weights", "kv_cache", "cuda_graph"}
 
 
@@ -70,16 +59,10 @@ class Request:
     """The LoRA adapter the request named (`lora_path`), fixed when it arrives, as SGLang fixes its lora_id."""
 
     def finish(self, finish_reason: dict, weight_version: str) -> None:
-        meta = {
-            "id": self.rid,
-            "finish_reason": finish_reason,
-            "prompt_tokens": len(self.input_ids),
-            "completion_tokens": len(self.output_ids),
-            "cached_tokens": 0,
-            "weight_version": weight_version,
-            "e2e_latency": time.monotonic() - self.start,
-            "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(self.logprobs, self.output_ids)],
-        }
+        logprobs = [[logprob, token, None] for logprob, token in zip(self.logprobs, self.output_ids)]
+        meta = {"id": self.rid, "finish_reason": finish_reason, "prompt_tokens": len(self.input_ids),
+                "completion_tokens": len(self.output_ids), "cached_tokens": 0, "weight_version": weight_version,
+                "e2e_latency": time.monotonic() - self.start, "output_token_logprobs": logprobs}  # fmt: skip
         result = {"output_ids": list(self.output_ids), "meta_info": meta}
         self.loop.call_soon_threadsafe(_resolve, self.done, result)
 
@@ -162,18 +145,10 @@ class Adapters:
 
 
 class Engine:
-    def __init__(
-        self,
-        model_path: str,
-        seed: int = 0,
-        max_batch_tokens: int = 16384,
-        decode_delay_ms: float = 0.0,
-        deterministic: bool = False,
-        crash_marker: str | None = None,
-        lora: tuple[int | None, list[str] | None] | None = None,
-        is_embedding: bool = False,
-        weights_backup: bool = False,
-    ):
+    def __init__(self, model_path: str, seed: int = 0, max_batch_tokens: int = 16384, decode_delay_ms: float = 0.0,
+                 deterministic: bool = False, crash_marker: str | None = None,
+                 lora: tuple[int | None, list[str] | None] | None = None, is_embedding: bool = False,
+                 weights_backup: bool = False):  # fmt: skip
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
         self.model_path, self.is_embedding, self.weights_backup = model_path, is_embedding, weights_backup
@@ -456,9 +431,8 @@ class Engine:
         self._maybe_crash()
         group = self.groups.get(body.get("group_name", "weight_update_group"))
         if group is None:
-            raise BadRequest(
-                f"no weight update group named {body.get('group_name')!r}; call /init_weights_update_group"
-            )
+            raise BadRequest(f"no weight update group named {body.get('group_name')!r}; "
+                             "call /init_weights_update_group")  # fmt: skip
         names, shapes = body["names"], body["shapes"]
         dtypes = [getattr(torch, d) for d in body["dtypes"]]
         if body.get("load_format") != "flattened_bucket":  # one broadcast per tensor, in order
@@ -708,30 +682,21 @@ class Api:
 
     async def health(self, request: web.Request) -> web.Response:
         if self.engine.released:  # SGLang's /health generates a token, and its scheduler dies doing so asleep
-            log.error(
-                "/health while memory %s is released: SGLang's scheduler crashes here", sorted(self.engine.released)
-            )
+            log.error("/health while memory %s is released: SGLang's scheduler crashes here",
+                      sorted(self.engine.released))  # fmt: skip
             os._exit(1)
         return web.Response(status=200 if self.engine.thread.is_alive() else 503)
 
     async def model_info(self, request: web.Request) -> web.Response:
-        config = self.engine.model.config
-        return web.json_response(
-            {
-                "model_path": self.engine.model_path,
-                "tokenizer_path": self.engine.model_path,
-                "is_generation": not self.engine.is_embedding,
-                "weight_version": self.engine.weight_version,
-                "model_type": config.model_type,
-                "architectures": config.architectures,
-            }
-        )
+        engine, config = self.engine, self.engine.model.config
+        return web.json_response({"model_path": engine.model_path, "tokenizer_path": engine.model_path,
+                                  "is_generation": not engine.is_embedding, "weight_version": engine.weight_version,
+                                  "model_type": config.model_type, "architectures": config.architectures})  # fmt: skip
 
     async def server_info(self, request: web.Request) -> web.Response:
         engine = self.engine
-        return web.json_response(
-            {"model_path": engine.model_path, "weight_version": engine.weight_version, "engine": "dsrl-embedded"}
-        )
+        return web.json_response({"model_path": engine.model_path, "weight_version": engine.weight_version,
+                                  "engine": "dsrl-embedded"})  # fmt: skip
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         if not self.engine.is_idle():
@@ -780,9 +745,8 @@ class Api:
         if body.get("abort_all_requests", True):
             self.engine.abort(abort_all=True)
         self.engine.weight_version = str(body["new_version"])
-        return ok(
-            message=f"Weight version updated to {self.engine.weight_version}", new_version=self.engine.weight_version
-        )
+        version = self.engine.weight_version
+        return ok(message=f"Weight version updated to {version}", new_version=version)
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         body = await body_of(request)
@@ -827,17 +791,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)  # shares a small CPU with the trainer ranks
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    engine = Engine(
-        args.model_path,
-        args.seed,
-        args.max_batch_tokens,
-        args.decode_delay_ms,
-        args.enable_deterministic_inference,
-        args.crash_marker,
-        (args.max_lora_rank, args.lora_target_modules) if args.enable_lora else None,
-        args.is_embedding,
-        args.enable_weights_cpu_backup,
-    )
+    engine = Engine(args.model_path, args.seed, args.max_batch_tokens, args.decode_delay_ms,
+                    args.enable_deterministic_inference, args.crash_marker,
+                    (args.max_lora_rank, args.lora_target_modules) if args.enable_lora else None, args.is_embedding,
+                    args.enable_weights_cpu_backup)  # fmt: skip
     log.info("embedded engine for %s on http://%s:%d (pid %d)", args.model_path, args.host, args.port, os.getpid())
     if os.environ.get("DSRL_PARENT_PID"):
         threading.Thread(target=_exit_with_parent, args=(int(os.environ["DSRL_PARENT_PID"]),), daemon=True).start()

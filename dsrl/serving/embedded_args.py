@@ -14,27 +14,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="Seed for sampling and for random init.")
     parser.add_argument("--max-batch-tokens", type=int, default=16384, help="Tokens per decode step, at most.")
     parser.add_argument("--decode-delay-ms", type=float, default=0.0, help="Sleep per decode step (slower engine).")
-    parser.add_argument(
-        "--enable-deterministic-inference",
-        action="store_true",
-        help="Batch-invariant results (each request's forward alone), as SGLang's flag of that name.",
-    )
-    parser.add_argument(
-        "--crash-marker",
-        default=None,
-        help="Fault injection for tests: exit during a weight update if this file exists (removing it first).",
-    )
+    parser.add_argument("--enable-deterministic-inference", action="store_true", help="Batch-invariant results "
+                        "(each request's forward alone), as SGLang's flag of that name.")  # fmt: skip
+    parser.add_argument("--crash-marker", default=None, help="Fault injection for tests: exit during a weight update "
+                        "if this file exists (removing it first).")  # fmt: skip
     parser.add_argument("--api-key", default=None, help="Refuse requests without `Authorization: Bearer <key>`.")
-    parser.add_argument(
-        "--config", default=None, help="A YAML file of these flags, as SGLang's (the command line wins)."
-    )
+    parser.add_argument("--config", default=None,
+                        help="A YAML file of these flags, as SGLang's (the command line wins).")  # fmt: skip
     parser.add_argument("--enable-lora", action="store_true", help="Serve LoRA adapters (/load_lora_adapter).")
     parser.add_argument("--max-lora-rank", type=int, default=None, help="The largest adapter rank accepted.")
     parser.add_argument("--lora-target-modules", nargs="*", default=None, help="Layer names adapters may adapt.")
     parser.add_argument("--is-embedding", action="store_true", help="Serve a sequence classifier on /classify.")
-    parser.add_argument(
-        "--enable-weights-cpu-backup", action="store_true", help="Released weights come back with their contents."
-    )
+    parser.add_argument("--enable-weights-cpu-backup", action="store_true",
+                        help="Released weights come back with their contents.")  # fmt: skip
     parser.add_argument("--max-loras-per-batch", type=int, default=8, help="Accepted as SGLang's; no slots here.")
     return parser
 

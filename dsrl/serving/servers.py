@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsrl.config import RolloutConfig
-from dsrl.rundir import die_with_parent, member_fds, write_private
+from dsrl.rundir import PROGRESS_S, die_with_parent, member_fds, write_private
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +68,17 @@ class ServerProcess:
                 continue
 
 
-def wait_healthy(server: "ServerProcess | str", timeout_s: float) -> None:
-    """Poll /health until 200; a started server that exits, or any that stays silent, fails with its log's end."""
+def wait_healthy(server: "ServerProcess | str", timeout_s: float, every_s: float = PROGRESS_S) -> None:
+    """Poll /health until 200, saying every `every_s` how long it has waited and what the server's log says last;
+    a started server that exits, or any that stays silent, fails with its log's end."""
     external = isinstance(server, str)  # an external URL: no process, no log
     url = server if external else server.url
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    start = said = time.monotonic()
+    while time.monotonic() < start + timeout_s:
+        if time.monotonic() - said >= every_s:
+            said = time.monotonic()
+            last = "" if external else f"; its log ends: {log_tail(server.log_path, 1).strip()[:120]}"
+            log.info("server %s not ready after %.0f s%s", url, said - start, last)
         if not external and server.proc.poll() is not None:
             raise RuntimeError(
                 f"rollout server {url} exited with code {server.proc.returncode} while starting; "

@@ -177,7 +177,7 @@ class FlatGatherer:
                 else:  # the last rank's partition is padded: gather aside, copy the real bytes after
                     out = torch.empty(part.numel() * self.world, dtype=torch.uint8, device=flat.device)
                     self.unaligned.append((out[:full], flat[dst : dst + full]))
-                works.append(dist.all_gather_into_tensor(out, part, async_op=True))
+                works.append(dist.all_gather_single(out, part, async_op=True))
             return works
         for p, r, offset, n in self._pieces(i):
             if self.rank == 0 and r != 0:

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from dsrl.collectives import reduce_device
-from dsrl.rundir import WriteError, check_export_target, publish_export, staging_dir, write_error
+from dsrl.rundir import WriteError, check_export_target, publish_export, report_writes, staging_dir, write_error
 from dsrl.zero.buckets import gathered_buckets
 from dsrl.zero.lora import ADAPTER, is_lora, merged
 
@@ -45,29 +45,30 @@ def save_checkpoint(engine, run_dir: Path, state: dict, rank_state: dict, keep_l
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash mid-save
     check_space(tmp, [e for e in (engine, critic) if e is not None])
-    try:
-        engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
-        if critic is not None:
-            critic.save_checkpoint(str(tmp), tag="critic", save_latest=False)
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        torch.save({**rank_state, "rng": rng}, tmp / f"dsrl_rank{rank}.pt")
+    with report_writes(tmp if rank == 0 else None, f"checkpoint {final}", final):
+        try:
+            engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
+            if critic is not None:
+                critic.save_checkpoint(str(tmp), tag="critic", save_latest=False)
+            rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+            torch.save({**rank_state, "rng": rng}, tmp / f"dsrl_rank{rank}.pt")
+            if rank == 0:
+                (tmp / "dsrl_state.json").write_text(json.dumps(state))
+                if is_lora(engine.module):  # what `dsrl export` needs to merge the adapter: its rank and alpha
+                    engine.module.peft_config[ADAPTER].save_pretrained(str(tmp))
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as "basic_ios::clear: iostream error"
+            raise write_error(tmp, e) from e
+        dist.barrier()
+        write_manifest(tmp)
         if rank == 0:
-            (tmp / "dsrl_state.json").write_text(json.dumps(state))
-            if is_lora(engine.module):  # what `dsrl export` needs to merge the adapter: its rank and alpha
-                engine.module.peft_config[ADAPTER].save_pretrained(str(tmp))
-    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as "basic_ios::clear: iostream error"
-        raise write_error(tmp, e) from e
-    dist.barrier()
-    write_manifest(tmp)
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        latest = root / "latest.tmp"
-        latest.write_text(final.name)
-        os.replace(latest, root / "latest")
-        for old in checkpoints(root)[keep_last:] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            latest = root / "latest.tmp"
+            latest.write_text(final.name)
+            os.replace(latest, root / "latest")
+            for old in checkpoints(root)[keep_last:] if keep_last > 0 else []:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
     return final
 
 
@@ -279,12 +280,12 @@ def export_hf(module, tokenizer_dir: str, out_dir: Path, bucket_bytes: int) -> N
     run's own export: it replaces a previous dsrl export there (a resumed run's), nothing else."""
     writer = ShardWriter(out_dir, overwrite=True, source="the run's final weights") if dist.get_rank() == 0 else None
     try:
-        for bucket in gathered_buckets(module, bucket_bytes):
-            for name, tensor in bucket if writer is not None else []:
-                writer.add(name, tensor)
-        if writer is not None:
-            writer.close(tokenizer_dir, module.config)
-            log.info("exported the trained model to %s", out_dir)
+        with report_writes(writer and writer.tmp, f"export to {out_dir}", out_dir):
+            for bucket in gathered_buckets(module, bucket_bytes):
+                for name, tensor in bucket if writer is not None else []:
+                    writer.add(name, tensor)
+            if writer is not None:
+                writer.close(tokenizer_dir, module.config)
     except BaseException:
         if writer is not None:
             writer.abandon()
@@ -312,9 +313,10 @@ def export_checkpoint(
             if lora.is_file()
             else state.items()
         )
-        for name, tensor in tensors:
-            writer.add(name, tensor.contiguous().to(dtype))
-        writer.close(model_dir, config)
+        with report_writes(writer.tmp, f"export of {checkpoint} to {out}", out):
+            for name, tensor in tensors:
+                writer.add(name, tensor.contiguous().to(dtype))
+            writer.close(model_dir, config)
     except BaseException:
         writer.abandon()
         raise

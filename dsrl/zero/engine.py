@@ -3,18 +3,23 @@
 import logging
 import math
 import os
+import sys
+from contextlib import redirect_stdout
 from dataclasses import dataclass
+from io import StringIO
 from pathlib import Path
 from typing import Any
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from torch.utils.cpp_extension import _get_build_directory
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from dsrl.config import Config, ModelConfig, critic_on_actor_base, reward_beside_rollouts
+from dsrl.rundir import report_writes
 from dsrl.zero import varlen
 from dsrl.zero.actor import LOGPROB_CHUNK
 from dsrl.zero.batches import packs, use_cuda
@@ -145,9 +150,9 @@ def load_engine(
     if auto:
         width = 2 if param_dtype(cfg) == torch.bfloat16 else 4
         states = trainers_state_bytes(cfg, model, critic) + awake_server_bytes(cfg, model)
-        budget = AutoCheckpointing(model.config, states, device_memory(cfg), width, cfg.model.liger_kernel)
+        budget = AutoCheckpointing(model.config, states, *device_memory(cfg), width, cfg.model.liger_kernel)
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     if lora:  # new adapter parameters: deepspeed.initialize partitions them with the rest (or, replicated, alone)
         model = with_lora(model, cfg, checkpointing, replicated)
     else:
@@ -196,10 +201,10 @@ def replicated_base(cfg: Config, model_dir: str) -> bool:
                  "whole on every rank" if choice == "replicated" else "partitioned by ZeRO-3", choice)  # fmt: skip
         return choice == "replicated"
     width = 2 if param_dtype(cfg) == torch.bfloat16 else 4
-    base, total = count_params(cfg, model_dir) * width, device_memory(cfg)
+    base, (total, where) = count_params(cfg, model_dir) * width, device_memory(cfg)
     replicated = base <= total / 3
-    log.info("LoRA: the frozen base's %.1f GB %s a third of the device's %.1f GB: %s (--model.lora_base auto)",
-             base / 1e9, "is within" if replicated else "exceeds", total / 1e9,
+    log.info("LoRA: the frozen base's %.1f GB %s a third of %s %.1f GB: %s (--model.lora_base auto)",
+             base / 1e9, "is within" if replicated else "exceeds", where, total / 1e9,
              "whole on every rank, outside ZeRO-3" if replicated else "partitioned by ZeRO-3")  # fmt: skip
     return replicated
 
@@ -254,12 +259,13 @@ def add_lora(model: torch.nn.Module, m: ModelConfig, critic: bool, checkpointing
     model = PolicyAndValue(model, lora_config(m))
     if checkpointing:  # recomputed layers run under the adapter of their forward
         kwargs = {"use_reentrant": False, "context_fn": model.replay_adapter}
-        model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.get_base_model().activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     log.info("the critic is a second LoRA adapter and a value head on the actor's base: one engine, no second model")
     return model
 
 
 def init_distributed(cfg: Config) -> None:
+    build = None
     if use_cuda(cfg):
         # SGLang's processes run NCCL with cuMem off; a trainer with it on breaks the weight-update
         # group ("Cuda failure 'invalid argument'" on the server, the trainer's broadcast hangs).
@@ -268,7 +274,14 @@ def init_distributed(cfg: Config) -> None:
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    deepspeed.init_distributed(dist_backend="nccl" if use_cuda(cfg) else "gloo")
+        op = Path(_get_build_directory("deepspeed_shm_comm", False), "deepspeed_shm_comm.so")
+        if not op.exists() and os.environ.get("RANK", "0") == "0":  # rank 0 tells how the build goes
+            build = op.parent
+            log.info("building DeepSpeed's shared-memory comm op in %s: once, a minute or more on 2 cores", build)
+    # (DeepSpeed prints "... built successfully" at every load of it)
+    with report_writes(build, "the comm op's build"), redirect_stdout(StringIO()) as printed:
+        deepspeed.init_distributed(dist_backend="nccl" if use_cuda(cfg) else "gloo")
+    sys.stdout.write("".join(line for line in printed.getvalue().splitlines(True) if "built successfully" not in line))
     if not use_cuda(cfg):
         unlink_shm_workspace()
 
@@ -380,13 +393,14 @@ def activation_bytes(config, tokens: int, checkpointing: bool, width: int = 2, l
     return tokens * (kept * width / 2 + config.vocab_size * width) + 5 * LOGPROB_CHUNK * config.vocab_size * 4
 
 
-def device_memory(cfg: Config) -> int:
-    """The memory a trainer rank's states and activations live in: its GPU's, or on CPU its share of the host's."""
+def device_memory(cfg: Config) -> tuple[int, str]:
+    """The memory a trainer rank's states and activations live in, and its name: its GPU's, or on CPU its share of
+    the host's."""
     if use_cuda(cfg):
-        return torch.cuda.mem_get_info()[1]
+        return torch.cuda.mem_get_info()[1], "the GPU's"
     import psutil
 
-    return psutil.virtual_memory().total // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return psutil.virtual_memory().total // int(os.environ.get("LOCAL_WORLD_SIZE", 1)), "this rank's share of RAM,"
 
 
 def state_bytes(cfg: Config, weights: int, trained: int) -> float:
@@ -430,7 +444,8 @@ class AutoCheckpointing:
     """The model's config (its widths, depth and vocabulary)."""
     states: float
     total: float
-    """The device's memory (`device_memory`)."""
+    where: str
+    """The device's memory and its name (`device_memory`)."""
     width: int = 2
     """Bytes per activation value."""
     liger: bool = False
@@ -446,8 +461,8 @@ class AutoCheckpointing:
         self.switch(model, on)
         self.on = on
         log.info("gradient checkpointing %s: states %.1f GB + activations of %d tokens %.1f GB + margin %.1f GB %s "
-                 "the device's %.1f GB (--model.gradient_checkpointing auto)", "on" if on else "off", self.states / 1e9,
-                 tokens, acts / 1e9, margin / 1e9, "exceed" if on else "fit in", self.total / 1e9)  # fmt: skip
+                 "%s %.1f GB (--model.gradient_checkpointing auto)", "on" if on else "off", self.states / 1e9, tokens,
+                 acts / 1e9, margin / 1e9, "exceed" if on else "fit in", self.where, self.total / 1e9)  # fmt: skip
 
     def switch(self, model: torch.nn.Module, on: bool) -> None:
         """The decoder layers' checkpointing on or off (transformers reads each layer's flag at every call)."""

@@ -1,0 +1,47 @@
+"""What a user reads during a long wait: a server that is slow to start and a write of many bytes say how far they
+got, every `every_s` (10 s in a run), instead of nothing. (A whole run's output, line by line, is checked by
+tests/test_nothing_lost.py's SIGTERM run.)"""
+
+import logging
+import re
+import sys
+import time
+
+from dsrl.rundir import report_writes
+from dsrl.serving.servers import free_port, spawn, wait_healthy
+
+SLOW_SERVER = """
+import http.server, sys, time
+print("loading the weights", flush=True)
+time.sleep(2)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_a_server_slow_to_start_says_how_long_it_has_waited_and_what_its_log_says(tmp_path, caplog):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = spawn([sys.executable, "-c", SLOW_SERVER, str(port)], {}, tmp_path / "server_0.log", url)
+    try:
+        with caplog.at_level(logging.INFO, logger="dsrl.serving.servers"):
+            wait_healthy(server, timeout_s=60, every_s=0.5)
+    finally:
+        server.stop()
+    assert re.search(rf"server {url} not ready after \d+ s; its log ends: loading the weights", caplog.text)
+
+
+def test_a_long_write_says_the_bytes_written_so_far_and_at_the_end_the_total(tmp_path, caplog):
+    out = tmp_path / "step_8"
+    with caplog.at_level(logging.INFO, logger="dsrl.rundir"):
+        with report_writes(out, "checkpoint step_8", every_s=0.05):
+            out.mkdir()
+            (out / "shard").write_bytes(bytes(3 << 20))
+            deadline = time.monotonic() + 30
+            while "so far" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+    assert "checkpoint step_8: 3.1 MB written so far in " in caplog.text, caplog.text
+    assert caplog.messages[-1].startswith("checkpoint step_8: 3.1 MB written in "), caplog.text
