@@ -14,8 +14,6 @@ from typing import Any, Literal
 
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_parsing_settings
 
-from dsrl.rundir import write_private
-
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 
@@ -884,6 +882,15 @@ def function_spec(fn: Any) -> Any:
 
 SECRETS = ("rollout.api_key",)
 """Fields never logged nor sent to a tracker; a file that holds them is readable by its user alone."""
+
+
+def write_private(path: Path, text: str, private: bool = True) -> None:
+    """Write `text` to `path`, readable by this user alone when `private` (a file holding --rollout.api_key);
+    an existing file takes that mode too."""
+    mode = 0o600 if private else 0o644
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
+        f.write(text)
+    os.chmod(path, mode)
 
 
 def dump_config(cfg: Config, path: str | os.PathLike) -> None:

@@ -389,15 +389,6 @@ def publish_export(tmp: Path, out: Path, source: str, overwrite: bool) -> None:
         shutil.rmtree(old)
 
 
-def write_private(path: Path, text: str, private: bool = True) -> None:
-    """Write `text` to `path`, readable by this user alone when `private` (a file holding --rollout.api_key);
-    an existing file takes that mode too."""
-    mode = 0o600 if private else 0o644
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
-        f.write(text)
-    os.chmod(path, mode)
-
-
 # -- writes that fail ----------------------------------------------------------------------------
 
 
