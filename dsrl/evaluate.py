@@ -46,7 +46,7 @@ class Evaluator:
         with tqdm(total=len(prompts) * self.rollout.n_samples, desc=f"eval {step}", leave=False, disable=None) as bar:
             try:
                 seed = request_seed(self.cfg.seed, step)
-                samples = generate(client, prompts, self.rollout, seed, bar, self.rewarder, self.runner)
+                samples = client.run(generate(client, prompts, self.rollout, seed, bar, self.rewarder, self.runner))
             except RewardError as e:  # it names the row; say which file
                 raise RewardError(f"--eval.path={self.dataset.path!r}: {e}") from e
         samples = [s for s in samples if not s.extras.get("skip")]  # rows whose reward failed (on_reward_error skip)

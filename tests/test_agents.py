@@ -170,10 +170,11 @@ def test_an_environment_that_raises_fails_its_row_or_skips_its_group(chat_model,
         rewarder = Rewarder(cfg.algorithm, tokenizer, env=True)
         with pytest.raises(RewardError, match=r"the environment failed on dataset row 0: the environment failed "
                                               r"on turn 1: ValueError\('the environment is broken'\)"):  # fmt: skip
-            generate(chat_server, dataset.prompts[:1], cfg.rollout, rewarder=rewarder, runner=runner)
+            chat_server.run(generate(chat_server, dataset.prompts[:1], cfg.rollout, rewarder=rewarder, runner=runner))
         cfg.algorithm.on_reward_error = "skip"
         rewarder = Rewarder(cfg.algorithm, tokenizer, env=True)
-        samples = generate(chat_server, dataset.prompts[:2], cfg.rollout, rewarder=rewarder, runner=runner)
+        samples = chat_server.run(generate(chat_server, dataset.prompts[:2], cfg.rollout, rewarder=rewarder,
+                                           runner=runner))  # fmt: skip
     finally:
         runner.close()
     assert rewarder.failed == 2 and all(s.extras["skip"] and s.extras["episode"]["stop"] == "error" for s in samples)
@@ -184,8 +185,8 @@ def played(cfg, tokenizer, client, rows: int) -> list:
     runner = EpisodeRunner(cfg, tokenizer)
     try:
         prompts = PromptDataset(cfg.data, tokenizer).prompts[:rows]
-        samples = generate(client, prompts, cfg.rollout, rewarder=Rewarder(cfg.algorithm, tokenizer, env=True),
-                           runner=runner)  # fmt: skip
+        rewarder = Rewarder(cfg.algorithm, tokenizer, env=True)
+        samples = client.run(generate(client, prompts, cfg.rollout, rewarder=rewarder, runner=runner))
     finally:
         runner.close()
     return [(s, {int(p) for p in re.findall(r"pid (\d+)", tokenizer.decode(s.response_ids))}) for s in samples]
@@ -294,7 +295,7 @@ def test_episodes_interrupted_by_weight_updates_finish_with_the_uninterrupted_to
     dataset = PromptDataset(cfg.data, tokenizer)
     runner = EpisodeRunner(cfg, tokenizer)
     simulated_update(toy_server, 0, "abort")
-    reference = generate(toy_server, dataset.prompts[:12], cfg.rollout, runner=runner)
+    reference = toy_server.run(generate(toy_server, dataset.prompts[:12], cfg.rollout, runner=runner))
     by_row = {s.prompt.index: s for s in reference}
     rewarder = Rewarder(cfg.algorithm, tokenizer, env=True)
     manager = RolloutManager(toy_server, cfg, PromptStream(dataset, 2, 0, 1), rewarder, runner)

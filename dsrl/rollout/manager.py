@@ -40,7 +40,7 @@ from dsrl.config import Config
 from dsrl.data import Prompt, PromptDataset, Sample
 from dsrl.rewards.rewarder import Rewarder
 from dsrl.rollout.episode import Episode, EpisodeRunner
-from dsrl.rollout.rollouts import Batch, Generation, Rollouts, parse_generation, request_seed, sampling_params
+from dsrl.rollout.rollouts import Batch, Generation, Rollouts, generate_one, request_seed, sampling_params
 from dsrl.serving.client import RolloutClient
 
 log = logging.getLogger(__name__)
@@ -252,19 +252,17 @@ class RolloutManager(Rollouts):
             oldest = min(own, group.oldest_so_far(default=self.version))
             rid = f"{self.rid_prefix}-v{oldest}-g{group.gid}-s{slot}-{uuid.uuid4().hex[:8]}"
             sent_under = self.version  # its first token's version, or older than it (when it waits for a slot)
-            body = {"input_ids": prompt.prompt_ids + s.response_ids, "sampling_params": params,
-                    "return_logprob": True, "rid": rid}  # fmt: skip
-            # Older groups first where the server schedules by priority (the embedded engine; SGLang with
-            # --enable-priority-scheduling, else ignored): a group near the staleness bound holds up the next batch.
-            body["priority"] = -oldest
             group.started[rid] = oldest
             self._request_started()
             try:
-                out = await self.client.generate(body, route_key=(self.rid_prefix, group.gid))
+                # Older groups first where the server schedules by priority (the embedded engine; SGLang with
+                # --enable-priority-scheduling, else ignored): a group near the staleness bound holds up the next batch.
+                ids, route = prompt.prompt_ids + s.response_ids, (self.rid_prefix, group.gid)
+                reply = await generate_one(self.client, ids, params, route, rid=rid, priority=-oldest)
             finally:
                 group.started.pop(rid)
                 await self._request_finished()
-            return parse_generation(out), sent_under
+            return reply, sent_under
 
         try:
             finished = await self.runner.run(episode, request)

@@ -80,6 +80,13 @@ class Generation:
     """None when the request was aborted before it was sent (the client answered, not a server)."""
 
 
+async def generate_one(client: RolloutClient, input_ids: list[int], sampling: dict, route_key, **fields) -> Generation:
+    """One `/generate`, the only place its request is built: token ids in (`fields`: SGLang's own, e.g. rid,
+    priority); the tokens out with their logprobs and weight version."""
+    body = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True, **fields}
+    return parse_generation(await client.generate(body, route_key))
+
+
 def parse_generation(out: dict) -> Generation:
     meta = out["meta_info"]
     # A LoRA adapter served on its own generates all of a request's tokens, even past a later update
@@ -118,14 +125,11 @@ class Engine:
 
     async def generate(self, input_ids: list[int], sampling: dict) -> Generation:
         """One `/generate`: token ids in, the tokens out with their logprobs and weight version."""
-        body = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True}
-        return parse_generation(await self.client.generate(body, self.route_key))
+        return await generate_one(self.client, input_ids, sampling, self.route_key)
 
     async def sample(self, prompt: Prompt, sampling: dict) -> Sample:
         """dsrl's own rollout: one response to `prompt`."""
-        body = {"input_ids": prompt.prompt_ids, "sampling_params": {**sampling, **prompt.sampling},
-                "return_logprob": True}  # fmt: skip
-        out = parse_generation(await self.client.generate(body, self.route_key))
+        out = await self.generate(prompt.prompt_ids, {**sampling, **prompt.sampling})
         return Sample(prompt, out.output_ids, out.logprobs, out.finish_reason, out.weight_version,
                       extras={"spans": [(0, out.weight_version)]})  # fmt: skip
 
@@ -154,7 +158,7 @@ async def custom_sample(fn, spec: str, engine: Engine, prompt: Prompt, sampling:
     return sample
 
 
-def generate(
+async def generate(
     client: RolloutClient,
     prompts: list[Prompt],
     cfg: RolloutConfig,
@@ -165,20 +169,7 @@ def generate(
 ) -> list[Sample]:
     """n_samples responses (or `runner`'s episodes) per prompt, or `rollout.rollout_fn`'s samples, groups
     contiguous in prompt order; each group is scored by `rewarder` as soon as it is complete, while the
-    others still generate."""
-    return client.run(generate_async(client, prompts, cfg, seed, progress, rewarder, runner))
-
-
-async def generate_async(
-    client: RolloutClient,
-    prompts: list[Prompt],
-    cfg: RolloutConfig,
-    seed: int = 0,
-    progress: tqdm | None = None,
-    rewarder: Rewarder | None = None,
-    runner: EpisodeRunner | None = None,
-) -> list[Sample]:
-    """`generate`, on the client's event loop."""
+    others still generate. On the client's event loop (`client.run(generate(...))` from elsewhere)."""
     fn = None if cfg.rollout_fn is None else load_function(cfg.rollout_fn, "rollout.rollout_fn")
     spec = function_spec(cfg.rollout_fn)
     runner, params = runner or EpisodeRunner(), sampling_params(cfg)
@@ -209,11 +200,9 @@ async def play(client: RolloutClient, runner: EpisodeRunner, episode: Episode, s
     `seed` and the tokens so far, so a resumed run repeats them."""
 
     async def request(episode: Episode, params: dict) -> tuple[Generation, int]:
-        n = len(episode.sample.response_ids)
-        params.setdefault("sampling_seed", request_seed(*seed, *([n] if n else [])))
-        body = {"input_ids": episode.sample.prompt.prompt_ids + episode.sample.response_ids,
-                "sampling_params": params, "return_logprob": True}  # fmt: skip
-        reply = parse_generation(await client.generate(body, route_key))
+        s = episode.sample
+        params.setdefault("sampling_seed", request_seed(*seed, *([len(s.response_ids)] if s.response_ids else [])))
+        reply = await generate_one(client, s.prompt.prompt_ids + s.response_ids, params, route_key)
         return reply, reply.weight_version
 
     while not await runner.run(episode, request):
@@ -261,7 +250,7 @@ class SyncRollouts(Rollouts):
         prompts = self.dataset.batch(step, self.cfg.rollout.prompts_per_step, self.rank, self.world)
         failed = self.rewarder.failed
         seed = request_seed(self.cfg.seed, step)
-        samples = await generate_async(self.client, prompts, self.cfg.rollout, seed, None, self.rewarder, self.runner)
+        samples = await generate(self.client, prompts, self.cfg.rollout, seed, None, self.rewarder, self.runner)
         metrics = {"reward/failed": float(self.rewarder.failed - failed)}
         if ahead:  # beside the last step's update: the loop's own timer of this step sees none of it
             metrics["timing/generate_ahead"] = time.perf_counter() - start
