@@ -31,13 +31,37 @@ class Prompt:
 
 
 @dataclass
+class EpisodeRecord:
+    """What a sample keeps of its agent episode (`dsrl.rollout.episode`): how it went, what its turns cost."""
+
+    turns: int = 0
+    """Model turns completed."""
+    stop: str | None = None
+    """Why it ended (`dsrl.rollout.episode.STOP_REASONS`); None while it runs."""
+    reward: float = 0.0
+    """The environment's rewards, summed."""
+    error: str | None = None
+    """Why the environment failed (stop "error"): the row fails as a reward function's would."""
+    seconds: float = 0.0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    """Tool calls answered with an error (raised, hung, crashed, no such tool, unreadable)."""
+    tool_timeouts: int = 0
+    """Of the errors, the calls that ran out of time (--agent.tool_timeout_s, or the episode's deadline)."""
+    env_s: float = 0.0
+    tool_s: float = 0.0
+    between_s: float = 0.0
+    """Time between its model turns: decoding, environment, tools, rendering, waiting for the event loop."""
+
+
+@dataclass
 class Sample:
     """One response to a prompt, token-in/token-out, and what the trainer computes for it.
 
     Everything after the prompt is `response_ids`: one model turn, or an agent episode's model turns
     with the environment's tokens (tool results, user turns) between them, as they went to the server.
     Per response token: `loss_mask` (1 for the model's tokens, 0 for the environment's), the engine's
-    logprob, and (through `extras["spans"]`) the weight version that produced it."""
+    logprob, and (through `spans`) the weight version that produced it."""
 
     prompt: Prompt
     response_ids: list[int]
@@ -50,13 +74,23 @@ class Sample:
     loss_mask: list[int] | None = None
     """1 for each token the model generated, 0 for each the environment added; None: all the model's."""
     extras: dict[str, Any] = field(default_factory=dict)
-    """spans: [(first token index, weight version)] of the model's tokens (index None where not known: a
-    request paused through an update, `rollout.interrupt pause`); episode: an agent episode's record
-    (turns, tool calls, why it stopped); per-token arrays the trainer fills in."""
+    """Response-aligned tensors the trainer computes, by name (`dsrl.zero.actor.per_token`): old_logprobs,
+    ref_logprobs, values, advantages, returns, engine_logprobs."""
+    spans: list[tuple[int | None, int]] = field(default_factory=list)
+    """[(first token index, weight version)] of the model's tokens (index None where not known: a request
+    paused through an update, `rollout.interrupt pause`)."""
+    skip: bool = False
+    """Its reward failed (`--algorithm.on_reward_error skip`): no loss, no evaluation score."""
+    episode: EpisodeRecord | None = None
+    """An agent episode's record (None for a single response)."""
+    reward_model: float | None = None
+    """The reward model's raw score (with --reward_model.path)."""
+    reward_rule: float | None = None
+    """The reward function's reward, when a reward model scores too (its weight: --reward_model.w_rule)."""
 
     @property
     def oldest_version(self) -> int:
-        return min(version for _, version in self.extras["spans"])
+        return min(version for _, version in self.spans)
 
     def mask(self) -> list[int]:
         """The loss mask of every response token."""

@@ -49,7 +49,7 @@ class Evaluator:
                 samples = client.run(generate(client, prompts, self.rollout, seed, bar, self.rewarder, self.runner))
             except RewardError as e:  # it names the row; say which file
                 raise RewardError(f"--eval.path={self.dataset.path!r}: {e}") from e
-        samples = [s for s in samples if not s.extras.get("skip")]  # rows whose reward failed (on_reward_error skip)
+        samples = [s for s in samples if not s.skip]  # rows whose reward failed (on_reward_error skip)
         others = {s.weight_version for s in samples} - {step}
         if others:  # the sync's version check makes this a bug, not a setting
             raise RuntimeError(f"evaluation of weight version {step} got responses from versions {sorted(others)}")

@@ -541,7 +541,7 @@ def rollout_metrics(samples: list[Sample], trainer_version: int) -> dict[str, fl
     return {
         "rollout/staleness_mean": staleness.mean().item(),
         "rollout/staleness_max": staleness.max().item(),
-        "rollout/versions_per_batch": float(len({v for s in samples for _, v in s.extras["spans"]})),
+        "rollout/versions_per_batch": float(len({v for s in samples for _, v in s.spans})),
         "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item(),
         "response/length_mean": lengths.mean().item(),

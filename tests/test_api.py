@@ -68,7 +68,7 @@ def test_a_custom_rollout_function_drives_the_servers_and_is_checked(toy_weights
         flat = [[lp for s in samples for lp in s.engine_logprobs] for samples in (custom, plain)]
         assert flat[0] == pytest.approx(flat[1], abs=1e-5)
         assert any(len(s.response_ids) > 2 for s in custom)
-        assert all(len(s.extras["spans"]) == (2 if len(s.response_ids) > 2 else 1) for s in custom)
+        assert all(len(s.spans) == (2 if len(s.response_ids) > 2 else 1) for s in custom)
         with pytest.raises(RolloutFnError, match=r"tests._rollouts:not_a_sample: on dataset row 0: returned list"):
             client.run(generate(client, prompts[:1], replace(greedy, rollout_fn=_rollouts.not_a_sample)))
     finally:

@@ -239,7 +239,7 @@ def test_bad_input_long_prompts_truncated_and_counted(tmp_path):
 
 
 def sample(row: int = 7) -> Sample:
-    return Sample(Prompt(row, [5, 12], "1=", "1"), [5, 1], [-0.1, -0.2], "stop", 0, extras={"spans": [(0, 0)]})
+    return Sample(Prompt(row, [5, 12], "1=", "1"), [5, 1], [-0.1, -0.2], "stop", 0, spans=[(0, 0)])
 
 
 def test_bad_input_reward_module_missing():

@@ -248,7 +248,7 @@ class RolloutManager(Rollouts):
             s = episode.sample
             params["sampling_seed"] = request_seed(self.cfg.seed, prompt.index, slot, self.version, len(s.response_ids))
             # The version of the request's oldest tokens decides whether a weight update interrupts it.
-            own = s.oldest_version if s.extras["spans"] else self.version
+            own = s.oldest_version if s.spans else self.version
             oldest = min(own, group.oldest_so_far(default=self.version))
             rid = f"{self.rid_prefix}-v{oldest}-g{group.gid}-s{slot}-{uuid.uuid4().hex[:8]}"
             sent_under = self.version  # its first token's version, or older than it (when it waits for a slot)

@@ -131,7 +131,7 @@ class Engine:
         """dsrl's own rollout: one response to `prompt`."""
         out = await self.generate(prompt.prompt_ids, {**sampling, **prompt.sampling})
         return Sample(prompt, out.output_ids, out.logprobs, out.finish_reason, out.weight_version,
-                      extras={"spans": [(0, out.weight_version)]})  # fmt: skip
+                      spans=[(0, out.weight_version)])  # fmt: skip
 
 
 class RolloutFnError(RuntimeError):
@@ -154,7 +154,7 @@ async def custom_sample(fn, spec: str, engine: Engine, prompt: Prompt, sampling:
         problem = f"weight_version {sample.weight_version!r} is not the int of a server's reply"
     if problem:
         raise RolloutFnError(f"--rollout.rollout_fn={spec}: on dataset row {prompt.index}: {problem}")
-    sample.extras.setdefault("spans", [(0, sample.weight_version)])
+    sample.spans = sample.spans or [(0, sample.weight_version)]
     return sample
 
 

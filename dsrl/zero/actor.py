@@ -149,7 +149,7 @@ def global_denominators(mini: list[Sample]) -> tuple[float, float]:
     `token_mean` the mean of per-rank means: wrong whenever ranks hold different token totals.
     Skipped samples (a failed reward, `on_reward_error skip`) count for nothing.
     """
-    kept = [s for s in mini if not s.extras.get("skip")]
+    kept = [s for s in mini if not s.skip]
     counts = [float(sum(s.model_tokens() for s in kept)), float(len(kept))]
     counts = torch.tensor(counts, dtype=torch.float64, device=reduce_device())
     dist.all_reduce(counts)

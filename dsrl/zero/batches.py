@@ -187,7 +187,7 @@ class MicroBatch:
             targets += s.response_ids
             rows += [i] * len(s.response_ids)
             cols += range(len(s.response_ids))
-            if not s.extras.get("skip"):  # a sample whose reward failed (on_reward_error skip) has no loss
+            if not s.skip:  # a sample whose reward failed (on_reward_error skip) has no loss
                 mask[i, : len(s.response_ids)] = torch.tensor(s.mask(), dtype=mask.dtype)
             offset += len(seq)
         as_long = dict(dtype=torch.long, device=device)
