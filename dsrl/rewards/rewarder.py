@@ -11,7 +11,7 @@ import statistics
 from dsrl.config import AlgorithmConfig
 from dsrl.data import Sample
 from dsrl.rewards.models import RewardModel
-from dsrl.rewards.pool import NOT_SCORED, RewardPool, call_reward
+from dsrl.rewards.pool import NOT_SCORED, WorkerPool, call_reward
 from dsrl.rewards.rules import RewardFn, load_function
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class Rewarder:
             self.fn = load_function(fn, "algorithm.reward_fn")
             spec = fn if isinstance(fn, str) else importable_spec(fn)  # a lambda or closure: in a thread here
             if spec and cfg.reward_workers:
-                self.pool = RewardPool(spec, cfg.reward_workers, cfg.reward_timeout_s)
+                self.pool = WorkerPool(spec, cfg.reward_workers, cfg.reward_timeout_s)
         self.tokenizer, self.skip = tokenizer, cfg.on_reward_error == "skip"
         self.failed = 0
         """Rows failed (and skipped) so far."""
@@ -83,7 +83,7 @@ class Rewarder:
             return "rule", ("the environment", [(s.episode.reward, s.episode.error) for s in samples])
         items = [reward_item(s, self.tokenizer) for s in samples]
         if self.pool is not None:
-            results = await self.pool.score_async(items, fail_fast=True)  # one failed row skips the group
+            results = await self.pool.run_async(items, fail_fast=True)  # one failed row skips the group
         else:
             results = await asyncio.to_thread(lambda: [_call_in_process(self.fn, item) for item in items])
         return "rule", ("reward function", results)

@@ -24,7 +24,7 @@ from typing import Any
 
 from dsrl.config import Config, function_spec
 from dsrl.data import EpisodeRecord, Prompt, Sample
-from dsrl.rewards.pool import RewardPool, StickyPool
+from dsrl.rewards.pool import StickyPool, TimedOut, WorkerPool
 from dsrl.rewards.rules import load_function
 from dsrl.rollout.agents import Step, ToolCall, cap_text, tool_schema
 
@@ -150,7 +150,7 @@ class EpisodeRunner:
     def __init__(self, cfg: Config | None = None, tokenizer=None):
         """Episodes of `cfg.rollout.env`; without one (or without `cfg`), single responses."""
         self.env_cls = load_function(cfg.rollout.env, "rollout.env") if cfg and cfg.rollout.env else None
-        self.env_pool = self.tool_pool = None
+        self.env_workers = self.tool_workers = None
         self.tools: dict[str, str] = {}
         self.tool_schemas = tool_schemas(self.env_cls)
         """The chat template's `tools` for the prompts: the environment's (None without)."""
@@ -163,16 +163,16 @@ class EpisodeRunner:
         check_rendering(self.renderer)
         g = self.agent
         if g.env_workers and not getattr(self.env_cls, "in_process", False):
-            self.env_pool = StickyPool("dsrl.rollout.agents:env_step", g.env_workers, g.env_timeout_s,
-                                       "--agent.env_timeout_s")  # fmt: skip
+            self.env_workers = StickyPool("dsrl.rollout.agents:env_step", g.env_workers, g.env_timeout_s,
+                                          "--agent.env_timeout_s")  # fmt: skip
         if self.tools:
-            self.tool_pool = RewardPool("dsrl.rollout.agents:call_tool", g.tool_workers, g.tool_timeout_s, True,
-                                        "--agent.tool_timeout_s")  # fmt: skip
+            self.tool_workers = WorkerPool("dsrl.rollout.agents:call_tool", g.tool_workers, g.tool_timeout_s, True,
+                                           "--agent.tool_timeout_s")  # fmt: skip
 
     def close(self) -> None:
-        for pool in (self.env_pool, self.tool_pool):
-            if pool is not None:
-                pool.close()
+        for workers in (self.env_workers, self.tool_workers):
+            if workers is not None:
+                workers.close()
 
     def new(self, prompt: Prompt, sampling: dict, version: int = 0) -> Episode:
         return Episode(Sample(prompt, [], [], "", version), {**sampling, **prompt.sampling})
@@ -191,8 +191,8 @@ class EpisodeRunner:
         if self.env_cls is not None:
             record.seconds = time.monotonic() - episode.started
             episode.sample.episode = record
-        if self.env_pool is not None and episode.env is not None:
-            self.env_pool.release(episode.env[1])
+        if self.env_workers is not None and episode.env is not None:
+            self.env_workers.release(episode.env[1])
         return True
 
     async def model_turn(self, episode: Episode, request: Request) -> bool:
@@ -279,18 +279,18 @@ class EpisodeRunner:
         episodes' turns, comes back to this one (agent/between_s counts that too)."""
         start = time.monotonic()
         try:
-            if self.env_pool is None:
+            if self.env_workers is None:
                 step, error, answered = await self.step_in_process(episode, text, left)
             else:
                 first = episode.env is None
                 if first:  # one worker for the whole episode: its environment never leaves it
-                    episode.env = self.env_pool.place(episode)
+                    episode.env = self.env_workers.place(episode)
                 worker, key = episode.env
                 item = (key, self.env_spec, self.env_args, episode.sample.prompt.row)
-                call = self.env_pool.submit(worker, (*item, [text], first))
+                call = self.env_workers.submit(worker, (*item, [text], first))
                 step, error, answered = await asyncio.wait_for(call, left)
                 if step is None and error is None:  # its worker was replaced (another episode's step crashed or hung)
-                    again = self.env_pool.submit(worker, (*item, episode.responses, True))
+                    again = self.env_workers.submit(worker, (*item, episode.responses, True))
                     step, error, answered = await asyncio.wait_for(again, start + left - time.monotonic())
         except TimeoutError:  # the episode's deadline passed while the environment thought
             step, error, answered = None, None, time.monotonic()
@@ -334,13 +334,14 @@ class EpisodeRunner:
             if error is None:
                 async with slots:
                     item = (spec, call.arguments, g.max_tool_output_chars, g.truncate_side)
+                    calling = self.tool_workers.run_async([item])
                     try:
-                        ((output, error),) = await asyncio.wait_for(self.tool_pool.score_async([item]), max(left, 0.01))
+                        ((output, error),) = await asyncio.wait_for(calling, max(left, 0.01))
                     except TimeoutError:
-                        error = "took longer than the episode had left (--agent.episode_timeout_s)"
+                        error = TimedOut("took longer than the episode had left (--agent.episode_timeout_s)")
             if error is not None:
                 record.tool_errors += 1
-                record.tool_timeouts += "took longer" in error
+                record.tool_timeouts += isinstance(error, TimedOut)
                 output = cap_text(f"error: {error}", g.max_tool_output_chars, g.truncate_side)
             return {"role": "tool", "name": call.name, "content": output}
 
