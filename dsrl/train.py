@@ -58,7 +58,7 @@ from dsrl.serving.client import RolloutClient
 from dsrl.serving.control import FleetControl
 from dsrl.serving.fleet import start_fleet
 from dsrl.serving.servers import Fleet, ServerFleet, check_server_args, server_host
-from dsrl.sync.weight_sync import WeightSync, make_checkpoint_engine
+from dsrl.sync.weight_sync import WeightSync, make_transport
 from dsrl.zero.actor import compute_logprobs, logprob_mismatch, old_from_update, update_actor
 from dsrl.zero.batches import use_cuda
 from dsrl.zero.checkpoint import CheckpointError, export_hf, find_checkpoint, load_checkpoint, save_checkpoint
@@ -214,7 +214,7 @@ def setup(cfg: Config) -> Run:
     client = RolloutClient(fleet.urls, r.max_concurrency, r.request_timeout_s, api_key=r.api_key, route=r.route)
     rewarder = start_rewarder(cfg, tokenizer, client, run_dir, rank, rank_state)
     evaluator = Evaluator(cfg, tokenizer, rewarder.frozen(), run_dir, held_out, runner) if held_out else None
-    transport = make_checkpoint_engine(sync_cfg, client, run_dir, "nccl" if use_cuda(cfg) else "gloo", r.tp_size)
+    transport = make_transport(sync_cfg, client, run_dir, "nccl" if use_cuda(cfg) else "gloo", r.tp_size)
     weights = WeightSync(cfg, actor, fleet, client, transport, offload, critic, rewarder.model if rank == 0 else None)
     control = None
     if rank == 0:  # servers join and leave the live run through it (dsrl fleet add/remove)

@@ -38,7 +38,7 @@ from dsrl.rundir import deadline
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import ServerFleet
 from dsrl.sync.adapter import AdapterServing
-from dsrl.sync.base import SERVER_ERRORS, CheckpointEngine, SyncError
+from dsrl.sync.base import SERVER_ERRORS, SyncError, Transport
 from dsrl.sync.verify import probe_reference, probe_servers, verify_weights
 from dsrl.zero.engine import free_cached_memory, offload_states, reload_states
 from dsrl.zero.lora import is_lora
@@ -55,7 +55,7 @@ class WeightSync:
         actor,
         fleet: ServerFleet,
         client: RolloutClient,
-        transport: CheckpointEngine,
+        transport: Transport,
         offload: bool,
         critic=None,
         reward=None,
@@ -154,8 +154,8 @@ class WeightSync:
             self._probe(*reference)
         metrics |= {"sync/bytes": sent, "sync/seconds": seconds, "sync/gb_per_s": sent / max(seconds, 1e-9) / 1e9}
         profile = self.adapters.profile if self.adapters is not None else self.transport.profile
-        transport = {f"timing/sync_{part}": seconds for part, seconds in profile.items()}
-        return metrics | timer.metrics("timing/sync_") | transport
+        parts = {f"timing/sync_{part}": seconds for part, seconds in profile.items()}
+        return metrics | timer.metrics("timing/sync_") | parts
 
     def _verifies(self, version: int) -> str:
         """--sync.verify for this update: every verify_every-th, the first and the last always."""
@@ -285,21 +285,19 @@ async def _timed(work: Awaitable[float]) -> tuple[float, float]:
     return await work, time.perf_counter() - start
 
 
-def make_checkpoint_engine(
-    cfg: SyncConfig, client: RolloutClient, run_dir: Path, backend: str, tp_size: int = 1
-) -> CheckpointEngine:
+def make_transport(cfg: SyncConfig, client: RolloutClient, run_dir: Path, backend: str, tp_size: int = 1) -> Transport:
     """The transport named by --sync.type ('auto' must be resolved by the caller)."""
     root = Path(cfg.disk_dir or run_dir / "weights")
     if cfg.type == "ipc":
-        from dsrl.sync.ipc import IpcEngine
+        from dsrl.sync.ipc import IpcTransport
 
-        return IpcEngine(cfg, client, root, tp_size)
+        return IpcTransport(cfg, client, root, tp_size)
     if cfg.type == "broadcast":
-        from dsrl.sync.broadcast import BroadcastEngine
+        from dsrl.sync.broadcast import BroadcastTransport
 
-        return BroadcastEngine(cfg, client, root, backend)
+        return BroadcastTransport(cfg, client, root, backend)
     if cfg.type == "disk":
-        from dsrl.sync.disk import DiskEngine
+        from dsrl.sync.disk import DiskTransport
 
-        return DiskEngine(cfg, client, root)
+        return DiskTransport(cfg, client, root)
     raise ValueError(f"--sync.type={cfg.type!r}: expected ipc, broadcast or disk")
