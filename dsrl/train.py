@@ -34,6 +34,7 @@ from dsrl.config import (
 )
 from dsrl.data import DatasetError, Sample, check_datasets, server_context
 from dsrl.evaluate import Evaluator
+from dsrl.lending import GpuLending
 from dsrl.metrics import MetricsWriter, Timer, gather_lists, mean_across_ranks, reduce_across_ranks, summary_line
 from dsrl.rewards.models import RewardModel, reward_servers
 from dsrl.rewards.rewarder import Rewarder
@@ -99,9 +100,10 @@ def train(cfg: Config) -> dict[str, float]:
             with timer("step"):
                 with timer("generate"):
                     batch = run.rollouts.collect(step)
-                if run.weights.colocated:
-                    with timer("release"):
-                        run.weights.sleep()
+                if run.gpu.colocated:
+                    with timer("release"):  # a probe that failed stops the run before it trains on the batch
+                        run.weights.await_probe()
+                        run.gpu.to_trainers()
                 with timer("logprobs"):
                     finite = compute_all_logprobs(run, step, batch.samples)
                 with timer("update"):  # (one-step-off colocated: the next batch generates beside its last step)
@@ -142,6 +144,8 @@ class Run:
     client: RolloutClient
     """Every rank generates through its own client; only rank 0's talks to the servers about weights."""
     weights: WeightSync
+    gpu: GpuLending
+    """Colocated: which of the trainers and the servers holds the GPU, and when."""
     rewarder: Rewarder
     runner: EpisodeRunner
     """Plays the episodes (single responses without --rollout.env); owns the environment and tool workers."""
@@ -206,21 +210,22 @@ def setup(cfg: Config) -> Run:
     offload = decide_offload(cfg, trainers)  # do they lend the GPU to the servers?
     for engine in trainers if offload else []:  # before any server starts: it sizes its KV cache from the
         offload_states(engine, params=False)  # memory it finds free
-    sync_cfg = resolve_sync(cfg)
-    if sync_cfg.lora == "adapter":  # the servers start with LoRA support for the actor's adapter
+    cfg = replace(cfg, sync=resolve_sync(cfg))
+    if cfg.sync.lora == "adapter":  # the servers start with LoRA support for the actor's adapter
         cfg = replace(cfg, rollout=replace(cfg.rollout, server_args=lora_server_args(cfg, actor.module)))
     fleet = start_rollout_fleet(cfg, model_dir, run_dir, rank)
     r = cfg.rollout
     client = RolloutClient(fleet.urls, r.max_concurrency, r.request_timeout_s, api_key=r.api_key, route=r.route)
     rewarder = start_rewarder(cfg, tokenizer, client, run_dir, rank, rank_state)
     evaluator = Evaluator(cfg, tokenizer, rewarder.frozen(), run_dir, held_out, runner) if held_out else None
-    transport = make_transport(sync_cfg, client, run_dir, "nccl" if use_cuda(cfg) else "gloo", r.tp_size)
-    weights = WeightSync(cfg, actor, fleet, client, transport, offload, critic, rewarder.model if rank == 0 else None)
+    transport = make_transport(cfg.sync, client, run_dir, "nccl" if use_cuda(cfg) else "gloo", r.tp_size)
+    gpu = GpuLending(cfg, client, trainers, offload, rewarder.model if rank == 0 else None)
+    weights = WeightSync(cfg, actor, fleet, client, transport, gpu)
     control = None
     if rank == 0:  # servers join and leave the live run through it (dsrl fleet add/remove)
         frozen = "CUDA IPC ties each server to a trainer rank's GPU: this run's fleet cannot change"
         control = FleetControl(fleet, run_dir, server_host(r, bool(cfg.trainer.hostfile)), r.api_key,
-                               frozen if sync_cfg.type == "ipc" else None)  # fmt: skip
+                               frozen if cfg.sync.type == "ipc" else None)  # fmt: skip
         client.run(control.start())
     if cfg.rollout.placement == "colocate":
         rollouts = SyncRollouts(client, cfg, dataset, rewarder, rank, world, runner)
@@ -231,7 +236,7 @@ def setup(cfg: Config) -> Run:
         rollouts.restore(rank_state["rollouts"], start_step)
     writer = MetricsWriter(run_dir, rank == 0, cfg.logging, tracker_config(cfg))
     return Run(cfg, rank, world, run_dir, model_dir, tokenizer, pad_id, actor, ref, critic, kl, fleet, client, weights,
-               rewarder, runner, rollouts, evaluator, writer, start_step, stop, control, lock)  # fmt: skip
+               gpu, rewarder, runner, rollouts, evaluator, writer, start_step, stop, control, lock)  # fmt: skip
 
 
 def start_rewarder(cfg: Config, tokenizer, client: RolloutClient, run_dir: Path, rank: int, rank_state: dict | None):
@@ -312,13 +317,10 @@ def resume(cfg: Config, run_dir: Path, actor, critic, rank: int) -> tuple[int, d
 
 
 def checkpoint(run: Run, step: int) -> None:
-    if run.weights.offload:
-        run.weights.reload_trainers()
     state = {"step": step, "weight_version": step, "kl_coef": run.kl.value}
     rank_state = {"rollouts": run.rollouts.state(), "rewarder": run.rewarder.state()}
-    save_checkpoint(run.actor, run.run_dir, state, rank_state, run.cfg.logging.keep_last, run.critic)
-    if run.weights.offload:
-        run.weights.offload_trainers(params=True)
+    with run.gpu.trainers_on_gpu():
+        save_checkpoint(run.actor, run.run_dir, state, rank_state, run.cfg.logging.keep_last, run.critic)
 
 
 def trim_trace(path: Path, step: int) -> None:
@@ -382,11 +384,11 @@ def generate_ahead(run: Run, step: int) -> Callable[[], None] | None:
     """Colocated one-step-off (max_staleness 1): what the update calls after its last backward pass. The servers,
     holding the weights of this step, wake their KV cache and generate the batch of `step` while the optimizer
     steps (ZeRO-Offload's CPU Adam at 7B: seconds); the weight update waits for that batch (`before_update`)."""
-    if not run.weights.ahead or step >= run.cfg.trainer.total_steps:
+    if not run.gpu.ahead or step >= run.cfg.trainer.total_steps:
         return None
 
     def start() -> None:
-        run.weights.wake_for_generation()
+        run.gpu.wake_kv_cache()
         run.rollouts.generate_ahead(step)
 
     return start
@@ -491,8 +493,7 @@ def finish(run: Run, metrics: dict[str, float]) -> None:
         log.info("final metrics: %s", json.dumps({k: round(v, 6) for k, v in sorted(metrics.items())}))
         (run.run_dir / "final_metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
     run.rollouts.stop()
-    if run.weights.offload:
-        run.weights.reload_trainers()
+    run.gpu.trainers_back()
     if run.cfg.logging.export_hf:
         # The probe's forward may leave ZeRO-3 prefetches in flight, which a gather refuses to partition
         # again (seen on an H200 with the states kept on the GPU); offloading used to reset them.

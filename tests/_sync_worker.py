@@ -16,6 +16,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
+from dsrl.lending import GpuLending
 from dsrl.serving.client import RolloutClient
 from dsrl.sync.base import SyncError
 from dsrl.sync.verify import verify_weights
@@ -51,7 +52,7 @@ def main(model_dir: str, train_path: str, out: str) -> None:
                     torch.manual_seed(version)
                     for _, p in named:
                         p.data.normal_()
-            metrics = WeightSync(cfg, actor, fleet, client, transport, offload=False).update(version)
+            metrics = WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor])).update(version)
             if rank == 0:
                 buckets = plan_buckets(named, bucket_bytes)
                 results["cases"].append(
@@ -137,10 +138,11 @@ def update_sequences(cfg: Config, actor, fleet, client: RecordingClient, run_dir
     out = {}
     for version, (mode, fields) in enumerate(modes.items(), start=10):
         cfg.rollout = replace(cfg.rollout, **fields)
-        weights = WeightSync(cfg, actor, fleet, client, transport, offload=False)
+        weights = WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor]))
         client.take_calls()
         if mode == "colocate":
-            weights.sleep()  # the servers slept while the trainer stepped
+            weights.await_probe()  # the servers slept while the trainer stepped
+            weights.gpu.to_trainers()
         weights.update(version)
         weights.check_probe()  # disaggregated, the probe runs in the background: wait for it
         out[mode] = client.take_calls()
@@ -156,7 +158,7 @@ def failure_on_rank0(cfg: Config, actor, fleet, client: RecordingClient, run_dir
     if dist.get_rank() == 0:
         client.call_all("/release_memory_occupation", {"tags": ["weights"]})
     try:
-        WeightSync(cfg, actor, fleet, client, transport, offload=False).update(99)
+        WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor])).update(99)
         outcome = "no error"
     except SyncError as e:
         outcome = f"SyncError: {e}"

@@ -148,6 +148,7 @@ def rank_main(args) -> None:
     import torch.distributed as dist
 
     from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
+    from dsrl.lending import GpuLending
     from dsrl.serving.client import RolloutClient
     from dsrl.sync.verify import probe_reference, verify_probe
     from dsrl.sync.weight_sync import WeightSync, make_transport
@@ -187,7 +188,7 @@ def rank_main(args) -> None:
     transport = make_transport(SyncConfig(type=kind), client, workdir, "nccl" if gpu else "gloo")
     # The update as training runs it (heal, send, version check), without offloading the trainer's states:
     # the figure is the sync's own. Versions count up across bucket sizes.
-    weights = WeightSync(cfg, actor, fleet, client, transport, offload=False)
+    weights = WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor]))
     version = 0
     try:
         for bucket_mb in args.bucket_mb:

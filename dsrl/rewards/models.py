@@ -126,18 +126,19 @@ class RewardModel:
         timing, self.busy_s = {"reward/model_seconds": self.busy_s, "reward/model_exposed_s": exposed}, 0.0
         return timing
 
-    def sleep(self, tags: tuple[str, ...]) -> None:
-        """Colocated (rank 0): the servers release `tags` with the rollout servers (dsrl starts them with a host copy
-        of their weights, which come back with their contents)."""
+    def release(self, tags: tuple[str, ...]) -> None:
+        """Colocated (rank 0), a tenant of the GPU (`dsrl.lending`): the servers release `tags` with the rollout
+        servers (dsrl starts them with a host copy of their weights, which come back with their contents)."""
         if self.colocated:
             self.client.run(
                 self.client.all_servers("/release_memory_occupation", {"tags": list(tags)}, urls=self.fleet.urls)
             )
             self.released = tuple(tags)
 
-    def wake(self) -> None:
-        """Colocated (rank 0): what `sleep` released comes back; a server that died meanwhile is restarted, awake."""
-        if self.released:
+    def resume(self, tag: str) -> None:
+        """Colocated (rank 0): with the KV cache, all that `release` released comes back (once the trainers'
+        memory has gone); a server that died meanwhile is restarted, awake."""
+        if tag == "kv_cache" and self.released:
             dead = self.fleet.exited() or set()
             if dead:
                 self.fleet.replace(dead)
