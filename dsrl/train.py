@@ -106,8 +106,8 @@ def train(cfg: Config) -> dict[str, float]:
                         run.gpu.to_trainers()
                 with timer("logprobs"):
                     finite = compute_all_logprobs(run, step, batch.samples)
-                with timer("update"):  # (one-step-off colocated: the next batch generates beside its last step)
-                    stats = update(run, step, batch.samples, finite, generate_ahead(run, step + 1))
+                with timer("update"):
+                    stats = update(run, step, batch.samples, finite, beside_optimizer_step(run, step + 1))
                 with timer("sync"):
                     rank0 = sync(run, step + 1)
             if run.evaluator is not None and run.evaluator.due(step + 1):  # the weights just synced
@@ -349,24 +349,24 @@ def trains_actor(cfg: Config, step: int) -> bool:
     return step >= cfg.critic.warmup_steps or cfg.algorithm.advantage != "gae"
 
 
-def update(run: Run, step: int, samples: list[Sample], finite: bool, alongside=None) -> dict[str, float]:
+def update(run: Run, step: int, samples: list[Sample], finite: bool, beside=None) -> dict[str, float]:
     """Advantages, then the critic's and the actor's updates (the actor waits out critic.warmup_steps); a step
     with non-finite inputs, or whose actor step DeepSpeed skipped (a non-finite gradient norm), is skipped and
-    counted. `alongside()`, before the actor's last optimizer step, starts what runs beside it (`generate_ahead`;
-    a step that trains no actor starts nothing)."""
+    counted. `beside()`, before the actor's last optimizer step, starts what runs beside it (a step that trains
+    no actor starts nothing)."""
     stats = compute_advantages(samples, run.cfg, run.kl.value) if finite else {}
     advantages = [s.extras["advantages"] for s in samples] if finite else []
     if finite and all_ranks(all(torch.isfinite(a).all() for a in advantages)):
         train_actor = trains_actor(run.cfg, step)
         if has_values(run.actor):
             stats |= update_actor_and_critic(
-                run.actor, samples, run.cfg, run.pad_id, run.kl.value, train_actor, alongside if train_actor else None
+                run.actor, samples, run.cfg, run.pad_id, run.kl.value, train_actor, beside if train_actor else None
             )
         else:
             if run.critic is not None:
                 stats |= update_critic(run.critic, samples, run.cfg, run.pad_id)
             if train_actor:
-                stats |= update_actor(run.actor, samples, run.cfg, run.pad_id, run.kl.value, alongside)
+                stats |= update_actor(run.actor, samples, run.cfg, run.pad_id, run.kl.value, beside)
         if not stats.get("actor/steps_skipped"):
             run.bad_steps = 0
             return {**stats, **kl_in_batch(run, samples), "train/skipped_step": 0.0}
@@ -380,10 +380,11 @@ def update(run: Run, step: int, samples: list[Sample], finite: bool, alongside=N
     return {"train/skipped_step": 1.0}
 
 
-def generate_ahead(run: Run, step: int) -> Callable[[], None] | None:
-    """Colocated one-step-off (max_staleness 1): what the update calls after its last backward pass. The servers,
-    holding the weights of this step, wake their KV cache and generate the batch of `step` while the optimizer
-    steps (ZeRO-Offload's CPU Adam at 7B: seconds); the weight update waits for that batch (`before_update`)."""
+def beside_optimizer_step(run: Run, step: int) -> Callable[[], None] | None:
+    """What runs beside the trainer's last optimizer step of a batch, the one place that says so: colocated
+    one-step-off (max_staleness 1), the servers, holding the weights of this step, wake their KV cache and generate
+    the batch of `step` while the optimizer steps (ZeRO-Offload's CPU Adam at 7B: seconds); the weight update waits
+    for that batch (`Rollouts.before_update`). Otherwise nothing: None."""
     if not run.gpu.ahead or step >= run.cfg.trainer.total_steps:
         return None
 

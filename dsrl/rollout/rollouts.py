@@ -36,13 +36,14 @@ class Rollouts(ABC):
 
         start()                                   once, before the first step
         for step: collect(step)                   the batch trained at weight version `step`
+                  generate_ahead(step + 1)        beside the optimizer step (colocated one-step-off)
                   before_update()                 then every trainer rank syncs the weights
                   after_update(step + 1)          the servers hold version step + 1 now
         state() / restore(state, step)            what a checkpoint keeps of the schedule
         stop()                                    at the end, also on error
 
-    The synchronous schedule generates inside `collect` and needs none of the hooks; the
-    asynchronous one (`RolloutManager`) generates between them.
+    The synchronous schedule generates inside `collect` (or, one-step-off, from `generate_ahead`); the
+    asynchronous one (`RolloutManager`) generates between the hooks.
     """
 
     @abstractmethod
@@ -51,6 +52,11 @@ class Rollouts(ABC):
 
     def start(self) -> None:
         """Start generating ahead of the trainer, where the schedule does."""
+
+    def generate_ahead(self, step: int) -> None:
+        """Start generating the batch of `step` now, beside the trainer's last optimizer step, with the weights the
+        servers hold (`dsrl.train.beside_optimizer_step` says when); a schedule that generates ahead on its own
+        (`RolloutManager`) has nothing to start."""
 
     def before_update(self) -> None:
         """Put requests in flight in the state the weight update needs (see `rollout.interrupt`)."""
@@ -214,7 +220,7 @@ class SyncRollouts(Rollouts):
     """The colocated schedule: each step's batch is generated with the current weights, each group scored as it
     completes. The data position follows from the step, so a checkpoint needs nothing of it.
 
-    One-step-off (`rollout.max_staleness` 1): the loop starts the next step's batch (`generate_ahead`) while
+    One-step-off (`rollout.max_staleness` 1): the next step's batch starts (`generate_ahead`) while
     the trainer's last optimizer step runs, with the weights the servers still hold; the weight update waits
     for it (`before_update`). A checkpoint keeps no batch generated ahead: a resumed run generates it again,
     with the weights of the checkpoint."""
@@ -233,7 +239,7 @@ class SyncRollouts(Rollouts):
         return self.client.run(self._generate(step))
 
     def generate_ahead(self, step: int) -> None:
-        """Start generating the batch of `step` now, on the client's event loop."""
+        """On the client's event loop; `collect(step)` takes it, and the weight update waits for it."""
         self.ahead = (step, self.client.submit(self._generate(step, ahead=True)))
 
     def before_update(self) -> None:
