@@ -389,6 +389,23 @@ def publish_export(tmp: Path, out: Path, source: str, overwrite: bool) -> None:
         shutil.rmtree(old)
 
 
+def check_writable(run_dir: Path) -> None:
+    probe = run_dir / "checkpoints" / ".write_test"
+    try:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise PermissionError(f"--logging.run_dir={str(run_dir)!r}: cannot write checkpoints there ({e})") from e
+
+
+def trim_trace(path: Path, step: int) -> None:
+    """Keep the trained-prompt trace consistent with a resumed run: drop steps after the checkpoint."""
+    if path.exists():
+        lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] < step]
+        path.write_text("".join(line + "\n" for line in lines))
+
+
 # -- writes that fail ----------------------------------------------------------------------------
 
 

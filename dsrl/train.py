@@ -40,7 +40,7 @@ from dsrl.rewards.models import RewardModel, reward_servers
 from dsrl.rewards.rewarder import Rewarder
 from dsrl.rollout.episode import EpisodeRunner, episode_metrics, episode_row
 from dsrl.rollout.manager import PromptStream, RolloutManager
-from dsrl.rollout.rollouts import Batch, Rollouts, SyncRollouts
+from dsrl.rollout.rollouts import Batch, Rollouts, SyncRollouts, rollout_metrics
 from dsrl.rundir import (
     OWNER_FLAG,
     ExportTargetError,
@@ -51,14 +51,16 @@ from dsrl.rundir import (
     StopRequests,
     WriteError,
     check_export_target,
+    check_writable,
     clear_stop,
     hold_run_dir,
     lock_run_dir,
+    trim_trace,
 )
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.control import FleetControl
-from dsrl.serving.fleet import start_fleet
-from dsrl.serving.servers import Fleet, ServerFleet, check_server_args, server_host
+from dsrl.serving.fleet import start_fleet_for_ranks
+from dsrl.serving.servers import ServerFleet, check_server_args, server_host
 from dsrl.sync.weight_sync import WeightSync, make_transport
 from dsrl.zero.actor import compute_logprobs, logprob_mismatch, old_from_update, update_actor
 from dsrl.zero.batches import use_cuda
@@ -213,10 +215,11 @@ def setup(cfg: Config) -> Run:
     cfg = replace(cfg, sync=resolve_sync(cfg))
     if cfg.sync.lora == "adapter":  # the servers start with LoRA support for the actor's adapter
         cfg = replace(cfg, rollout=replace(cfg.rollout, server_args=lora_server_args(cfg, actor.module)))
-    fleet = start_rollout_fleet(cfg, model_dir, run_dir, rank)
+    engine, multi_node = rollout_engine(cfg, use_cuda(cfg)), bool(cfg.trainer.hostfile)  # (reachable from every node)
+    fleet = start_fleet_for_ranks(cfg.rollout, model_dir, run_dir, cfg.seed, engine, multi_node)
     r = cfg.rollout
     client = RolloutClient(fleet.urls, r.max_concurrency, r.request_timeout_s, api_key=r.api_key, route=r.route)
-    rewarder = start_rewarder(cfg, tokenizer, client, run_dir, rank, rank_state)
+    rewarder = start_rewarder(cfg, tokenizer, client, run_dir, rank, rank_state, engine)
     evaluator = Evaluator(cfg, tokenizer, rewarder.frozen(), run_dir, held_out, runner) if held_out else None
     transport = make_transport(cfg.sync, client, run_dir, "nccl" if use_cuda(cfg) else "gloo", r.tp_size)
     gpu = GpuLending(cfg, client, trainers, offload, rewarder.model if rank == 0 else None)
@@ -239,11 +242,13 @@ def setup(cfg: Config) -> Run:
                gpu, rewarder, runner, rollouts, evaluator, writer, start_step, stop, control, lock)  # fmt: skip
 
 
-def start_rewarder(cfg: Config, tokenizer, client: RolloutClient, run_dir: Path, rank: int, rank_state: dict | None):
+def start_rewarder(cfg: Config, tokenizer, client: RolloutClient, run_dir: Path, rank: int, rank_state: dict | None,
+                   engine: str):  # fmt: skip
     """The run's rewarder, as a checkpoint left it; with --reward_model.path its servers start beside the rollouts'."""
     model = None
     if cfg.reward_model.path:
-        fleet = start_rollout_fleet(cfg, cfg.reward_model.path, run_dir, rank, role="reward")
+        r, multi_node = reward_servers(cfg, use_cuda(cfg)), bool(cfg.trainer.hostfile)
+        fleet = start_fleet_for_ranks(r, cfg.reward_model.path, run_dir, cfg.seed, engine, multi_node, "reward")
         model = RewardModel(cfg, tokenizer, client, fleet, rank == 0)
     rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env), model=model)
     rewarder.restore((rank_state or {}).get("rewarder"))
@@ -292,16 +297,6 @@ def stop_if_asked(run: Run, step: int, saved: bool) -> None:
     raise RunStopped(signum, step, path)
 
 
-def check_writable(run_dir: Path) -> None:
-    probe = run_dir / "checkpoints" / ".write_test"
-    try:
-        probe.parent.mkdir(parents=True, exist_ok=True)
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise PermissionError(f"--logging.run_dir={str(run_dir)!r}: cannot write checkpoints there ({e})") from e
-
-
 def resume(cfg: Config, run_dir: Path, actor, critic, rank: int) -> tuple[int, dict | None, KlController]:
     """Restore the latest checkpoint when there is one: (the step to start from, this rank's saved state,
     the KL coefficient as it was)."""
@@ -321,13 +316,6 @@ def checkpoint(run: Run, step: int) -> None:
     rank_state = {"rollouts": run.rollouts.state(), "rewarder": run.rewarder.state()}
     with run.gpu.trainers_on_gpu():
         save_checkpoint(run.actor, run.run_dir, state, rank_state, run.cfg.logging.keep_last, run.critic)
-
-
-def trim_trace(path: Path, step: int) -> None:
-    """Keep the trained-prompt trace consistent with a resumed run: drop steps after the checkpoint."""
-    if path.exists():
-        lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] < step]
-        path.write_text("".join(line + "\n" for line in lines))
 
 
 def compute_all_logprobs(run: Run, step: int, samples: list[Sample]) -> bool:
@@ -504,18 +492,6 @@ def finish(run: Run, metrics: dict[str, float]) -> None:
             save_adapter(run.actor.module, run.run_dir / "adapter", run.rank == 0)
 
 
-def start_rollout_fleet(cfg: Config, model_dir: str, run_dir: Path, rank: int, role: str = "rollout") -> Fleet:
-    """Rank 0 starts the servers (here, or on Ray) or takes external URLs; every rank learns their URLs
-    (on the other ranks the fleet is only that list: rank 0 alone changes it). `role` reward: the reward model's."""
-    multi_node = bool(cfg.trainer.hostfile)  # servers here must be reachable from the other nodes' ranks
-    engine = rollout_engine(cfg, use_cuda(cfg))
-    r = reward_servers(cfg, use_cuda(cfg)) if role == "reward" else cfg.rollout
-    fleet = [start_fleet(r, model_dir, run_dir, cfg.seed, engine, multi_node, role) if rank == 0 else None]
-    urls = [fleet[0].urls if rank == 0 else None]
-    dist.broadcast_object_list(urls, src=0)
-    return fleet[0] or ServerFleet(urls=urls[0])
-
-
 def resolve_sync(cfg: Config) -> SyncConfig:
     """--sync.type and --sync.lora with 'auto' decided."""
     s = cfg.sync
@@ -534,22 +510,6 @@ def lora_server_args(cfg: Config, module: torch.nn.Module) -> dict:
     """--rollout.server_args with the servers' LoRA support for `module`'s adapter (the user's keys win)."""
     lora = {"enable_lora": True, "max_lora_rank": cfg.model.lora_rank, "lora_target_modules": target_modules(module)}
     return lora | cfg.rollout.server_args
-
-
-def rollout_metrics(samples: list[Sample], trainer_version: int) -> dict[str, float]:
-    rewards = torch.tensor([s.reward for s in samples])
-    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float)
-    staleness = torch.tensor([trainer_version - s.oldest_version for s in samples], dtype=torch.float)
-    return {
-        "rollout/staleness_mean": staleness.mean().item(),
-        "rollout/staleness_max": staleness.max().item(),
-        "rollout/versions_per_batch": float(len({v for s in samples for _, v in s.spans})),
-        "reward/mean": rewards.mean().item(),
-        "reward/std": rewards.std().item(),
-        "response/length_mean": lengths.mean().item(),
-        "response/length_max": lengths.max().item(),
-        "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
-    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,10 +18,10 @@ from safetensors.torch import save_file
 from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
 from dsrl.lending import GpuLending
 from dsrl.serving.client import RolloutClient
+from dsrl.serving.fleet import start_fleet_for_ranks
 from dsrl.sync.base import SyncError
 from dsrl.sync.verify import verify_weights
 from dsrl.sync.weight_sync import WeightSync, make_transport
-from dsrl.train import start_rollout_fleet
 from dsrl.zero.buckets import FlatGatherer, gathered_buckets, param_bytes, plan_buckets
 from dsrl.zero.engine import init_distributed, load_engine
 
@@ -37,7 +37,7 @@ def main(model_dir: str, train_path: str, out: str) -> None:
     rank = dist.get_rank()
     actor = load_engine(cfg, model_dir, dist.get_world_size(), train=True)
     run_dir = Path(out).parent
-    fleet = start_rollout_fleet(cfg, model_dir, run_dir, rank)
+    fleet = start_fleet_for_ranks(cfg.rollout, model_dir, run_dir, cfg.seed, "embedded", multi_node=False)
     client = RecordingClient(fleet.urls)
     named = list(actor.module.named_parameters())
     embed_bytes = param_bytes(named[0][1])

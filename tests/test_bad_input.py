@@ -14,10 +14,10 @@ from dsrl.data import DatasetError, Prompt, PromptDataset, Sample, check_fits_co
 from dsrl.evaluate import eval_rollout
 from dsrl.rewards.rewarder import score_one
 from dsrl.rewards.rules import load_reward_fn
+from dsrl.rundir import check_writable
 from dsrl.serving.client import RolloutClient, ServerError
 from dsrl.serving.servers import free_port, wait_healthy
 from dsrl.tasks import toy
-from dsrl.train import check_writable
 from dsrl.zero.checkpoint import find_checkpoint
 from tests.conftest import ROOT
 

@@ -150,9 +150,9 @@ def rank_main(args) -> None:
     from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
     from dsrl.lending import GpuLending
     from dsrl.serving.client import RolloutClient
+    from dsrl.serving.fleet import start_fleet_for_ranks
     from dsrl.sync.verify import probe_reference, verify_probe
     from dsrl.sync.weight_sync import WeightSync, make_transport
-    from dsrl.train import start_rollout_fleet
     from dsrl.zero.buckets import param_bytes
     from dsrl.zero.engine import init_distributed, load_engine
 
@@ -180,7 +180,8 @@ def rank_main(args) -> None:
     # train=True, as the actor in training: with an optimizer DeepSpeed keeps the parameter partitions in
     # one flat buffer, which a single rank sends from without a copy (FlatGatherer)
     actor = load_engine(cfg, str(model_dir), dist.get_world_size(), train=True)
-    fleet = start_rollout_fleet(cfg, str(model_dir), workdir / model_dir.name, rank)
+    engine = "sglang" if gpu else "embedded"
+    fleet = start_fleet_for_ranks(cfg.rollout, str(model_dir), workdir / model_dir.name, cfg.seed, engine, False)
     client = RolloutClient(fleet.urls)
     total = sum(param_bytes(p) for p in actor.module.parameters())
     rows = []

@@ -8,6 +8,7 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import torch
 from tqdm import tqdm
 
 from dsrl.config import Config, RolloutConfig, function_spec
@@ -73,6 +74,23 @@ class Rollouts(ABC):
 
     def restore(self, state: dict, version: int) -> None:
         """Continue from `state()` of a run checkpointed at weight version `version`."""
+
+
+def rollout_metrics(samples: list[Sample], trainer_version: int) -> dict[str, float]:
+    """A batch's rewards, lengths and staleness (the same keys on every rank)."""
+    rewards = torch.tensor([s.reward for s in samples])
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float)
+    staleness = torch.tensor([trainer_version - s.oldest_version for s in samples], dtype=torch.float)
+    return {
+        "rollout/staleness_mean": staleness.mean().item(),
+        "rollout/staleness_max": staleness.max().item(),
+        "rollout/versions_per_batch": float(len({v for s in samples for _, v in s.spans})),
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item(),
+        "response/length_mean": lengths.mean().item(),
+        "response/length_max": lengths.max().item(),
+        "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+    }
 
 
 @dataclass

@@ -3,6 +3,8 @@
 import logging
 from pathlib import Path
 
+import torch.distributed as dist
+
 from dsrl.config import RolloutConfig, fleet_kind
 from dsrl.serving.servers import (
     ExternalFleet,
@@ -71,3 +73,15 @@ def start_fleet(
         fleet.stop()
         raise
     return fleet
+
+
+def start_fleet_for_ranks(
+    cfg: RolloutConfig, model_path: str, run_dir: Path, seed: int, engine: str, multi_node: bool, role: str = "rollout"
+) -> Fleet:
+    """Trainer rank 0 starts the servers (`start_fleet`) and every rank learns their URLs (on the other ranks the
+    fleet is only that list: rank 0 alone changes it)."""
+    rank0 = dist.get_rank() == 0
+    fleet = [start_fleet(cfg, model_path, run_dir, seed, engine, multi_node, role) if rank0 else None]
+    urls = [fleet[0].urls if rank0 else None]
+    dist.broadcast_object_list(urls, src=0)
+    return fleet[0] or ServerFleet(urls=urls[0])
