@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsrl.config import Config, DataConfig, RolloutConfig, eval_rollout, fleet_kind
+from dsrl.auto import fleet_kind
+from dsrl.config import Config, DataConfig, RolloutConfig, eval_rollout
 
 log = logging.getLogger(__name__)
 

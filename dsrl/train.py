@@ -10,7 +10,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -20,18 +20,18 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoTokenizer
 
 from dsrl.advantages import KlController, compute_advantages
-from dsrl.collectives import agreed, all_ranks
-from dsrl.config import (
-    SECRETS,
-    Config,
-    SyncConfig,
-    critic_on_actor_base,
-    dump_config,
+from dsrl.auto import (
+    decide_offload,
     fleet_kind,
-    parse_config,
+    log_decisions,
+    lora_servers,
+    old_from_update,
+    resolve,
     rollout_engine,
-    validate,
+    use_cuda,
 )
+from dsrl.collectives import agreed, all_ranks
+from dsrl.config import SECRETS, Config, critic_on_actor_base, dump_config, parse_config, validate
 from dsrl.data import DatasetError, Sample, check_datasets, server_context
 from dsrl.evaluate import Evaluator
 from dsrl.lending import GpuLending
@@ -62,18 +62,10 @@ from dsrl.serving.control import FleetControl
 from dsrl.serving.fleet import start_fleet_for_ranks
 from dsrl.serving.servers import ServerFleet, check_server_args, server_host
 from dsrl.sync.weight_sync import WeightSync, make_transport
-from dsrl.zero.actor import compute_logprobs, logprob_mismatch, old_from_update, update_actor
-from dsrl.zero.batches import use_cuda
+from dsrl.zero.actor import compute_logprobs, logprob_mismatch, update_actor
 from dsrl.zero.checkpoint import CheckpointError, export_hf, find_checkpoint, load_checkpoint, save_checkpoint
 from dsrl.zero.critic import compute_values, has_values, update_actor_and_critic, update_critic
-from dsrl.zero.engine import (
-    check_host_memory,
-    decide_offload,
-    init_distributed,
-    load_engine,
-    offload_states,
-    prepare_model_dir,
-)
+from dsrl.zero.engine import check_host_memory, init_distributed, load_engine, offload_states, prepare_model_dir
 from dsrl.zero.lora import is_lora, reference_off, save_adapter, target_modules
 
 log = logging.getLogger("dsrl")
@@ -194,10 +186,11 @@ def setup(cfg: Config) -> Run:
     stop = StopRequests(run_dir, watch_file=rank == 0).install()
     torch.manual_seed(cfg.seed + rank)
     model_dir = prepare_model_dir(cfg, run_dir)
+    given, (cfg, decided) = cfg, resolve(cfg, model_dir)  # every "auto" the start-up decides, once
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     runner = EpisodeRunner(cfg, tokenizer)  # checks the chat template, with an environment
-    context = server_context(cfg, model_dir, rollout_engine(cfg, use_cuda(cfg)))
+    context = server_context(cfg, model_dir, cfg.rollout.engine)
     dataset, held_out = check_datasets(cfg, tokenizer, context, runner.tool_schemas)  # every rank: the same errors
     check_host_memory(cfg, model_dir, world)  # ZeRO-Offload's states, before DeepSpeed allocates them
     actor = load_engine(cfg, model_dir, world, train=True)
@@ -209,27 +202,22 @@ def setup(cfg: Config) -> Run:
         critic = load_engine(cfg, model_dir, world, train=True, critic=True)
     start_step, rank_state, kl = resume(cfg, run_dir, actor, critic, rank)
     trainers = [e for e in (actor, critic) if e is not None]
-    offload = decide_offload(cfg, trainers)  # do they lend the GPU to the servers?
+    offload, why = decide_offload(cfg, trainers)  # do they lend the GPU to the servers?
+    log_decisions(decided + ([why] if why else []))
     for engine in trainers if offload else []:  # before any server starts: it sizes its KV cache from the
         offload_states(engine, params=False)  # memory it finds free
-    cfg = replace(cfg, sync=resolve_sync(cfg))
-    if cfg.sync.lora == "adapter":  # the servers start with LoRA support for the actor's adapter
-        cfg = replace(cfg, rollout=replace(cfg.rollout, server_args=lora_server_args(cfg, actor.module)))
-    engine, multi_node = rollout_engine(cfg, use_cuda(cfg)), bool(cfg.trainer.hostfile)  # (reachable from every node)
-    fleet = start_fleet_for_ranks(cfg.rollout, model_dir, run_dir, cfg.seed, engine, multi_node)
+    if cfg.sync.lora == "adapter":
+        cfg = lora_servers(cfg, target_modules(actor.module))
+    multi_node = bool(cfg.trainer.hostfile)  # (servers reachable from every node)
+    fleet = start_fleet_for_ranks(cfg.rollout, model_dir, run_dir, cfg.seed, cfg.rollout.engine, multi_node)
     r = cfg.rollout
     client = RolloutClient(fleet.urls, r.max_concurrency, r.request_timeout_s, api_key=r.api_key, route=r.route)
-    rewarder = start_rewarder(cfg, tokenizer, client, run_dir, rank, rank_state, engine)
+    rewarder = start_rewarder(cfg, tokenizer, client, run_dir, rank, rank_state)
     evaluator = Evaluator(cfg, tokenizer, rewarder.frozen(), run_dir, held_out, runner) if held_out else None
     transport = make_transport(cfg.sync, client, run_dir, "nccl" if use_cuda(cfg) else "gloo", r.tp_size)
     gpu = GpuLending(cfg, client, trainers, offload, rewarder.model if rank == 0 else None)
     weights = WeightSync(cfg, actor, fleet, client, transport, gpu)
-    control = None
-    if rank == 0:  # servers join and leave the live run through it (dsrl fleet add/remove)
-        frozen = "CUDA IPC ties each server to a trainer rank's GPU: this run's fleet cannot change"
-        control = FleetControl(fleet, run_dir, server_host(r, bool(cfg.trainer.hostfile)), r.api_key,
-                               frozen if cfg.sync.type == "ipc" else None)  # fmt: skip
-        client.run(control.start())
+    control = fleet_control(cfg, fleet, client, run_dir) if rank == 0 else None
     if cfg.rollout.placement == "colocate":
         rollouts = SyncRollouts(client, cfg, dataset, rewarder, rank, world, runner)
     else:  # disaggregated: generation runs ahead of training by up to max_staleness versions
@@ -237,18 +225,28 @@ def setup(cfg: Config) -> Run:
         rollouts = RolloutManager(client, cfg, stream, rewarder, runner)
     if rank_state is not None:
         rollouts.restore(rank_state["rollouts"], start_step)
-    writer = MetricsWriter(run_dir, rank == 0, cfg.logging, tracker_config(cfg))
+    writer = MetricsWriter(run_dir, rank == 0, cfg.logging, tracker_config(given))
     return Run(cfg, rank, world, run_dir, model_dir, tokenizer, pad_id, actor, ref, critic, kl, fleet, client, weights,
                gpu, rewarder, runner, rollouts, evaluator, writer, start_step, stop, control, lock)  # fmt: skip
 
 
-def start_rewarder(cfg: Config, tokenizer, client: RolloutClient, run_dir: Path, rank: int, rank_state: dict | None,
-                   engine: str):  # fmt: skip
+def fleet_control(cfg: Config, fleet, client: RolloutClient, run_dir: Path) -> FleetControl:
+    """Rank 0: the endpoint servers join and leave the live run through (dsrl fleet add/remove)."""
+    frozen = "CUDA IPC ties each server to a trainer rank's GPU: this run's fleet cannot change"
+    r = cfg.rollout
+    control = FleetControl(fleet, run_dir, server_host(r, bool(cfg.trainer.hostfile)), r.api_key,
+                           frozen if cfg.sync.type == "ipc" else None)  # fmt: skip
+    client.run(control.start())
+    return control
+
+
+def start_rewarder(cfg: Config, tokenizer, client: RolloutClient, run_dir: Path, rank: int, rank_state: dict | None):
     """The run's rewarder, as a checkpoint left it; with --reward_model.path its servers start beside the rollouts'."""
     model = None
     if cfg.reward_model.path:
         r, multi_node = reward_servers(cfg, use_cuda(cfg)), bool(cfg.trainer.hostfile)
-        fleet = start_fleet_for_ranks(r, cfg.reward_model.path, run_dir, cfg.seed, engine, multi_node, "reward")
+        path, engine = cfg.reward_model.path, cfg.rollout.engine
+        fleet = start_fleet_for_ranks(r, path, run_dir, cfg.seed, engine, multi_node, "reward")
         model = RewardModel(cfg, tokenizer, client, fleet, rank == 0)
     rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env), model=model)
     rewarder.restore((rank_state or {}).get("rewarder"))
@@ -490,26 +488,6 @@ def finish(run: Run, metrics: dict[str, float]) -> None:
         export_hf(run.actor.module, run.model_dir, run.run_dir / "hf", run.cfg.sync.bucket_bytes)
         if is_lora(run.actor.module):
             save_adapter(run.actor.module, run.run_dir / "adapter", run.rank == 0)
-
-
-def resolve_sync(cfg: Config) -> SyncConfig:
-    """--sync.type and --sync.lora with 'auto' decided."""
-    s = cfg.sync
-    if s.type == "auto":
-        ipc = cfg.rollout.placement == "colocate" and use_cuda(cfg)
-        s = replace(s, type="ipc" if ipc else "broadcast")
-    if s.lora == "auto":
-        external = fleet_kind(cfg.rollout) == "external"  # started by someone else: dsrl cannot enable LoRA
-        remote = s.type == "broadcast" and (bool(cfg.trainer.hostfile) or fleet_kind(cfg.rollout) == "ray")
-        adapter = cfg.model.lora_rank > 0 and s.type != "ipc" and not external and not remote
-        s = replace(s, lora="adapter" if adapter else "merged")  # (docs/benchmarks.md "LoRA" has the figures)
-    return s
-
-
-def lora_server_args(cfg: Config, module: torch.nn.Module) -> dict:
-    """--rollout.server_args with the servers' LoRA support for `module`'s adapter (the user's keys win)."""
-    lora = {"enable_lora": True, "max_lora_rank": cfg.model.lora_rank, "lora_target_modules": target_modules(module)}
-    return lora | cfg.rollout.server_args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from dsrl.config import RolloutConfig, fleet_kind
+from dsrl.auto import fleet_kind
+from dsrl.config import RolloutConfig
 from dsrl.serving.servers import (
     ExternalFleet,
     Fleet,

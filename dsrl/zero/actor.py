@@ -19,10 +19,11 @@ from dsrl.algorithms import (
     kl_estimate,
     ppo_clip_loss,
 )
+from dsrl.auto import old_from_update, packs
 from dsrl.collectives import reduce_device
 from dsrl.config import Config
 from dsrl.data import Sample
-from dsrl.zero.batches import MicroBatch, largest_micro_batch, micro_batches, packs
+from dsrl.zero.batches import MicroBatch, largest_micro_batch, micro_batches
 
 
 def per_token(mb: MicroBatch, key: str) -> torch.Tensor:
@@ -118,13 +119,6 @@ def compute_logprobs(engine, samples: list[Sample], key: str, cfg: Config, pad_i
         mb = MicroBatch.build(chunk, pad_id, engine.device, packs(cfg))
         logprobs, _ = forward_logprobs(engine, mb, cfg.rollout.temperature, with_entropy=False)
         keep_per_sample(logprobs, chunk, key)
-
-
-def old_from_update(cfg: Config) -> bool:
-    """Whether the update's own forward pass gives the old logprobs (`trainer.old_logprobs`): then no pass
-    computes them before it."""
-    t = cfg.trainer
-    return t.old_logprobs == "auto" and t.updates_per_step == t.ppo_epochs == 1 and not cfg.algorithm.kl_in_reward
 
 
 def logprob_mismatch(samples: list[Sample]) -> dict[str, float]:

@@ -20,6 +20,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers.modeling_outputs import TokenClassifierOutput
 
 from dsrl.algorithms import value_loss
+from dsrl.auto import packs
 from dsrl.config import Config
 from dsrl.data import Sample
 from dsrl.zero.actor import (
@@ -30,7 +31,7 @@ from dsrl.zero.actor import (
     stash_engine_logprobs,
     trainer_micro_batches,
 )
-from dsrl.zero.batches import MicroBatch, packs
+from dsrl.zero.batches import MicroBatch
 from dsrl.zero.lora import ADAPTER
 
 CRITIC = "critic"
