@@ -19,7 +19,7 @@ from tqdm import tqdm
 from dsrl.config import Config, eval_rollout
 from dsrl.data import PromptDataset, Sample
 from dsrl.rewards.rewarder import Rewarder, RewardError
-from dsrl.rollout.episode import EpisodeRunner, episode_row
+from dsrl.rollout.episode import EpisodeRunner, sample_row
 from dsrl.rollout.rollouts import generate, request_seed
 from dsrl.serving.client import RolloutClient
 
@@ -77,16 +77,7 @@ class Evaluator:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         with open(self.out_dir / f"step_{step}.jsonl", "w") as f:
             for s in samples:
-                row = {
-                    "row": s.prompt.index,
-                    "prompt": s.prompt.text,
-                    "response": self.tokenizer.decode(s.response_ids, skip_special_tokens=True),
-                    "answer": s.prompt.answer,
-                    "reward": s.reward,
-                    "finish_reason": s.finish_reason,
-                    "weight_version": s.weight_version,
-                    **episode_row(s, self.tokenizer),
-                }
+                row = {**sample_row(s, self.tokenizer), "answer": s.prompt.answer, "finish_reason": s.finish_reason}
                 f.write(json.dumps(row, default=str) + "\n")
 
 

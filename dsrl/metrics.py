@@ -6,12 +6,14 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from dsrl.collectives import reduce_device
+from dsrl.config import SECRETS, Config
 
 log = logging.getLogger("dsrl")
 
@@ -166,3 +168,12 @@ def summary_line(step: int, total: int, m: dict[str, float]) -> str:
         parts.append(f"sync {m['sync/gb_per_s']:.2f} GB/s")
     parts.append(f"{m['timing/step']:.2f}s")
     return " | ".join(parts)
+
+
+def tracker_config(cfg: Config) -> dict:
+    """The run's config as the trackers store it: flat `section.field` keys, secrets redacted."""
+    flat = {}
+    for section, values in asdict(cfg).items():
+        for key, value in values.items() if isinstance(values, dict) else []:
+            flat[f"{section}.{key}"] = value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+    return flat | {name: "<redacted>" for name in SECRETS if flat.get(name)}

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from dsrl.config import Config, dump_config
+
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".dsrl.lock"
@@ -202,6 +204,20 @@ class OwnerWatch:
             except psutil.NoSuchProcess:
                 self._end(f"dsrl train (pid {owner_pid})")
         threading.Thread(target=self._watch, name="dsrl-owner-watch", daemon=True).start()
+
+    @classmethod
+    def of(cls, argv: list[str]) -> tuple["OwnerWatch | None", list[str]]:
+        """Launched by `dsrl train` (--dsrl_owner=PID@HOST among the rank's `argv`): its watch, on its host and, on
+        ranks above 0, on rank 0 (else None); and `argv` without the flag."""
+        owner = next((a.split("=", 1)[1] for a in argv if a.startswith(OWNER_FLAG)), None)
+        argv = [a for a in argv if not a.startswith(OWNER_FLAG)]
+        if owner is None:
+            return None, argv
+        pid, host = owner.split("@", 1)
+        rank0 = (
+            (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])) if os.environ.get("RANK", "0") != "0" else None
+        )
+        return cls(int(pid) if host == socket.gethostname() else None, rank0), argv
 
     def _watch(self) -> None:
         misses = None  # rank 0's store is watched once it has answered (it starts with rank 0's world)
@@ -397,6 +413,25 @@ def check_writable(run_dir: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise PermissionError(f"--logging.run_dir={str(run_dir)!r}: cannot write checkpoints there ({e})") from e
+
+
+def claim_run_dir(run_dir: Path, cfg: Config) -> "RunLock | None":
+    """Rank 0, before anything is written: the run directory's lock (unless `dsrl train` holds it for the ranks),
+    a writable checkpoint directory, an export target that holds nothing but dsrl's own; then the config."""
+    lock = lock_run_dir(run_dir, "python -m dsrl.train")
+    if lock is not None:  # launched without `dsrl train`: a stale stop request is ours to clear
+        clear_stop(run_dir)
+    check_writable(run_dir)
+    if cfg.logging.export_hf:
+        check_export_target(run_dir / "hf", overwrite=True, flag="the final export <run_dir>/hf")
+    dump_config(cfg, run_dir / "config.yaml")
+    return lock
+
+
+def record_trace(path: Path, step: int, rows: list[int], filtered: list[int]) -> None:
+    """Every prompt trained on, once: a line per step, with the rows dynamic sampling dropped."""
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, "rows": rows} | ({"filtered": filtered} if filtered else {})) + "\n")
 
 
 def trim_trace(path: Path, step: int) -> None:

@@ -7,10 +7,12 @@ import asyncio
 import threading
 import time
 
+from dsrl.auto import use_cuda
 from dsrl.config import Config, RewardModelConfig, RolloutConfig, reward_beside_rollouts, reward_rollout
 from dsrl.data import Sample
 from dsrl.rewards.rules import load_function
 from dsrl.serving.client import RolloutClient, ServerError
+from dsrl.serving.fleet import start_fleet_for_ranks
 from dsrl.serving.servers import Fleet, answers
 
 
@@ -147,6 +149,16 @@ class RewardModel:
                 self.client.all_servers("/resume_memory_occupation", {"tags": list(self.released)}, urls=urls)
             )
             self.released = ()
+
+
+def start_reward_model(cfg: Config, tokenizer, client: RolloutClient, run_dir, rank0: bool) -> RewardModel | None:
+    """With --reward_model.path: its servers, started beside the rollouts' (by rank 0; every rank learns their URLs)."""
+    if not cfg.reward_model.path:
+        return None
+    servers, multi_node = reward_servers(cfg, use_cuda(cfg)), bool(cfg.trainer.hostfile)
+    path, engine = cfg.reward_model.path, cfg.rollout.engine
+    fleet = start_fleet_for_ranks(servers, path, run_dir, cfg.seed, engine, multi_node, role="reward")
+    return RewardModel(cfg, tokenizer, client, fleet, rank0)
 
 
 def reward_servers(cfg: Config, cuda: bool) -> RolloutConfig:

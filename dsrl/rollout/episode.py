@@ -402,12 +402,15 @@ def episode_metrics(samples: list[Sample]) -> dict[str, float]:
     return out
 
 
-def episode_row(sample: Sample, tokenizer) -> dict:
-    """An episode's record and whole conversation, for generations.jsonl, eval files and tables ({} for a
-    single response)."""
-    if sample.episode is None:
-        return {}
-    return {"episode": {**asdict(sample.episode), "turns": conversation(sample, tokenizer)}}
+def sample_row(sample: Sample, tokenizer) -> dict:
+    """A sample as generations.jsonl, the eval files and the trackers' tables show it; an episode with its record
+    and whole conversation."""
+    s, response = sample, tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+    row = {"row": s.prompt.index, "prompt": s.prompt.text, "response": response, "reward": s.reward,
+           "weight_version": s.weight_version}  # fmt: skip
+    if s.episode is not None:
+        row["episode"] = {**asdict(s.episode), "turns": conversation(s, tokenizer)}
+    return row
 
 
 def conversation(sample: Sample, tokenizer) -> list[dict]:

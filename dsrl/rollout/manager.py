@@ -40,10 +40,25 @@ from dsrl.config import Config
 from dsrl.data import Prompt, PromptDataset, Sample
 from dsrl.rewards.rewarder import Rewarder
 from dsrl.rollout.episode import Episode, EpisodeRunner
-from dsrl.rollout.rollouts import Batch, Generation, Rollouts, generate_one, request_seed, sampling_params
+from dsrl.rollout.rollouts import Batch, Generation, Rollouts, SyncRollouts, generate_one, request_seed, sampling_params
 from dsrl.serving.client import RolloutClient
 
 log = logging.getLogger(__name__)
+
+
+def schedule(client: RolloutClient, cfg: Config, dataset: PromptDataset, rewarder: Rewarder, rank: int, world: int,
+             runner: EpisodeRunner, state: dict | None = None, version: int = 0) -> Rollouts:  # fmt: skip
+    """The run's rollout schedule, as a checkpoint (this rank's `state`, of weight `version`) left it: colocated, each
+    batch generated at its step (`SyncRollouts`); disaggregated, ahead of training by up to max_staleness versions
+    (`RolloutManager`)."""
+    if cfg.rollout.placement == "colocate":
+        rollouts = SyncRollouts(client, cfg, dataset, rewarder, rank, world, runner)
+    else:
+        stream = PromptStream(dataset, cfg.rollout.prompts_per_step, rank, world)
+        rollouts = RolloutManager(client, cfg, stream, rewarder, runner)
+    if state is not None:
+        rollouts.restore(state["rollouts"], version)
+    return rollouts
 
 
 class Restarted(Exception):

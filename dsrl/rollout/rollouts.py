@@ -77,7 +77,7 @@ class Rollouts(ABC):
 
 
 def rollout_metrics(samples: list[Sample], trainer_version: int) -> dict[str, float]:
-    """A batch's rewards, lengths and staleness (the same keys on every rank)."""
+    """A batch's rewards, lengths and staleness, and the engine's logprobs against the trainer's."""
     rewards = torch.tensor([s.reward for s in samples])
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float)
     staleness = torch.tensor([trainer_version - s.oldest_version for s in samples], dtype=torch.float)
@@ -90,6 +90,23 @@ def rollout_metrics(samples: list[Sample], trainer_version: int) -> dict[str, fl
         "response/length_mean": lengths.mean().item(),
         "response/length_max": lengths.max().item(),
         "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        **logprob_mismatch(samples),
+    }
+
+
+def logprob_mismatch(samples: list[Sample]) -> dict[str, float]:
+    """How far the engine's sampling logprobs are from the trainer's recomputed ones, over the model's tokens
+    (none when the step was skipped before the update gave them: `old_from_update`)."""
+    if any("old_logprobs" not in s.extras for s in samples):
+        return {}
+    model = torch.cat([torch.tensor(s.mask(), dtype=torch.bool) for s in samples])
+    engine = torch.cat([torch.tensor(s.engine_logprobs) for s in samples])[model]
+    trainer = torch.cat([s.extras["old_logprobs"] for s in samples])[model]
+    diff = engine - trainer
+    return {
+        "mismatch/logprob_abs_diff": diff.abs().mean().item(),
+        "mismatch/prob_abs_diff": (engine.exp() - trainer.exp()).abs().mean().item(),
+        "mismatch/logprob_max_abs_diff": diff.abs().max().item(),
     }
 
 

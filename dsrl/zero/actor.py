@@ -121,22 +121,6 @@ def compute_logprobs(engine, samples: list[Sample], key: str, cfg: Config, pad_i
         keep_per_sample(logprobs, chunk, key)
 
 
-def logprob_mismatch(samples: list[Sample]) -> dict[str, float]:
-    """How far the engine's sampling logprobs are from the trainer's recomputed ones, over the model's tokens
-    (none when the step was skipped before the update gave them: `old_from_update`)."""
-    if any("old_logprobs" not in s.extras for s in samples):
-        return {}
-    model = torch.cat([torch.tensor(s.mask(), dtype=torch.bool) for s in samples])
-    engine = torch.cat([torch.tensor(s.engine_logprobs) for s in samples])[model]
-    trainer = torch.cat([s.extras["old_logprobs"] for s in samples])[model]
-    diff = engine - trainer
-    return {
-        "mismatch/logprob_abs_diff": diff.abs().mean().item(),
-        "mismatch/prob_abs_diff": (engine.exp() - trainer.exp()).abs().mean().item(),
-        "mismatch/logprob_max_abs_diff": diff.abs().max().item(),
-    }
-
-
 def global_denominators(mini: list[Sample]) -> tuple[float, float]:
     """The mini-batch's model tokens and sequences over every rank, divided by the number of ranks.
 
