@@ -1,14 +1,9 @@
-"""Every "auto" setting, decided here: its rule, what the rule measures, and the pass at start-up that decides them
-all for a run (`resolve`; `decide_offload` once the trainers exist) and logs them as one block (`log_decisions`). A
-piece built alone (a tool, a test, `dsrl eval`) from a config that still says auto gets the same answers here.
-
-Decided later, where what they depend on first exists, and logged where they change: model.gradient_checkpointing
-(before each update, from its largest micro-batch: `dsrl.zero.engine.AutoCheckpointing`), trainer.max_tokens_per_
-micro_batch (each batch's longest sample: `dsrl.zero.batches.micro_batches`), reward_model.input (with the reward
-model's tokenizer: `dsrl.rewards.models.sends_token_ids`), logging.resume (the latest checkpoint).
-
-Imports no torch: the CLI asks it before the launcher starts.
-"""
+"""Every "auto" setting, decided here: its rule, what it measures, and the pass that decides them all once at a run's
+start (`resolve`, then `decide_offload` once the trainers exist), logged as one block (`log_decisions`); a piece built
+alone (a tool, a test, `dsrl eval`) gets the same answers. Decided later, where what they depend on first exists:
+model.gradient_checkpointing (each update: `zero.engine.AutoCheckpointing`), trainer.max_tokens_per_micro_batch (each
+batch: `zero.batches.micro_batches`), reward_model.input (its tokenizer: `rewards.models.sends_token_ids`),
+logging.resume (the latest checkpoint). Imports no torch: the CLI asks it before the launcher starts."""
 
 import logging
 import os
@@ -116,17 +111,15 @@ def replicated_base(cfg: Config, model_dir: str) -> tuple[bool, str]:
     per-layer hooks, only the adapters partitioned (3B on one H200: the log-prob pass 1.41 -> 1.20 s, the update
     3.60 -> 3.42 s; LoRA PPO at 1.5B 14.5 -> 7.8 s a step; docs/benchmarks.md "LoRA against full"). auto: where the
     base takes at most a third of the device's memory. And why, for the log."""
-    where = {True: "whole on every rank, outside ZeRO-3", False: "partitioned by ZeRO-3"}
-    if cfg.model.lora_base != "auto":
-        replicated = cfg.model.lora_base == "replicated"
-        return replicated, f"model.lora_base {cfg.model.lora_base}: the frozen base {where[replicated]}"
-    base, total = count_params(cfg, model_dir) * (2 if bf16(cfg) else 4), device_memory(cfg)
-    replicated = base <= total / 3
-    fits = "is within" if replicated else "exceeds"
-    why = f"the frozen base's {base / 1e9:.1f} GB {fits} a third of the device's {total / 1e9:.1f} GB"
-    return replicated, f"model.lora_base {'replicated' if replicated else 'partitioned'} ({why}): the frozen base " + (
-        where[replicated]
+    replicated, why = cfg.model.lora_base == "replicated", "given"
+    if cfg.model.lora_base == "auto":
+        base, total = count_params(cfg, model_dir) * (2 if bf16(cfg) else 4), device_memory(cfg)
+        replicated = base <= total / 3
+        why = f"{base / 1e9:.1f} GB, {'within' if replicated else 'over'} a third of the device's {total / 1e9:.1f} GB"
+    where = (
+        "replicated: the frozen base whole on every rank" if replicated else "partitioned: the frozen base in ZeRO-3"
     )
+    return replicated, f"model.lora_base {where} ({why})"
 
 
 def decide_offload(cfg: Config, engines: list) -> tuple[bool, str | None]:
@@ -139,9 +132,7 @@ def decide_offload(cfg: Config, engines: list) -> tuple[bool, str | None]:
     if cfg.rollout.placement != "colocate" or not use_cuda(cfg):
         return False, None
     if choice != "auto":
-        return choice == "always", f"trainer.offload_states {choice}: the trainers' states " + (
-            "leave the GPU while the servers generate" if choice == "always" else "stay on the GPU"
-        )
+        return choice == "always", f"trainer.offload_states {choice} (given)"
     import torch
 
     params = [p for engine in engines for p in engine.module.parameters()]
@@ -160,19 +151,14 @@ def decide_offload(cfg: Config, engines: list) -> tuple[bool, str | None]:
             f"GPU's {total / 1e9:.1f} GB: lower --rollout.mem_fraction_static, keep the optimizer on the host "
             "(--trainer.offload_optimizer), or use --rollout.max_staleness 0"
         )
-    fits = f"{'fit in' if keep else 'exceed'} the GPU's {total / 1e9:.1f} GB"
+    why = (f"trainers' states {states / 1e9:.1f} GB + servers {servers / 1e9:.1f} GB (the reward model's "
+           f"{reward / 1e9:.1f}) + margin {margin / 1e9:.1f} GB {'fit in' if keep else 'exceed'} the GPU's "
+           f"{total / 1e9:.1f} GB")  # fmt: skip
     if cfg.trainer.offload_optimizer:  # DeepSpeed moves states between phases for FusedAdam only, not CPU Adam
-        return False, (
-            f"trainer.offload_states never (trainers' GPU states {states / 1e9:.1f} GB + servers {servers / 1e9:.1f} "
-            f"GB + margin {margin / 1e9:.1f} GB {fits}; with ZeRO-Offload they stay on the GPU"
-            + ("" if keep else ": raise --trainer.offload_optimizer_ratio or lower mem_fraction_static")
-            + ")"
-        )
-    return not keep, (
-        f"trainer.offload_states {'never' if keep else 'always'} (trainers' states {states / 1e9:.1f} GB + servers "
-        f"{servers / 1e9:.1f} GB (mem_fraction_static {cfg.rollout.mem_fraction_static:.2f}; of them the reward "
-        f"model's {reward / 1e9:.1f} GB) + margin {margin / 1e9:.1f} GB {fits}): the states "
-        + ("stay on the GPU" if keep else "leave the GPU while the servers generate")
+        hint = "" if keep else ": raise --trainer.offload_optimizer_ratio or lower mem_fraction_static"
+        return False, f"trainer.offload_states never, with ZeRO-Offload ({why}{hint})"
+    return not keep, f"trainer.offload_states {'never' if keep else 'always'}: the states " + (
+        f"stay on the GPU ({why})" if keep else f"leave the GPU while the servers generate ({why})"
     )
 
 

@@ -33,26 +33,21 @@ class Prompt:
 
 @dataclass
 class EpisodeRecord:
-    """What a sample keeps of its agent episode (`dsrl.rollout.episode`): how it went, what its turns cost."""
+    """What a sample keeps of its agent episode (`dsrl.rollout.episode`): its model turns, why it stopped
+    (`STOP_REASONS`; None while it runs), the environment's reward and failure, seconds in all, its tool calls and
+    those that failed or (of them) ran out of time, and seconds in the environment, in tools, between model turns."""
 
     turns: int = 0
-    """Model turns completed."""
     stop: str | None = None
-    """Why it ended (`dsrl.rollout.episode.STOP_REASONS`); None while it runs."""
     reward: float = 0.0
-    """The environment's rewards, summed."""
     error: str | None = None
-    """Why the environment failed (stop "error"): the row fails as a reward function's would."""
     seconds: float = 0.0
     tool_calls: int = 0
     tool_errors: int = 0
-    """Tool calls answered with an error (raised, hung, crashed, no such tool, unreadable)."""
     tool_timeouts: int = 0
-    """Of the errors, the calls that ran out of time (--agent.tool_timeout_s, or the episode's deadline)."""
     env_s: float = 0.0
     tool_s: float = 0.0
     between_s: float = 0.0
-    """Time between its model turns: decoding, environment, tools, rendering, waiting for the event loop."""
 
 
 @dataclass
@@ -82,12 +77,9 @@ class Sample:
     paused through an update, `rollout.interrupt pause`)."""
     skip: bool = False
     """Its reward failed (`--algorithm.on_reward_error skip`): no loss, no evaluation score."""
-    episode: EpisodeRecord | None = None
-    """An agent episode's record (None for a single response)."""
-    reward_model: float | None = None
-    """The reward model's raw score (with --reward_model.path)."""
+    episode: EpisodeRecord | None = None  # (an agent's episode)
+    reward_model: float | None = None  # (the reward model's raw score, and the rule's beside it: --reward_model)
     reward_rule: float | None = None
-    """The reward function's reward, when a reward model scores too (its weight: --reward_model.w_rule)."""
 
     @property
     def oldest_version(self) -> int:

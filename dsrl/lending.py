@@ -1,18 +1,17 @@
 """GPU lending: colocated, the trainers and the servers take turns on the GPU. Which tenant gives up what, and when:
 
-    to_trainers        the batch is generated: the servers release their KV cache (and their weights, unless
-                       they keep them: a LoRA adapter's base, or one-step-off), the reward model's servers the
-                       same; the trainers' states come back where they were offloaded (`offload`)
-    wake_kv_cache      one-step-off, after the update's last backward pass: the rollout servers' KV cache comes
-                       back, in the memory the activations held, for the batch generated beside the optimizer step
-    for_update         in the weight update, before the send: the trainers' optimizer states leave (`offload`),
-                       the servers' weights come back for the new ones
-    to_servers         in the weight update, after its checks: the trainers' parameters leave (`offload`; else the
-                       allocator's cached blocks), the servers' KV cache comes back (the reward model's servers whole)
+    to_trainers     the batch is generated: the servers (the rollout servers, then the reward model's) release
+                    their KV cache, and their weights unless they keep them (an adapter's base, one-step-off);
+                    offloaded trainers' states come back
+    wake_kv_cache   one-step-off, after the update's last backward pass: the KV cache comes back for the batch
+                    generated beside the optimizer step
+    for_update      in the weight update, before the send: offloaded trainers' optimizer states leave, the
+                    servers' weights come back
+    to_servers      in the weight update, after its checks: the trainers' parameters leave (offloaded; else the
+                    allocator's cached blocks), the servers' KV cache comes back (the reward model's whole)
 
-The tenants that sleep and wake are `servers` (rank 0 talks to them): the rollout servers' memory, then the reward
-model's (`RewardModel`); one more tenant is one more entry, with `release(tags)` and `resume(tag)`. Disaggregated,
-nothing was released, so nothing wakes; `offload` is decided at start-up (`dsrl.auto`).
+A tenant of `servers` has `release(tags)` and `resume(tag)`; a new one is one more entry. Disaggregated nothing was
+released, so nothing wakes; `offload` is decided at start-up (`dsrl.auto.decide_offload`).
 """
 
 from contextlib import contextmanager
@@ -29,8 +28,8 @@ MEMORY_TAGS = ("weights", "kv_cache")
 
 
 class ServerMemory:
-    """(rank 0) What each rollout server has released: a retried update wakes only what is still asleep (SGLang
-    refuses to resume memory that is not released)."""
+    """(rank 0) The rollout servers as a tenant; a retried update wakes only what is still asleep (SGLang refuses to
+    resume memory that is not released)."""
 
     def __init__(self, client: RolloutClient):
         self.client, self.released = client, {}
@@ -49,21 +48,18 @@ class ServerMemory:
 
 class GpuLending:
     def __init__(self, cfg: Config, client: RolloutClient, trainers: list, offload: bool = False, reward=None):
-        """`trainers`: the engines whose states may leave the GPU (actor, critic); `reward` (rank 0): the reward
-        model's servers (`RewardModel`), with `cfg.reward_model` placed beside the rollouts."""
+        """`trainers`: the engines with states (actor, critic); `reward` (rank 0): the reward model's servers."""
         self.trainers, self.offload = trainers, offload
         self.colocated = cfg.rollout.placement == "colocate"
         self.ahead = self.colocated and cfg.rollout.max_staleness > 0
-        """One-step-off colocated: the servers generate the next batch with their weights while the trainer's last
-        optimizer step runs (`wake_kv_cache`)."""
+        """One-step-off colocated: the servers generate the next batch beside the last optimizer step."""
         adapter = cfg.model.lora_rank > 0 and cfg.sync.lora == "adapter"
         self.sleep_tags = MEMORY_TAGS if not adapter and not self.ahead else ("kv_cache",)
-        """What the servers release while the trainers train. Serving an adapter, or generating ahead, they keep
-        their weights: SGLang drops released weights' contents, the base is only sent once, and the batch generated
-        ahead needs the weights the trainer just trained on."""
+        """What the servers release while the trainers train; serving an adapter (whose base is sent once: SGLang drops
+        released weights' contents), or generating ahead (with the weights just trained on), they keep their weights."""
         self.memory = ServerMemory(client)
         self.servers = [self.memory, *([reward] if reward is not None else [])] if dist.get_rank() == 0 else []
-        """The tenants that sleep and wake, in the order they go to sleep (they wake the other way round)."""
+        """The tenants, in the order they go to sleep (they wake the other way round)."""
 
     def to_trainers(self) -> None:
         """Colocated, once every rank has its samples: the servers give their memory to the trainers."""
@@ -72,8 +68,7 @@ class GpuLending:
         self.trainers_back()
 
     def wake_kv_cache(self) -> None:
-        """One-step-off colocated, after the update's last backward pass: the servers take their KV cache back, in
-        the memory the trainer's activations held; every rank waits until they have (`agreed`)."""
+        """One-step-off, after the update's last backward pass (every rank waits until the servers have it)."""
         free_cached_memory()
         with agreed("waking the servers to generate ahead", (ServerError,)):
             self.wake("kv_cache")
@@ -105,13 +100,11 @@ class GpuLending:
     def fleet_changed(self, urls: list[str]) -> None:
         self.memory.released = {url: tags for url, tags in self.memory.released.items() if url in urls}
 
-    def offload_trainers(self, params: bool) -> None:
-        """Optimizer states (and with `params` the parameters) of every trainer to the CPU."""
+    def offload_trainers(self, params: bool) -> None:  # (optimizer states; with `params` the parameters too)
         for engine in self.trainers:
             offload_states(engine, params)
 
-    def trainers_back(self) -> None:
-        """The trainers' states back on the GPU, where they were offloaded."""
+    def trainers_back(self) -> None:  # (where they were offloaded)
         for engine in self.trainers if self.offload else []:
             reload_states(engine)
 

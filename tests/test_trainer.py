@@ -245,4 +245,4 @@ def test_colocated_planner_keeps_the_states_on_the_gpu_only_when_they_fit(monkey
     cfg.rollout.max_staleness = 0
     cfg.trainer.offload_optimizer = True  # 4 of the 16 bytes stay: weights and grads
     offload, why = decide_offload(cfg, engines)
-    assert not offload and f"trainers' GPU states {states / 4 / 1e9:.1f} GB" in why
+    assert not offload and f"trainers' states {states / 4 / 1e9:.1f} GB" in why and "ZeRO-Offload" in why

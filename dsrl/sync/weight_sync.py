@@ -50,14 +50,8 @@ class WeightSync:
     def __init__(
         self, cfg: Config, actor, fleet: ServerFleet, client: RolloutClient, transport: Transport, gpu: GpuLending
     ):
-        self.cfg, self.actor, self.fleet, self.client, self.transport, self.gpu = (
-            cfg,
-            actor,
-            fleet,
-            client,
-            transport,
-            gpu,
-        )
+        self.cfg, self.actor, self.fleet, self.client, self.transport = cfg, actor, fleet, client, transport
+        self.gpu = gpu  # colocated, it lends the GPU to the update and back to the servers
         self.rank0 = dist.get_rank() == 0
         """Only trainer rank 0 talks to the servers; the fields below marked (rank 0) are empty elsewhere."""
         r = cfg.rollout
