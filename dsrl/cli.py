@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from dsrl.config import ConfigError, build_parser, dump_config, rollout_engine, to_config, trainer_on_cuda, validate
+from dsrl.auto import rollout_engine, trainer_on_cuda
+from dsrl.config import ConfigError, build_parser, dump_config, to_config, validate
 from dsrl.rundir import (
     OWNER_ENV,
     OWNER_FLAG,
@@ -45,7 +46,8 @@ def train(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"dsrl train: error: {e}", file=sys.stderr)
         return 2
-    from dsrl.config import fleet_kind, reward_rollout
+    from dsrl.auto import fleet_kind
+    from dsrl.config import reward_rollout
     from dsrl.serving.servers import check_server_args
 
     cuda = trainer_on_cuda(cfg.trainer, cuda_available)

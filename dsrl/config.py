@@ -7,14 +7,11 @@ together, each naming the flag, the value and what is allowed.
 
 import os
 import sys
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_parsing_settings
-
-from dsrl.rundir import write_private
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
@@ -539,23 +536,6 @@ GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
 """Advantage estimators whose baseline is the prompt's group: they need n_samples >= 2."""
 
 
-def fleet_kind(r: RolloutConfig) -> str:
-    """--rollout.fleet resolved: auto is external with server_urls, else local."""
-    if r.fleet == "auto":
-        return "external" if r.server_urls else "local"
-    return r.fleet
-
-
-def trainer_on_cuda(t: TrainerConfig, cuda_available: Callable[[], bool]) -> bool:
-    """Whether the trainer runs on CUDA: `trainer.device` cuda, or auto where `cuda_available()` (asked only then)."""
-    return t.device == "cuda" or (t.device == "auto" and cuda_available())
-
-
-def rollout_engine(cfg: Config, cuda: bool) -> str:
-    """The engine dsrl starts: auto = SGLang where the trainer runs on CUDA (`cuda`), the embedded engine elsewhere."""
-    return cfg.rollout.engine if cfg.rollout.engine != "auto" else ("sglang" if cuda else "embedded")
-
-
 def eval_rollout(cfg: Config) -> RolloutConfig:
     """The sampling of an evaluation: `eval.*` over `rollout.*`. Its requests are never interrupted."""
     e = cfg.eval
@@ -659,7 +639,7 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     for url in r.server_urls:
         check(url.startswith(("http://", "https://")), "rollout.server_urls", url, "each URL must start with http://")
     check(
-        (fleet_kind(r) == "external") == bool(r.server_urls),
+        r.fleet == "auto" or (r.fleet == "external") == bool(r.server_urls),  # (auto: external with server_urls)
         "rollout.fleet",
         r.fleet,
         "external needs --rollout.server_urls, and servers dsrl starts (local, ray) take none",
@@ -888,6 +868,15 @@ def function_spec(fn: Any) -> Any:
 
 SECRETS = ("rollout.api_key",)
 """Fields never logged nor sent to a tracker; a file that holds them is readable by its user alone."""
+
+
+def write_private(path: Path, text: str, private: bool = True) -> None:
+    """Write `text` to `path`, readable by this user alone when `private` (a file holding --rollout.api_key);
+    an existing file takes that mode too."""
+    mode = 0o600 if private else 0o644
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
+        f.write(text)
+    os.chmod(path, mode)
 
 
 def dump_config(cfg: Config, path: str | os.PathLike) -> None:

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsrl.config import Config, DataConfig, RolloutConfig, eval_rollout, fleet_kind
+from dsrl.auto import fleet_kind
+from dsrl.config import Config, DataConfig, RolloutConfig, eval_rollout
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +32,32 @@ class Prompt:
 
 
 @dataclass
+class EpisodeRecord:
+    """What a sample keeps of its agent episode (`dsrl.rollout.episode`): its model turns, why it stopped
+    (`STOP_REASONS`; None while it runs), the environment's reward and failure, seconds in all, its tool calls and
+    those that failed or (of them) ran out of time, and seconds in the environment, in tools, between model turns."""
+
+    turns: int = 0
+    stop: str | None = None
+    reward: float = 0.0
+    error: str | None = None
+    seconds: float = 0.0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+    env_s: float = 0.0
+    tool_s: float = 0.0
+    between_s: float = 0.0
+
+
+@dataclass
 class Sample:
     """One response to a prompt, token-in/token-out, and what the trainer computes for it.
 
     Everything after the prompt is `response_ids`: one model turn, or an agent episode's model turns
     with the environment's tokens (tool results, user turns) between them, as they went to the server.
     Per response token: `loss_mask` (1 for the model's tokens, 0 for the environment's), the engine's
-    logprob, and (through `extras["spans"]`) the weight version that produced it."""
+    logprob, and (through `spans`) the weight version that produced it."""
 
     prompt: Prompt
     response_ids: list[int]
@@ -50,13 +70,20 @@ class Sample:
     loss_mask: list[int] | None = None
     """1 for each token the model generated, 0 for each the environment added; None: all the model's."""
     extras: dict[str, Any] = field(default_factory=dict)
-    """spans: [(first token index, weight version)] of the model's tokens (index None where not known: a
-    request paused through an update, `rollout.interrupt pause`); episode: an agent episode's record
-    (turns, tool calls, why it stopped); per-token arrays the trainer fills in."""
+    """Response-aligned tensors the trainer computes, by name (`dsrl.zero.actor.per_token`): old_logprobs,
+    ref_logprobs, values, advantages, returns, engine_logprobs."""
+    spans: list[tuple[int | None, int]] = field(default_factory=list)
+    """[(first token index, weight version)] of the model's tokens (index None where not known: a request
+    paused through an update, `rollout.interrupt pause`)."""
+    skip: bool = False
+    """Its reward failed (`--algorithm.on_reward_error skip`): no loss, no evaluation score."""
+    episode: EpisodeRecord | None = None  # (an agent's episode)
+    reward_model: float | None = None  # (the reward model's raw score, and the rule's beside it: --reward_model)
+    reward_rule: float | None = None
 
     @property
     def oldest_version(self) -> int:
-        return min(version for _, version in self.extras["spans"])
+        return min(version for _, version in self.spans)
 
     def mask(self) -> list[int]:
         """The loss mask of every response token."""

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from dsrl.config import Config, eval_rollout
 from dsrl.data import PromptDataset, Sample
 from dsrl.rewards.rewarder import Rewarder, RewardError
-from dsrl.rollout.episode import EpisodeRunner, episode_row
+from dsrl.rollout.episode import EpisodeRunner, sample_row
 from dsrl.rollout.rollouts import generate, request_seed
 from dsrl.serving.client import RolloutClient
 
@@ -46,10 +46,10 @@ class Evaluator:
         with tqdm(total=len(prompts) * self.rollout.n_samples, desc=f"eval {step}", leave=False, disable=None) as bar:
             try:
                 seed = request_seed(self.cfg.seed, step)
-                samples = generate(client, prompts, self.rollout, seed, bar, self.rewarder, self.runner)
+                samples = client.run(generate(client, prompts, self.rollout, seed, bar, self.rewarder, self.runner))
             except RewardError as e:  # it names the row; say which file
                 raise RewardError(f"--eval.path={self.dataset.path!r}: {e}") from e
-        samples = [s for s in samples if not s.extras.get("skip")]  # rows whose reward failed (on_reward_error skip)
+        samples = [s for s in samples if not s.skip]  # rows whose reward failed (on_reward_error skip)
         others = {s.weight_version for s in samples} - {step}
         if others:  # the sync's version check makes this a bug, not a setting
             raise RuntimeError(f"evaluation of weight version {step} got responses from versions {sorted(others)}")
@@ -77,16 +77,7 @@ class Evaluator:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         with open(self.out_dir / f"step_{step}.jsonl", "w") as f:
             for s in samples:
-                row = {
-                    "row": s.prompt.index,
-                    "prompt": s.prompt.text,
-                    "response": self.tokenizer.decode(s.response_ids, skip_special_tokens=True),
-                    "answer": s.prompt.answer,
-                    "reward": s.reward,
-                    "finish_reason": s.finish_reason,
-                    "weight_version": s.weight_version,
-                    **episode_row(s, self.tokenizer),
-                }
+                row = {**sample_row(s, self.tokenizer), "answer": s.prompt.answer, "finish_reason": s.finish_reason}
                 f.write(json.dumps(row, default=str) + "\n")
 
 

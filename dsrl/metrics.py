@@ -3,15 +3,18 @@
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from dsrl.collectives import reduce_device
+from dsrl.config import SECRETS, Config
 
 log = logging.getLogger("dsrl")
 
@@ -58,6 +61,18 @@ class Timer:
 _END = object()
 
 
+def configure_logging(level: str) -> None:
+    """dsrl's log lines at `level` on rank 0 (warnings only on the others), library warnings through the same handler
+    (which tqdm redirects: never on the bar's line), and in a log file no library progress bar's \r updates."""
+    level = level if os.environ.get("RANK", "0") == "0" else "WARNING"
+    logging.basicConfig(level=level, format="%(asctime)s [dsrl] %(message)s", force=True)
+    logging.captureWarnings(True)
+    if not sys.stderr.isatty():
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+
+
 def mean_across_ranks(values: dict[str, float]) -> dict[str, float]:
     """Mean of each metric over trainer ranks (every rank must pass the same keys)."""
     keys = sorted(values)
@@ -91,10 +106,12 @@ class MetricsWriter:
     """Rank 0's sinks: tensorboard (default), and wandb / mlflow through accelerate's tracker layer, all
     with the same tags; sampled generations also go to <run_dir>/generations.jsonl."""
 
-    def __init__(self, run_dir: Path, enabled: bool, cfg=None, config: dict | None = None):
+    def __init__(self, run_dir: Path, enabled: bool, config: Config | None = None):
+        """`config`: the run's, as the user gave it (the trackers store it; its `logging` picks the sinks)."""
         self.writer, self.trackers, self.run_dir = None, [], run_dir
         if not enabled:
             return
+        cfg = config.logging if config is not None else None
         if cfg is None or cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -102,7 +119,7 @@ class MetricsWriter:
         for name in cfg.trackers if cfg is not None else []:
             tracker = _tracker(name, cfg, run_dir)
             tracker.start()
-            tracker.store_init_configuration(config or {})
+            tracker.store_init_configuration(tracker_config(config))
             self.trackers.append(tracker)
 
     def log(self, step: int, metrics: dict[str, float], histograms: dict[str, list[float]] | None = None) -> None:
@@ -170,3 +187,12 @@ def summary_line(step: int, total: int, m: dict[str, float]) -> str:
         parts.append(f"sync {m['sync/gb_per_s']:.2f} GB/s")
     parts.append(f"{m['timing/step']:.2f}s")
     return " | ".join(parts)
+
+
+def tracker_config(cfg: Config) -> dict:
+    """The run's config as the trackers store it: flat `section.field` keys, secrets redacted."""
+    flat = {}
+    for section, values in asdict(cfg).items():
+        for key, value in values.items() if isinstance(values, dict) else []:
+            flat[f"{section}.{key}"] = value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+    return flat | {name: "<redacted>" for name in SECRETS if flat.get(name)}

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from dsrl.config import Config, dump_config
+
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".dsrl.lock"
@@ -199,6 +201,20 @@ class OwnerWatch:
             except psutil.NoSuchProcess:
                 self._end(f"dsrl train (pid {owner_pid})")
         threading.Thread(target=self._watch, name="dsrl-owner-watch", daemon=True).start()
+
+    @classmethod
+    def of(cls, argv: list[str]) -> tuple["OwnerWatch | None", list[str]]:
+        """Launched by `dsrl train` (--dsrl_owner=PID@HOST among the rank's `argv`): its watch, on its host and, on
+        ranks above 0, on rank 0 (else None); and `argv` without the flag."""
+        owner = next((a.split("=", 1)[1] for a in argv if a.startswith(OWNER_FLAG)), None)
+        argv = [a for a in argv if not a.startswith(OWNER_FLAG)]
+        if owner is None:
+            return None, argv
+        pid, host = owner.split("@", 1)
+        rank0 = (
+            (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])) if os.environ.get("RANK", "0") != "0" else None
+        )
+        return cls(int(pid) if host == socket.gethostname() else None, rank0), argv
 
     def _watch(self) -> None:
         misses = None  # rank 0's store is watched once it has answered (it starts with rank 0's world)
@@ -386,13 +402,40 @@ def publish_export(tmp: Path, out: Path, source: str, overwrite: bool) -> None:
         shutil.rmtree(old)
 
 
-def write_private(path: Path, text: str, private: bool = True) -> None:
-    """Write `text` to `path`, readable by this user alone when `private` (a file holding --rollout.api_key);
-    an existing file takes that mode too."""
-    mode = 0o600 if private else 0o644
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
-        f.write(text)
-    os.chmod(path, mode)
+def check_writable(run_dir: Path) -> None:
+    probe = run_dir / "checkpoints" / ".write_test"
+    try:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise PermissionError(f"--logging.run_dir={str(run_dir)!r}: cannot write checkpoints there ({e})") from e
+
+
+def claim_run_dir(run_dir: Path, cfg: Config) -> "RunLock | None":
+    """Rank 0, before anything is written: the run directory's lock (unless `dsrl train` holds it for the ranks),
+    a writable checkpoint directory, an export target that holds nothing but dsrl's own; then the config."""
+    lock = lock_run_dir(run_dir, "python -m dsrl.train")
+    if lock is not None:  # launched without `dsrl train`: a stale stop request is ours to clear
+        clear_stop(run_dir)
+    check_writable(run_dir)
+    if cfg.logging.export_hf:
+        check_export_target(run_dir / "hf", overwrite=True, flag="the final export <run_dir>/hf")
+    dump_config(cfg, run_dir / "config.yaml")
+    return lock
+
+
+def record_trace(path: Path, step: int, rows: list[int], filtered: list[int]) -> None:
+    """Every prompt trained on, once: a line per step, with the rows dynamic sampling dropped."""
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, "rows": rows} | ({"filtered": filtered} if filtered else {})) + "\n")
+
+
+def trim_trace(path: Path, step: int) -> None:
+    """Keep the trained-prompt trace consistent with a resumed run: drop steps after the checkpoint."""
+    if path.exists():
+        lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] < step]
+        path.write_text("".join(line + "\n" for line in lines))
 
 
 # -- long writes -----------------------------------------------------------------------------------

@@ -16,11 +16,12 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
+from dsrl.lending import GpuLending
 from dsrl.serving.client import RolloutClient
+from dsrl.serving.fleet import start_fleet_for_ranks
 from dsrl.sync.base import SyncError
 from dsrl.sync.verify import verify_weights
-from dsrl.sync.weight_sync import WeightSync, make_checkpoint_engine
-from dsrl.train import start_rollout_fleet
+from dsrl.sync.weight_sync import WeightSync, make_transport
 from dsrl.zero.buckets import FlatGatherer, gathered_buckets, param_bytes, plan_buckets
 from dsrl.zero.engine import init_distributed, load_engine
 
@@ -36,27 +37,27 @@ def main(model_dir: str, train_path: str, out: str) -> None:
     rank = dist.get_rank()
     actor = load_engine(cfg, model_dir, dist.get_world_size(), train=True)
     run_dir = Path(out).parent
-    fleet = start_rollout_fleet(cfg, model_dir, run_dir, rank)
+    fleet = start_fleet_for_ranks(cfg.rollout, model_dir, run_dir, cfg.seed, "embedded", multi_node=False)
     client = RecordingClient(fleet.urls)
     named = list(actor.module.named_parameters())
     embed_bytes = param_bytes(named[0][1])
     results = {"world": dist.get_world_size(), "num_params": len(named), "embed_bytes": embed_bytes, "cases": []}
     try:
         cases = [("broadcast", 1), ("broadcast", embed_bytes), ("broadcast", 1 << 30), ("disk", 4096)]
-        for version, (transport, bucket_bytes) in enumerate(cases, start=1):
-            cfg.sync = SyncConfig(type=transport, bucket_bytes=bucket_bytes, verify="weights")  # raises on a difference
-            engine = make_checkpoint_engine(cfg.sync, client, run_dir, "gloo")
+        for version, (kind, bucket_bytes) in enumerate(cases, start=1):
+            cfg.sync = SyncConfig(type=kind, bucket_bytes=bucket_bytes, verify="weights")  # raises on a difference
+            transport = make_transport(cfg.sync, client, run_dir, "gloo")
             with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=0):
                 if rank == 0:
                     torch.manual_seed(version)
                     for _, p in named:
                         p.data.normal_()
-            metrics = WeightSync(cfg, actor, fleet, client, engine, offload=False).update(version)
+            metrics = WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor])).update(version)
             if rank == 0:
                 buckets = plan_buckets(named, bucket_bytes)
                 results["cases"].append(
                     {
-                        "transport": transport,
+                        "transport": kind,
                         "bucket_bytes": bucket_bytes,
                         "buckets": len(buckets),
                         "bytes": metrics["sync/bytes"],
@@ -133,14 +134,15 @@ def update_sequences(cfg: Config, actor, fleet, client: RecordingClient, run_dir
         "pause": {"placement": "disaggregate", "interrupt": "pause", "pause_mode": "retract"},
     }
     cfg.sync = SyncConfig(type="broadcast", verify="probe", probe_tolerance=1e-4)
-    engine = make_checkpoint_engine(cfg.sync, client, run_dir, "gloo")
+    transport = make_transport(cfg.sync, client, run_dir, "gloo")
     out = {}
     for version, (mode, fields) in enumerate(modes.items(), start=10):
         cfg.rollout = replace(cfg.rollout, **fields)
-        weights = WeightSync(cfg, actor, fleet, client, engine, offload=False)
+        weights = WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor]))
         client.take_calls()
         if mode == "colocate":
-            weights.sleep()  # the servers slept while the trainer stepped
+            weights.await_probe()  # the servers slept while the trainer stepped
+            weights.gpu.to_trainers()
         weights.update(version)
         weights.check_probe()  # disaggregated, the probe runs in the background: wait for it
         out[mode] = client.take_calls()
@@ -152,11 +154,11 @@ def failure_on_rank0(cfg: Config, actor, fleet, client: RecordingClient, run_dir
     every rank must raise, after the one retry, rather than go on alone."""
     cfg.rollout = replace(cfg.rollout, placement="disaggregate", interrupt="partial")
     cfg.sync = SyncConfig(type="broadcast", timeout_s=30)
-    engine = make_checkpoint_engine(cfg.sync, client, run_dir, "gloo")
+    transport = make_transport(cfg.sync, client, run_dir, "gloo")
     if dist.get_rank() == 0:
         client.call_all("/release_memory_occupation", {"tags": ["weights"]})
     try:
-        WeightSync(cfg, actor, fleet, client, engine, offload=False).update(99)
+        WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor])).update(99)
         outcome = "no error"
     except SyncError as e:
         outcome = f"SyncError: {e}"

@@ -89,7 +89,8 @@ def test_an_episode_is_the_servers_tokens_and_the_rendered_observations_token_fo
     finally:
         runner.close()
     s, renderer = episode.sample, Renderer(tokenizer, runner.tool_schemas)
-    assert len(calls) == 3 and episode.turns == 3 and episode.stop == "done" and episode.reward == 1.0
+    record = episode.record
+    assert len(calls) == 3 and record.turns == 3 and record.stop == "done" and record.reward == 1.0
     expected, mask, logprobs = [], [], []
     for turn, (sent, reply) in enumerate(calls):
         assert sent == prompt.prompt_ids + expected, f"turn {turn} was sent other tokens than the sample holds"
@@ -106,13 +107,12 @@ def test_an_episode_is_the_servers_tokens_and_the_rendered_observations_token_fo
             logprobs += [0.0] * len(observation)
     assert s.response_ids == expected and s.loss_mask == mask and s.engine_logprobs == logprobs
     turn_starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
-    assert s.extras["spans"] == [(start, 0) for start in turn_starts]  # one per model turn, each its version
+    assert s.spans == [(start, 0) for start in turn_starts]  # one per model turn, each its version
     for packed in (False, True):  # what the trainer runs on: the same tokens, the loss on the model's alone
         mb = MicroBatch.build([s], tokenizer.pad_token_id, torch.device("cpu"), packed)
         assert mb.input_ids[0].tolist() == prompt.prompt_ids + s.response_ids
         assert mb.mask[0].tolist() == mask and mb.targets.tolist() == s.response_ids
-    record = s.extras["episode"]
-    assert record["turns"] == 3 and record["tool_calls"] == 2 and record["tool_errors"] == 0
+    assert s.episode is record and record.tool_calls == 2 and record.tool_errors == 0
 
 
 def test_tools_that_hang_raise_crash_or_flood_become_error_results_and_the_episode_goes_on(chat_model, chat_server):
@@ -128,9 +128,9 @@ def test_tools_that_hang_raise_crash_or_flood_become_error_results_and_the_episo
         again, _ = play_recorded(chat_server, runner, prompt, {"max_new_tokens": 4, "temperature": 1.0})
     finally:
         runner.close()
-    assert episode.stop == "done" and episode.reward == 0.5 and episode.turns == 2
-    counts = episode.counts
-    assert counts["tool_calls"] == 7 and counts["tool_errors"] == 5 and counts["tool_timeouts"] == 1
+    record = episode.record
+    assert record.stop == "done" and record.reward == 0.5 and record.turns == 2
+    assert record.tool_calls == 7 and record.tool_errors == 5 and record.tool_timeouts == 1
     assert took < 30, "the hanging tool held the episode past its timeout"
     text = tokenizer.decode(episode.sample.response_ids)
     for said in ("<tool_response>\nhi\n</tool_response>",
@@ -142,7 +142,7 @@ def test_tools_that_hang_raise_crash_or_flood_become_error_results_and_the_episo
                  "characters cut ..."):  # fmt: skip
         assert said in text, said
     assert len(episode.sample.response_ids) < 2000, "the flood reached the episode"
-    assert again.counts["tool_errors"] == 5 and "<tool_response>\nhi\n</tool_response>" in tokenizer.decode(
+    assert again.record.tool_errors == 5 and "<tool_response>\nhi\n</tool_response>" in tokenizer.decode(
         again.sample.response_ids
     ), "the pool did not recover from the crash"
 
@@ -157,8 +157,8 @@ def test_an_episode_stops_at_its_deadline(chat_model, chat_server):
         episode, calls = play_recorded(chat_server, runner, prompt, {"max_new_tokens": 2, "temperature": 1.0})
     finally:
         runner.close()
-    assert episode.stop == "deadline" and 2 <= len(calls) <= 4, (episode.stop, len(calls))
-    assert episode.sample.extras["episode"]["stop"] == "deadline"
+    assert episode.record.stop == "deadline" and 2 <= len(calls) <= 4, (episode.record.stop, len(calls))
+    assert episode.sample.episode.stop == "deadline"
 
 
 def test_an_environment_that_raises_fails_its_row_or_skips_its_group(chat_model, chat_server):
@@ -170,13 +170,14 @@ def test_an_environment_that_raises_fails_its_row_or_skips_its_group(chat_model,
         rewarder = Rewarder(cfg.algorithm, tokenizer, env=True)
         with pytest.raises(RewardError, match=r"the environment failed on dataset row 0: the environment failed "
                                               r"on turn 1: ValueError\('the environment is broken'\)"):  # fmt: skip
-            generate(chat_server, dataset.prompts[:1], cfg.rollout, rewarder=rewarder, runner=runner)
+            chat_server.run(generate(chat_server, dataset.prompts[:1], cfg.rollout, rewarder=rewarder, runner=runner))
         cfg.algorithm.on_reward_error = "skip"
         rewarder = Rewarder(cfg.algorithm, tokenizer, env=True)
-        samples = generate(chat_server, dataset.prompts[:2], cfg.rollout, rewarder=rewarder, runner=runner)
+        samples = chat_server.run(generate(chat_server, dataset.prompts[:2], cfg.rollout, rewarder=rewarder,
+                                           runner=runner))  # fmt: skip
     finally:
         runner.close()
-    assert rewarder.failed == 2 and all(s.extras["skip"] and s.extras["episode"]["stop"] == "error" for s in samples)
+    assert rewarder.failed == 2 and all(s.skip and s.episode.stop == "error" for s in samples)
 
 
 def played(cfg, tokenizer, client, rows: int) -> list:
@@ -184,8 +185,8 @@ def played(cfg, tokenizer, client, rows: int) -> list:
     runner = EpisodeRunner(cfg, tokenizer)
     try:
         prompts = PromptDataset(cfg.data, tokenizer).prompts[:rows]
-        samples = generate(client, prompts, cfg.rollout, rewarder=Rewarder(cfg.algorithm, tokenizer, env=True),
-                           runner=runner)  # fmt: skip
+        rewarder = Rewarder(cfg.algorithm, tokenizer, env=True)
+        samples = client.run(generate(client, prompts, cfg.rollout, rewarder=rewarder, runner=runner))
     finally:
         runner.close()
     return [(s, {int(p) for p in re.findall(r"pid (\d+)", tokenizer.decode(s.response_ids))}) for s in samples]
@@ -200,11 +201,11 @@ def test_an_episode_lives_in_one_worker_and_a_worker_crash_fails_only_its_row(ch
     cfg.rollout.env_args, cfg.algorithm.on_reward_error = {"crash": "6863"}, "skip"  # test.jsonl's second row
     samples = played(cfg, tokenizer, chat_server, 4)
     crashed = [s for s, _ in samples if s.prompt.row["answer"] == "6863"]
-    assert len(crashed) == 2 and all(s.extras["skip"] for s in crashed)
-    assert all("its process exited (code 3)" in s.extras["episode"]["error"] for s in crashed)
+    assert len(crashed) == 2 and all(s.skip for s in crashed)
+    assert all("its process exited (code 3)" in s.episode.error for s in crashed)
     for s, _ in samples:
         if s not in crashed:  # reward: how many processes stepped its environment
-            assert s.extras["episode"]["stop"] == "done" and not s.extras.get("skip") and s.reward == 1.0
+            assert s.episode.stop == "done" and not s.skip and s.reward == 1.0
     pids = set().union(*(p for _, p in samples))
     assert len(pids) >= 2 and os.getpid() not in pids
 
@@ -217,7 +218,7 @@ def test_an_in_process_environment_steps_in_the_trainer_within_its_timeout(chat_
     assert all(s.reward == 1.0 and pids == {os.getpid()} for s, pids in samples)
     cfg.rollout.env_args = {"sleep_s": 2.0}
     samples = played(cfg, tokenizer, chat_server, 1)
-    assert all("took longer than --agent.env_timeout_s=0.5s" in s.extras["episode"]["error"] for s, _ in samples)
+    assert all("took longer than --agent.env_timeout_s=0.5s" in s.episode.error for s, _ in samples)
 
 
 def test_a_template_that_renders_turns_differently_whole_is_refused(chat_model):
@@ -294,7 +295,7 @@ def test_episodes_interrupted_by_weight_updates_finish_with_the_uninterrupted_to
     dataset = PromptDataset(cfg.data, tokenizer)
     runner = EpisodeRunner(cfg, tokenizer)
     simulated_update(toy_server, 0, "abort")
-    reference = generate(toy_server, dataset.prompts[:12], cfg.rollout, runner=runner)
+    reference = toy_server.run(generate(toy_server, dataset.prompts[:12], cfg.rollout, runner=runner))
     by_row = {s.prompt.index: s for s in reference}
     rewarder = Rewarder(cfg.algorithm, tokenizer, env=True)
     manager = RolloutManager(toy_server, cfg, PromptStream(dataset, 2, 0, 1), rewarder, runner)
@@ -315,19 +316,19 @@ def test_episodes_interrupted_by_weight_updates_finish_with_the_uninterrupted_to
     for s in samples:
         assert s.response_ids == by_row[s.prompt.index].response_ids, f"row {s.prompt.index}: other tokens"
         assert s.loss_mask == [1] * 6 + [0] * len(observation) + [1] * 6 + [0] * len(observation) + [1] * 6
-        assert s.extras["episode"]["turns"] == 3 and s.extras["episode"]["stop"] == "done" and s.reward == 1.0
-        versions = [v for _, v in s.extras["spans"]]
+        assert s.episode.turns == 3 and s.episode.stop == "done" and s.reward == 1.0
+        versions = [v for _, v in s.spans]
         assert versions == sorted(versions)
-    spanning = [s for s in samples if len({v for _, v in s.extras["spans"]}) > 1]
+    spanning = [s for s in samples if len({v for _, v in s.spans}) > 1]
     assert spanning, "no episode went on across a weight update"
     if interrupt == "partial":
         assert interrupted > 0, "no model turn was in flight at an update"
         turn_starts = {0, 6 + len(observation), 12 + 2 * len(observation)}
-        assert any(start not in turn_starts for s in spanning for start, _ in s.extras["spans"]), (
+        assert any(start not in turn_starts for s in spanning for start, _ in s.spans), (
             "no turn was resumed from the middle"
         )
     else:
-        assert interrupted == 0 and any(start is None for s in spanning for start, _ in s.extras["spans"])
+        assert interrupted == 0 and any(start is None for s in spanning for start, _ in s.spans)
 
 
 # -- end to end ------------------------------------------------------------------------------------

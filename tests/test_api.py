@@ -62,15 +62,15 @@ def test_a_custom_rollout_function_drives_the_servers_and_is_checked(toy_weights
         client.call_all("/update_weight_version", {"new_version": "0"})  # as the first sync of a run does
         greedy = replace(cfg, n_samples=2, max_new_tokens=6, temperature=0.0)
         prompts = [Prompt(i, [5, 6 + i, 12], "", None) for i in range(3)]
-        plain = generate(client, prompts, greedy)
-        custom = generate(client, prompts, replace(greedy, rollout_fn="tests._rollouts:two_pieces"))
+        plain = client.run(generate(client, prompts, greedy))
+        custom = client.run(generate(client, prompts, replace(greedy, rollout_fn="tests._rollouts:two_pieces")))
         assert [s.response_ids for s in custom] == [s.response_ids for s in plain]
         flat = [[lp for s in samples for lp in s.engine_logprobs] for samples in (custom, plain)]
         assert flat[0] == pytest.approx(flat[1], abs=1e-5)
         assert any(len(s.response_ids) > 2 for s in custom)
-        assert all(len(s.extras["spans"]) == (2 if len(s.response_ids) > 2 else 1) for s in custom)
+        assert all(len(s.spans) == (2 if len(s.response_ids) > 2 else 1) for s in custom)
         with pytest.raises(RolloutFnError, match=r"tests._rollouts:not_a_sample: on dataset row 0: returned list"):
-            generate(client, prompts[:1], replace(greedy, rollout_fn=_rollouts.not_a_sample))
+            client.run(generate(client, prompts[:1], replace(greedy, rollout_fn=_rollouts.not_a_sample)))
     finally:
         client.close()
         fleet.stop()

@@ -120,7 +120,7 @@ def test_partial_update_interrupts_requests_in_flight_and_resumes_them(slow_serv
         manager.stop()
     assert stats.interrupted > 0, "no request was in flight at the update, or the abort did not reach it"
     assert stats.resumed + stats.restarted == stats.interrupted
-    spanned = [s for s in samples if len({v for _, v in s.extras["spans"]}) == 2]
+    spanned = [s for s in samples if len({v for _, v in s.spans}) == 2]
     assert spanned and all(len(s.response_ids) == 16 for s in spanned)
 
 
@@ -158,7 +158,7 @@ def test_pause_keeps_requests_in_flight_through_an_update(slow_server, tmp_path)
     finally:
         manager.stop()
     assert stats.interrupted == stats.resumed == stats.restarted == 0
-    spanned = [s for s in samples if s.extras["spans"] == [(0, 0), (None, 1)]]
+    spanned = [s for s in samples if s.spans == [(0, 0), (None, 1)]]
     assert spanned and all(len(s.response_ids) == 16 and s.oldest_version == 0 for s in spanned)
 
 
@@ -195,7 +195,7 @@ def test_a_partial_sample_aborted_at_its_last_token_finishes_without_a_request(s
     manager, stream = manager_for(slow_server, tmp_path, k=2, interrupt="partial", groups=1, n=1, lengths=[4], seed=0)
     prompt = stream.next()
     group = Group(0, prompt, [None], 1, 0)
-    full = Sample(prompt, [7, 7, 7, 7], [-0.5] * 4, "", 0, extras={"spans": [(0, 0), (2, 1)]})
+    full = Sample(prompt, [7, 7, 7, 7], [-0.5] * 4, "", 0, spans=[(0, 0), (2, 1)])
     episode = Episode(full, {**manager.params, **prompt.sampling}, turn_tokens=4)
     manager.generating[group.gid] = group
 

@@ -14,10 +14,10 @@ from dsrl.data import DatasetError, Prompt, PromptDataset, Sample, check_fits_co
 from dsrl.evaluate import eval_rollout
 from dsrl.rewards.rewarder import score_one
 from dsrl.rewards.rules import load_reward_fn
+from dsrl.rundir import check_writable
 from dsrl.serving.client import RolloutClient, ServerError
 from dsrl.serving.servers import free_port, wait_healthy
 from dsrl.tasks import toy
-from dsrl.train import check_writable
 from dsrl.zero.checkpoint import find_checkpoint
 from tests.conftest import ROOT
 
@@ -239,7 +239,7 @@ def test_bad_input_long_prompts_truncated_and_counted(tmp_path):
 
 
 def sample(row: int = 7) -> Sample:
-    return Sample(Prompt(row, [5, 12], "1=", "1"), [5, 1], [-0.1, -0.2], "stop", 0, extras={"spans": [(0, 0)]})
+    return Sample(Prompt(row, [5, 12], "1=", "1"), [5, 1], [-0.1, -0.2], "stop", 0, spans=[(0, 0)])
 
 
 def test_bad_input_reward_module_missing():

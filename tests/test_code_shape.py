@@ -26,7 +26,7 @@ def test_no_function_over_60_lines():
 
 def test_the_math_does_not_import_the_http_layer():
     """The trainer's side (dsrl/zero) works on samples, never on servers; the embedded engine stands alone
-    beside the checkpoint engine rather than on it."""
+    beside the weight update's transports rather than on them."""
     for path in (ROOT / "dsrl/zero").rglob("*.py"):
         assert not {m for m in imports(path) if m.startswith("dsrl.serving")}, path
     assert not {m for m in imports(ROOT / "dsrl/serving/embedded.py") if m.startswith("dsrl.sync")}

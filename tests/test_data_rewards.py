@@ -142,13 +142,13 @@ def test_load_reward_fn_errors_name_the_flag():
 def test_reward_workers_survive_a_hang_a_crash_and_garbage():
     """Each call has its own outcome: a hung call times out and its process is replaced, a process that
     exits fails only its row, and the pool goes on serving the rows after them."""
-    from dsrl.rewards.pool import RewardPool
+    from dsrl.rewards.pool import WorkerPool
 
-    pool = RewardPool("tests._bad_rewards:by_row_kind", workers=2, timeout_s=2.0)
+    pool = WorkerPool("tests._bad_rewards:by_row_kind", workers=2, timeout_s=2.0)
     kinds = ["ok", "hang", "crash", "string", "raise", "ok"]
     try:
-        results = pool.score([("p", "r", None, {"kind": k}) for k in kinds])
-        again = pool.score([("p", "r", None, {"kind": "ok"})] * 3)  # the replaced processes serve
+        results = pool.run([("p", "r", None, {"kind": k}) for k in kinds])
+        again = pool.run([("p", "r", None, {"kind": "ok"})] * 3)  # the replaced processes serve
     finally:
         pool.close()
     assert results[0] == (1.0, None) and results[5] == (1.0, None)

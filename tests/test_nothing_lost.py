@@ -23,10 +23,10 @@ import torch
 
 from dsrl.config import DataConfig, parse_config
 from dsrl.data import PromptDataset
+from dsrl.metrics import tracker_config
 from dsrl.rundir import EXPORT_MARKER, ExportTargetError, RunDirLocked, RunLock, check_export_target, write_error
 from dsrl.serving.servers import server_command
 from dsrl.tasks import toy
-from dsrl.train import tracker_config
 from dsrl.zero.checkpoint import ShardWriter
 from tests.conftest import ROOT, TOY_MODEL
 

@@ -114,7 +114,7 @@ def test_a_scripted_judge_generates_its_verdicts_greedily_and_one_it_cannot_pars
             samples = samples_of(["394", "12", "7"])
             client.run(rewarder.score_group(samples))
             assert [s.reward for s in samples] == [4.0, 2.0, 7.0]
-            assert [s.extras["reward_model"] for s in samples] == [4.0, 2.0, 7.0]
+            assert [s.reward_model for s in samples] == [4.0, 2.0, 7.0]
         with pytest.raises(RewardError, match=r"judge returned None for dataset row 3; expected a finite float"):
             client.run(rewarder.score_group(samples_of(["5", "39="])))  # "=" ends the verdict at once: no number
     finally:

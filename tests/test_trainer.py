@@ -214,39 +214,35 @@ def test_gradient_checkpointing_auto_turns_on_for_an_update_whose_micro_batch_wo
     assert largest_micro_batch(4096, 8, 5000) == 5000, "a sample longer than the budget goes alone"
 
 
-def test_colocated_planner_keeps_the_states_on_the_gpu_only_when_they_fit(monkeypatch, caplog):
-    """--trainer.offload_states auto on a GPU (a fake one, named so: use_cuda and its memory): the states (16 bytes
+def test_colocated_planner_keeps_the_states_on_the_gpu_only_when_they_fit(monkeypatch):
+    """--trainer.offload_states auto on a GPU (a fake one: trainer.device cuda, and its memory): the states (16 bytes
     per trained bf16 parameter) stay when they, the servers' share and the margin fit; else they leave while the
     servers generate. With ZeRO-Offload they always stay (DeepSpeed moves CPU Adam's states between phases for
     no one), and the message says which knob to turn."""
-    import logging
-
     from accelerate import init_empty_weights
 
+    from dsrl.auto import decide_offload
     from dsrl.config import Config, DataConfig, ModelConfig
-    from dsrl.zero import engine
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(toy.build_model_config()).to(torch.bfloat16)
     states = 16 * sum(p.numel() for p in model.parameters())
     cfg = Config(model=ModelConfig(path="unused"), data=DataConfig(train_path="unused.jsonl"))
-    cfg.rollout.placement, cfg.rollout.mem_fraction_static = "colocate", 0.5
-    monkeypatch.setattr(engine, "use_cuda", lambda cfg: True)
+    cfg.rollout.placement, cfg.rollout.mem_fraction_static, cfg.trainer.device = "colocate", 0.5, "cuda"
     engines = [SimpleNamespace(module=model)]
 
     def gpu(total):  # a GPU of `total` bytes (fake)
-        monkeypatch.setattr(engine.torch.cuda, "mem_get_info", lambda: (0, total))
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, total))
 
-    with caplog.at_level(logging.INFO, logger="dsrl.zero.engine"):
-        gpu(int(((4 << 30) + states * 1.01) / 0.45))  # servers 50%, margin 5% + 4 GiB: the states just fit
-        assert not engine.decide_offload(cfg, engines)
-        gpu(int(((4 << 30) + states * 0.99) / 0.45))
-        assert engine.decide_offload(cfg, engines)
-        assert f"trainers' states {states / 1e9:.1f} GB" in caplog.text and "leave the GPU" in caplog.text
-        cfg.rollout.max_staleness = 1  # one-step-off: the states cannot leave while the optimizer steps
-        with pytest.raises(MemoryError, match=r"--rollout.max_staleness 1 \(colocated\).*lower --rollout.mem_fr"):
-            engine.decide_offload(cfg, engines)
-        cfg.rollout.max_staleness = 0
-        cfg.trainer.offload_optimizer = True  # 4 of the 16 bytes stay: weights and grads
-        assert not engine.decide_offload(cfg, engines)
-        assert f"trainers' GPU states {states / 4 / 1e9:.1f} GB" in caplog.text
+    gpu(int(((4 << 30) + states * 1.01) / 0.45))  # servers 50%, margin 5% + 4 GiB: the states just fit
+    assert not decide_offload(cfg, engines)[0]
+    gpu(int(((4 << 30) + states * 0.99) / 0.45))
+    offload, why = decide_offload(cfg, engines)
+    assert offload and f"trainers' states {states / 1e9:.1f} GB" in why and "leave the GPU" in why
+    cfg.rollout.max_staleness = 1  # one-step-off: the states cannot leave while the optimizer steps
+    with pytest.raises(MemoryError, match=r"--rollout.max_staleness 1 \(colocated\).*lower --rollout.mem_fr"):
+        decide_offload(cfg, engines)
+    cfg.rollout.max_staleness = 0
+    cfg.trainer.offload_optimizer = True  # 4 of the 16 bytes stay: weights and grads
+    offload, why = decide_offload(cfg, engines)
+    assert not offload and f"trainers' states {states / 4 / 1e9:.1f} GB" in why and "ZeRO-Offload" in why

@@ -1,4 +1,4 @@
-"""Benchmark the checkpoint engine against the hardware's own limit, measured in the same run.
+"""Benchmark the weight update's transports against the hardware's own limit, measured in the same run.
 
 Modes:
   cpu   2 ZeRO-3 ranks over gloo -> one embedded server; limit: a raw gloo broadcast of the same
@@ -148,10 +148,11 @@ def rank_main(args) -> None:
     import torch.distributed as dist
 
     from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
+    from dsrl.lending import GpuLending
     from dsrl.serving.client import RolloutClient
+    from dsrl.serving.fleet import start_fleet_for_ranks
     from dsrl.sync.verify import probe_reference, verify_probe
-    from dsrl.sync.weight_sync import WeightSync, make_checkpoint_engine
-    from dsrl.train import start_rollout_fleet
+    from dsrl.sync.weight_sync import WeightSync, make_transport
     from dsrl.zero.buckets import param_bytes
     from dsrl.zero.engine import init_distributed, load_engine
 
@@ -179,20 +180,21 @@ def rank_main(args) -> None:
     # train=True, as the actor in training: with an optimizer DeepSpeed keeps the parameter partitions in
     # one flat buffer, which a single rank sends from without a copy (FlatGatherer)
     actor = load_engine(cfg, str(model_dir), dist.get_world_size(), train=True)
-    fleet = start_rollout_fleet(cfg, str(model_dir), workdir / model_dir.name, rank)
+    engine = "sglang" if gpu else "embedded"
+    fleet = start_fleet_for_ranks(cfg.rollout, str(model_dir), workdir / model_dir.name, cfg.seed, engine, False)
     client = RolloutClient(fleet.urls)
     total = sum(param_bytes(p) for p in actor.module.parameters())
     rows = []
-    transport = {"cpu": "broadcast", "ipc": "ipc", "nccl": "broadcast"}[args.mode]
-    engine = make_checkpoint_engine(SyncConfig(type=transport), client, workdir, "nccl" if gpu else "gloo")
+    kind = {"cpu": "broadcast", "ipc": "ipc", "nccl": "broadcast"}[args.mode]
+    transport = make_transport(SyncConfig(type=kind), client, workdir, "nccl" if gpu else "gloo")
     # The update as training runs it (heal, send, version check), without offloading the trainer's states:
     # the figure is the sync's own. Versions count up across bucket sizes.
-    weights = WeightSync(cfg, actor, fleet, client, engine, offload=False)
+    weights = WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor]))
     version = 0
     try:
         for bucket_mb in args.bucket_mb:
             bucket_bytes = int(bucket_mb * (1 << 20)) if bucket_mb > 0 else total
-            engine.cfg = cfg.sync = SyncConfig(type=transport, bucket_bytes=bucket_bytes)
+            transport.cfg = cfg.sync = SyncConfig(type=kind, bucket_bytes=bucket_bytes)
             probe, probe_before = None, None
             if gpu:  # the mean |logprob diff| of the probe: before any sync, and after one
                 ids, reference = probe_reference(actor, actor.module.config.vocab_size)
@@ -213,10 +215,10 @@ def rank_main(args) -> None:
                     {k.removeprefix("timing/sync_"): v for k, v in metrics.items() if k.startswith("timing/")}
                 )
                 if args.mode == "ipc":  # as in training: the buffers go back to the server after each sync
-                    engine.release()
+                    transport.release()
                     torch.cuda.empty_cache()
             if rank == 0:
-                sizes = engine.gatherer.sizes  # the buckets as sent (one rank over IPC: one bucket, whatever asked)
+                sizes = transport.gatherer.sizes  # the buckets as sent (one rank over IPC: one bucket, whatever asked)
                 limit = raw_limit(args.mode, sizes, args.repeats)
                 best = min(times)
                 rows.append(

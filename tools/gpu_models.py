@@ -7,6 +7,7 @@ GPU, which is fast) with a tokenizer of the matching vocabulary (the toy tokeniz
     python tools/gpu_models.py /tmp/models 0.5b 1.5b 3b
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -77,7 +78,14 @@ def build_chat(out: Path, size: str) -> Path:
     return out
 
 
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("root", type=Path, help="the models go to ROOT/<size>")
+    p.add_argument("sizes", nargs="+", help=f"of {', '.join(SHAPES)}, each with -chat or -rm if wanted")
+    args = p.parse_args()
+    for size in args.sizes:
+        print(build(args.root / size, size), flush=True)
+
+
 if __name__ == "__main__":
-    root = Path(sys.argv[1])
-    for size in sys.argv[2:]:
-        print(build(root / size, size), flush=True)
+    main()

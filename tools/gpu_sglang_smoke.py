@@ -3,6 +3,7 @@
 python tools/gpu_sglang_smoke.py /tmp/models/0.5b [--no-memory-saver]
 """
 
+import argparse
 import asyncio
 import sys
 import tempfile
@@ -21,13 +22,15 @@ from dsrl.serving.fleet import start_fleet  # noqa: E402
 
 
 def main() -> None:
-    model = sys.argv[1]
-    saver = "--no-memory-saver" not in sys.argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="other --flags go to SGLang as true")
+    p.add_argument("model", help="a model directory (tools/gpu_models.py)")
+    p.add_argument("--no-memory-saver", action="store_true", help="disaggregated: no release and resume of memory")
+    args, extra = p.parse_known_args()
+    model, saver = args.model, not args.no_memory_saver
     cfg = RolloutConfig(engine="sglang", placement="colocate" if saver else "disaggregate", startup_timeout_s=600)
     cfg.mem_fraction_static = 0.4
     cfg.server_args = {"attention_backend": "triton", "sampling_backend": "pytorch", "disable_cuda_graph": True}
-    extra = [a for a in sys.argv[2:] if a.startswith("--") and a != "--no-memory-saver"]
-    for flag in extra:
+    for flag in [a for a in extra if a.startswith("--")]:
         cfg.server_args[flag[2:].replace("-", "_")] = True
     with start_fleet(cfg, model, Path(tempfile.mkdtemp(prefix="smoke_")), 0, "sglang") as fleet:
         c = RolloutClient(fleet.urls, timeout_s=120)

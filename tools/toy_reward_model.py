@@ -6,6 +6,7 @@ cores, 0.85 of held-out pairs right.
     python tools/toy_reward_model.py runs/toy_rm/reward_model      # then configs/toy_cpu_rm.yaml
 """
 
+import argparse
 import os
 import random
 import sys
@@ -89,8 +90,14 @@ def train(out: Path, steps: int = 150, batch: int = 256, seed: int = 0) -> float
     return accuracy
 
 
-if __name__ == "__main__":
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path, nargs="?", default=Path("runs/toy_rm/reward_model"), help="where it is saved")
+    target = p.parse_args().out
     torch.set_num_threads(1)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # save_pretrained asks DeepSpeed, which would warn it found no GPU
-    target = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/toy_rm/reward_model")
     print(f"{target}: held-out preference accuracy {train(target):.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -7,10 +7,12 @@ import asyncio
 import threading
 import time
 
+from dsrl.auto import use_cuda
 from dsrl.config import Config, RewardModelConfig, RolloutConfig, reward_beside_rollouts, reward_rollout
 from dsrl.data import Sample
 from dsrl.rewards.rules import load_function
 from dsrl.serving.client import RolloutClient, ServerError
+from dsrl.serving.fleet import start_fleet_for_ranks
 from dsrl.serving.servers import Fleet, answers
 
 
@@ -126,18 +128,19 @@ class RewardModel:
         timing, self.busy_s = {"reward/model_seconds": self.busy_s, "reward/model_exposed_s": exposed}, 0.0
         return timing
 
-    def sleep(self, tags: tuple[str, ...]) -> None:
-        """Colocated (rank 0): the servers release `tags` with the rollout servers (dsrl starts them with a host copy
-        of their weights, which come back with their contents)."""
+    def release(self, tags: tuple[str, ...]) -> None:
+        """Colocated (rank 0), a tenant of the GPU (`dsrl.lending`): the servers release `tags` with the rollout
+        servers (dsrl starts them with a host copy of their weights, which come back with their contents)."""
         if self.colocated:
             self.client.run(
                 self.client.all_servers("/release_memory_occupation", {"tags": list(tags)}, urls=self.fleet.urls)
             )
             self.released = tuple(tags)
 
-    def wake(self) -> None:
-        """Colocated (rank 0): what `sleep` released comes back; a server that died meanwhile is restarted, awake."""
-        if self.released:
+    def resume(self, tag: str) -> None:
+        """Colocated (rank 0): with the KV cache, all that `release` released comes back (once the trainers'
+        memory has gone); a server that died meanwhile is restarted, awake."""
+        if tag == "kv_cache" and self.released:
             dead = self.fleet.exited() or set()
             if dead:
                 self.fleet.replace(dead)
@@ -146,6 +149,16 @@ class RewardModel:
                 self.client.all_servers("/resume_memory_occupation", {"tags": list(self.released)}, urls=urls)
             )
             self.released = ()
+
+
+def start_reward_model(cfg: Config, tokenizer, client: RolloutClient, run_dir, rank0: bool) -> RewardModel | None:
+    """With --reward_model.path: its servers, started beside the rollouts' (by rank 0; every rank learns their URLs)."""
+    if not cfg.reward_model.path:
+        return None
+    servers, multi_node = reward_servers(cfg, use_cuda(cfg)), bool(cfg.trainer.hostfile)
+    path, engine = cfg.reward_model.path, cfg.rollout.engine
+    fleet = start_fleet_for_ranks(servers, path, run_dir, cfg.seed, engine, multi_node, role="reward")
+    return RewardModel(cfg, tokenizer, client, fleet, rank0)
 
 
 def reward_servers(cfg: Config, cuda: bool) -> RolloutConfig:

@@ -5,7 +5,8 @@ A reward function is user code: it may hang, kill its process, or return garbage
 `reward_workers` spawned processes per trainer rank; a call that outlasts --algorithm.reward_timeout_s
 has its process killed and replaced, a process that dies is replaced, and either way only that row
 fails, with a message naming it. The trainer's event loop is not blocked while rewards are computed
-(`score_async`), so a slow reward does not stall the requests in flight.
+(`run_async`), so a slow reward does not stall the requests in flight. An agent's tools run in a `WorkerPool`
+of their own, its environments in a `StickyPool` (`dsrl.rollout.episode.EpisodeRunner`).
 
 Workers are fresh interpreters (`python -m dsrl.rewards.pool`, not multiprocessing's spawn, which
 imports the trainer's main module again: seconds of torch and DeepSpeed per worker). They import
@@ -40,6 +41,15 @@ READY = "ready"
 
 Item = tuple[str, str, object, dict]
 """(prompt, response, answer, the dataset row): what one call of the reward function gets."""
+
+
+class TimedOut(str):
+    """The failure of a call that ran out of its time, as the message that names the flag: callers count timeouts
+    by this type, never by the message's words."""
+
+
+def replaced(flag: str, seconds: float) -> TimedOut:
+    return TimedOut(f"took longer than {flag}={seconds:g}s (its process was replaced)")
 
 
 def call_reward(fn, prompt: str, response: str, answer, row: dict):
@@ -119,10 +129,10 @@ class _Request:
             self.future.set_result(self.results)
 
 
-class RewardPool:
+class WorkerPool:
     """`workers` processes fed by one dispatcher thread: calls from many groups run side by side, and a
     call that hangs holds up only its own row. `plain`: the function is called with each item's arguments
-    (an environment's step, a tool), not as a reward function; `timeout_flag` names the timeout's flag."""
+    (a tool), not as a reward function; `timeout_flag` names the timeout's flag."""
 
     def __init__(
         self,
@@ -160,10 +170,10 @@ class RewardPool:
             self.wake_send.send_bytes(b"\0")  # one small write: atomic between callers anyway
         return request.future
 
-    def score(self, items: list[Item], fail_fast: bool = False) -> list[tuple[object, str | None]]:
+    def run(self, items: list[Item], fail_fast: bool = False) -> list[tuple[object, str | None]]:
         return self.submit(items, fail_fast).result()
 
-    async def score_async(self, items: list[Item], fail_fast: bool = False) -> list[tuple[object, str | None]]:
+    async def run_async(self, items: list[Item], fail_fast: bool = False) -> list[tuple[object, str | None]]:
         return await asyncio.wrap_future(self.submit(items, fail_fast))
 
     def _dispatch(self) -> None:
@@ -233,8 +243,7 @@ class RewardPool:
                 outcomes = [(None, error)] * len(call) if error else [(v, None) for v in values]
         elif time.monotonic() >= deadline:
             self._replace(w)
-            why = f"took longer than {self.timeout_flag}={self.timeout_s:g}s (its process was replaced)"
-            outcomes = [(None, why)] * len(call)
+            outcomes = [(None, replaced(self.timeout_flag, self.timeout_s))] * len(call)
         else:
             return
         del busy[w]
@@ -324,7 +333,7 @@ class StickyPool:
                         writer.write(pending[0][0])
                     reply = await asyncio.wait_for(_read_frame(self.streams[worker][0]), self.timeout_s)
                 except TimeoutError:
-                    why = f"took longer than {self.timeout_flag}={self.timeout_s:g}s (its process was replaced)"
+                    why = replaced(self.timeout_flag, self.timeout_s)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     why = f"its process exited (code {await asyncio.to_thread(process.wait, 5)}) while running it"
                 else:

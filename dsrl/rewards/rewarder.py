@@ -11,7 +11,7 @@ import statistics
 from dsrl.config import AlgorithmConfig
 from dsrl.data import Sample
 from dsrl.rewards.models import RewardModel
-from dsrl.rewards.pool import NOT_SCORED, RewardPool, call_reward
+from dsrl.rewards.pool import NOT_SCORED, WorkerPool, call_reward
 from dsrl.rewards.rules import RewardFn, load_function
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class Rewarder:
             self.fn = load_function(fn, "algorithm.reward_fn")
             spec = fn if isinstance(fn, str) else importable_spec(fn)  # a lambda or closure: in a thread here
             if spec and cfg.reward_workers:
-                self.pool = RewardPool(spec, cfg.reward_workers, cfg.reward_timeout_s)
+                self.pool = WorkerPool(spec, cfg.reward_workers, cfg.reward_timeout_s)
         self.tokenizer, self.skip = tokenizer, cfg.on_reward_error == "skip"
         self.failed = 0
         """Rows failed (and skipped) so far."""
@@ -80,11 +80,10 @@ class Rewarder:
 
     async def _rule(self, samples: list[Sample]) -> tuple[str, tuple[str, list]]:
         if self.env:
-            return "rule", ("the environment", [(s.extras["episode"]["reward"], s.extras["episode"]["error"])
-                                                for s in samples])  # fmt: skip
+            return "rule", ("the environment", [(s.episode.reward, s.episode.error) for s in samples])
         items = [reward_item(s, self.tokenizer) for s in samples]
         if self.pool is not None:
-            results = await self.pool.score_async(items, fail_fast=True)  # one failed row skips the group
+            results = await self.pool.run_async(items, fail_fast=True)  # one failed row skips the group
         else:
             results = await asyncio.to_thread(lambda: [_call_in_process(self.fn, item) for item in items])
         return "rule", ("reward function", results)
@@ -102,7 +101,7 @@ class Rewarder:
             self.failed += 1
             log.warning("%s; the row's group is skipped (--algorithm.on_reward_error skip)", e)
             for s in samples:
-                s.reward, s.extras["skip"] = 0.0, True
+                s.reward, s.skip = 0.0, True
             return
         rule, model = values.get("rule"), values.get("model")
         scores = self.normalize(model) if model is not None else None
@@ -110,9 +109,9 @@ class Rewarder:
             if model is None:
                 s.reward = rule[i]
                 continue
-            s.extras["reward_model"], s.reward = model[i], self.model.cfg.w_model * scores[i]
+            s.reward_model, s.reward = model[i], self.model.cfg.w_model * scores[i]
             if rule is not None:
-                s.extras["reward_rule"] = rule[i]
+                s.reward_rule = rule[i]
                 s.reward += self.model.cfg.w_rule * rule[i]
 
     def normalize(self, scores: list[float]) -> list[float]:
@@ -133,8 +132,9 @@ class Rewarder:
         if self.model is None:
             return {}
         out = self.model.take_timing() if prefix == "reward/" else {}
+        scores = {"model": [s.reward_model for s in samples], "rule": [s.reward_rule for s in samples]}
         for kind in ("model", "rule") if self.rule else ("model",):
-            values = [s.extras[f"reward_{kind}"] for s in samples if f"reward_{kind}" in s.extras] or [0.0]
+            values = [v for v in scores[kind] if v is not None] or [0.0]
             out[f"{prefix}{kind}_mean"] = statistics.fmean(values)
             out[f"{prefix}{kind}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
         return out

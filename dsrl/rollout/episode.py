@@ -19,12 +19,12 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dsrl.config import Config, function_spec
-from dsrl.data import Prompt, Sample
-from dsrl.rewards.pool import RewardPool, StickyPool
+from dsrl.data import EpisodeRecord, Prompt, Sample
+from dsrl.rewards.pool import StickyPool, TimedOut, WorkerPool
 from dsrl.rewards.rules import load_function
 from dsrl.rollout.agents import Step, ToolCall, cap_text, tool_schema
 
@@ -130,23 +130,12 @@ class Episode:
     """Its environment: the object (in process), or (worker, key) of where it lives; None before its first turn."""
     responses: list[str] = field(default_factory=list)
     """The model's turns as the environment got them (played again if its worker process was replaced)."""
-    turns: int = 0
-    """Model turns completed."""
     turn_tokens: int = 0
     """Tokens of the model turn in progress (one a weight update interrupted), or of the last one until the
     environment answers it."""
-    reward: float = 0.0
-    stop: str | None = None
-    error: str | None = None
-    counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("tool_calls", "tool_errors", "tool_timeouts", "env_s", "tool_s", "between_s"), 0.0))  # fmt: skip
+    record: EpisodeRecord = field(default_factory=EpisodeRecord)
+    """Its turns, why it stopped, its reward and error, what its turns cost: the sample's `episode` at its end."""
     started: float = field(default_factory=time.monotonic)
-
-    def record(self) -> dict:
-        """What the sample keeps of the episode (extras["episode"]): metrics and the reward."""
-        seconds = time.monotonic() - self.started
-        return {"turns": self.turns, "stop": self.stop, "reward": self.reward, "error": self.error, "seconds": seconds,
-                **self.counts}  # fmt: skip
 
 
 Request = Callable[[Episode, dict], Awaitable[tuple[Any, int]]]
@@ -161,7 +150,7 @@ class EpisodeRunner:
     def __init__(self, cfg: Config | None = None, tokenizer=None):
         """Episodes of `cfg.rollout.env`; without one (or without `cfg`), single responses."""
         self.env_cls = load_function(cfg.rollout.env, "rollout.env") if cfg and cfg.rollout.env else None
-        self.env_pool = self.tool_pool = None
+        self.env_workers = self.tool_workers = None
         self.tools: dict[str, str] = {}
         self.tool_schemas = tool_schemas(self.env_cls)
         """The chat template's `tools` for the prompts: the environment's (None without)."""
@@ -174,34 +163,36 @@ class EpisodeRunner:
         check_rendering(self.renderer)
         g = self.agent
         if g.env_workers and not getattr(self.env_cls, "in_process", False):
-            self.env_pool = StickyPool("dsrl.rollout.agents:env_step", g.env_workers, g.env_timeout_s,
-                                       "--agent.env_timeout_s")  # fmt: skip
+            self.env_workers = StickyPool("dsrl.rollout.agents:env_step", g.env_workers, g.env_timeout_s,
+                                          "--agent.env_timeout_s")  # fmt: skip
         if self.tools:
-            self.tool_pool = RewardPool("dsrl.rollout.agents:call_tool", g.tool_workers, g.tool_timeout_s, True,
-                                        "--agent.tool_timeout_s")  # fmt: skip
+            self.tool_workers = WorkerPool("dsrl.rollout.agents:call_tool", g.tool_workers, g.tool_timeout_s, True,
+                                           "--agent.tool_timeout_s")  # fmt: skip
 
     def close(self) -> None:
-        for pool in (self.env_pool, self.tool_pool):
-            if pool is not None:
-                pool.close()
+        for workers in (self.env_workers, self.tool_workers):
+            if workers is not None:
+                workers.close()
 
     def new(self, prompt: Prompt, sampling: dict, version: int = 0) -> Episode:
-        return Episode(Sample(prompt, [], [], "", version, extras={"spans": []}), {**sampling, **prompt.sampling})
+        return Episode(Sample(prompt, [], [], "", version), {**sampling, **prompt.sampling})
 
     async def run(self, episode: Episode, request: Request) -> bool:
         """Play `episode` to its end (then its sample is complete), or until a weight update aborts a model
         turn: False, and the episode stays as it is, to go on from there."""
-        while episode.stop is None:
+        record = episode.record
+        while record.stop is None:
             if not await self.model_turn(episode, request):
                 return False
-            if episode.stop is None:
+            if record.stop is None:
                 start = time.monotonic()
                 await self.env_turn(episode)
-                episode.counts["between_s"] += time.monotonic() - start
+                record.between_s += time.monotonic() - start
         if self.env_cls is not None:
-            episode.sample.extras["episode"] = episode.record()
-        if self.env_pool is not None and episode.env is not None:
-            self.env_pool.release(episode.env[1])
+            record.seconds = time.monotonic() - episode.started
+            episode.sample.episode = record
+        if self.env_workers is not None and episode.env is not None:
+            self.env_workers.release(episode.env[1])
         return True
 
     async def model_turn(self, episode: Episode, request: Request) -> bool:
@@ -211,16 +202,16 @@ class EpisodeRunner:
         if self.env_cls is not None:
             budget = min(budget, self.agent.max_episode_tokens - len(s.response_ids))
         if budget <= 0:  # aborted as its last token came out (SGLang then says "abort", not "length")
-            self.end_turn(episode, "length", s.extras["spans"][-1][1] if s.extras["spans"] else s.weight_version)
+            self.end_turn(episode, "length", s.spans[-1][1] if s.spans else s.weight_version)
             return True
         params["max_new_tokens"] = budget
         reply, sent_under = await request(episode, params)
         tokens = reply.output_ids[:budget]
         if tokens:  # (none when aborted before it was sent: the client's reply carries no version)
             finished_under = reply.weight_version
-            s.extras["spans"].append((len(s.response_ids), min(sent_under, finished_under)))
+            s.spans.append((len(s.response_ids), min(sent_under, finished_under)))
             if finished_under > sent_under:  # paused through an update: where the newer tokens start is unseen
-                s.extras["spans"].append((None, finished_under))
+                s.spans.append((None, finished_under))
             s.response_ids += tokens  # in place: a turn costs its own tokens, not the episode's so far
             s.engine_logprobs += reply.logprobs[: len(tokens)]
             if s.loss_mask is not None:
@@ -232,22 +223,22 @@ class EpisodeRunner:
         return True
 
     def end_turn(self, episode: Episode, finish_reason: str, version: int) -> None:
-        s = episode.sample
+        s, record = episode.sample, episode.record
         s.finish_reason, s.weight_version = finish_reason, version
-        if not s.extras["spans"]:
-            s.extras["spans"].append((0, version))
-        episode.turns += 1
+        if not s.spans:
+            s.spans.append((0, version))
+        record.turns += 1
         if self.env_cls is None:
-            episode.stop = "done"
+            record.stop = "done"
         elif len(s.response_ids) >= self.agent.max_episode_tokens:
-            episode.stop = "max_tokens"
+            record.stop = "max_tokens"
 
     async def env_turn(self, episode: Episode) -> None:
         """The environment's answer to the model's last turn, rendered; or the episode's end."""
-        s, g = episode.sample, self.agent
+        s, g, record = episode.sample, self.agent, episode.record
         left = g.episode_timeout_s - (time.monotonic() - episode.started)
         if left <= 0:
-            episode.stop = "deadline"
+            record.stop = "deadline"
             return
         turn = s.response_ids[len(s.response_ids) - episode.turn_tokens :]
         episode.turn_tokens = 0
@@ -256,15 +247,15 @@ class EpisodeRunner:
         start = time.monotonic()
         step, error = await self.call_env(episode, text, left)
         if error is not None:
-            episode.stop, episode.error = "error", f"the environment failed on turn {episode.turns}: {error}"
+            record.stop, record.error = "error", f"the environment failed on turn {record.turns}: {error}"
         if step is None:
             return
-        episode.reward += float(step.reward)
+        record.reward += float(step.reward)
         if step.done:
-            episode.stop = "done"
+            record.stop = "done"
             return
-        if episode.turns >= g.max_turns:
-            episode.stop = "max_turns"
+        if record.turns >= g.max_turns:
+            record.stop = "max_turns"
             return
         messages = observation_messages(step.observation, self.renderer.templated)
         if step.tool_calls:
@@ -273,7 +264,7 @@ class EpisodeRunner:
             m["content"] = self.renderer.cap(str(m["content"]), g.max_observation_tokens, g.truncate_side)
         ids = self.renderer.observation(messages, ended_with_eos=bool(turn) and turn[-1] == self.renderer.eos)
         if len(s.response_ids) + len(ids) >= g.max_episode_tokens:
-            episode.stop = "max_tokens"  # no room for the observation and a turn after it
+            record.stop = "max_tokens"  # no room for the observation and a turn after it
             return
         if s.loss_mask is None:
             s.loss_mask = [1] * len(s.response_ids)
@@ -288,23 +279,23 @@ class EpisodeRunner:
         episodes' turns, comes back to this one (agent/between_s counts that too)."""
         start = time.monotonic()
         try:
-            if self.env_pool is None:
+            if self.env_workers is None:
                 step, error, answered = await self.step_in_process(episode, text, left)
             else:
                 first = episode.env is None
                 if first:  # one worker for the whole episode: its environment never leaves it
-                    episode.env = self.env_pool.place(episode)
+                    episode.env = self.env_workers.place(episode)
                 worker, key = episode.env
                 item = (key, self.env_spec, self.env_args, episode.sample.prompt.row)
-                call = self.env_pool.submit(worker, (*item, [text], first))
+                call = self.env_workers.submit(worker, (*item, [text], first))
                 step, error, answered = await asyncio.wait_for(call, left)
                 if step is None and error is None:  # its worker was replaced (another episode's step crashed or hung)
-                    again = self.env_pool.submit(worker, (*item, episode.responses, True))
+                    again = self.env_workers.submit(worker, (*item, episode.responses, True))
                     step, error, answered = await asyncio.wait_for(again, start + left - time.monotonic())
         except TimeoutError:  # the episode's deadline passed while the environment thought
             step, error, answered = None, None, time.monotonic()
-            episode.stop = "deadline"
-        episode.counts["env_s"] += answered - start
+            episode.record.stop = "deadline"
+        episode.record.env_s += answered - start
         return step, error
 
     async def step_in_process(self, episode: Episode, text: str, left: float) -> tuple[Step | None, str | None, float]:
@@ -332,30 +323,31 @@ class EpisodeRunner:
     async def run_tools(self, episode: Episode, calls: list[ToolCall], left: float) -> list[dict]:
         """Each call's result as a `tool` message, in order; at most agent.max_parallel_calls at once. A call
         that raises, hangs, kills its process or names no known tool gets an error message instead."""
-        g, counts = self.agent, episode.counts
+        g, record = self.agent, episode.record
         slots = asyncio.Semaphore(g.max_parallel_calls)
 
         async def one(call: ToolCall) -> dict:
-            counts["tool_calls"] += 1
+            record.tool_calls += 1
             spec = self.tools.get(call.name)
             error = call.error or (None if spec else f"no tool named {call.name!r}; tools: {sorted(self.tools)}")
             output = None
             if error is None:
                 async with slots:
                     item = (spec, call.arguments, g.max_tool_output_chars, g.truncate_side)
+                    calling = self.tool_workers.run_async([item])
                     try:
-                        ((output, error),) = await asyncio.wait_for(self.tool_pool.score_async([item]), max(left, 0.01))
+                        ((output, error),) = await asyncio.wait_for(calling, max(left, 0.01))
                     except TimeoutError:
-                        error = "took longer than the episode had left (--agent.episode_timeout_s)"
+                        error = TimedOut("took longer than the episode had left (--agent.episode_timeout_s)")
             if error is not None:
-                counts["tool_errors"] += 1
-                counts["tool_timeouts"] += "took longer" in error
+                record.tool_errors += 1
+                record.tool_timeouts += isinstance(error, TimedOut)
                 output = cap_text(f"error: {error}", g.max_tool_output_chars, g.truncate_side)
             return {"role": "tool", "name": call.name, "content": output}
 
         start = time.monotonic()
         messages = list(await asyncio.gather(*(one(c) for c in calls)))
-        counts["tool_s"] += time.monotonic() - start
+        record.tool_s += time.monotonic() - start
         return messages
 
 
@@ -390,33 +382,35 @@ def tool_schemas(env_cls) -> list[dict] | None:
 def episode_metrics(samples: list[Sample]) -> dict[str, float]:
     """agent/*: turns, tool calls and failures, seconds, stop reasons and the masked fraction of a batch's
     episodes (the same keys on every rank: they are averaged or summed over ranks)."""
-    records = [s.extras["episode"] for s in samples if "episode" in s.extras]
+    records = [s.episode for s in samples if s.episode is not None]
     if not records:
         return {}
     n = len(records)
     tokens = sum(len(s.response_ids) for s in samples)
     out = {
-        "agent/turns_mean": sum(r["turns"] for r in records) / n,
-        "agent/tool_calls": float(sum(r["tool_calls"] for r in records)),
-        "agent/tool_errors": float(sum(r["tool_errors"] for r in records)),
-        "agent/tool_timeouts": float(sum(r["tool_timeouts"] for r in records)),
-        "agent/env_s_mean": sum(r["env_s"] for r in records) / n,
-        "agent/tool_s_mean": sum(r["tool_s"] for r in records) / n,
-        "agent/between_s_mean": sum(r["between_s"] for r in records) / n,
-        "agent/between_turns_frac": sum(r["between_s"] for r in records)
-        / max(sum(r["seconds"] for r in records), 1e-9),
+        "agent/turns_mean": sum(r.turns for r in records) / n,
+        "agent/tool_calls": float(sum(r.tool_calls for r in records)),
+        "agent/tool_errors": float(sum(r.tool_errors for r in records)),
+        "agent/tool_timeouts": float(sum(r.tool_timeouts for r in records)),
+        "agent/env_s_mean": sum(r.env_s for r in records) / n,
+        "agent/tool_s_mean": sum(r.tool_s for r in records) / n,
+        "agent/between_s_mean": sum(r.between_s for r in records) / n,
+        "agent/between_turns_frac": sum(r.between_s for r in records) / max(sum(r.seconds for r in records), 1e-9),
         "agent/masked_token_frac": sum(len(s.response_ids) - s.model_tokens() for s in samples) / max(tokens, 1),
     }
-    out.update({f"agent/stop_{why}_frac": sum(r["stop"] == why for r in records) / n for why in STOP_REASONS})
+    out.update({f"agent/stop_{why}_frac": sum(r.stop == why for r in records) / n for why in STOP_REASONS})
     return out
 
 
-def episode_row(sample: Sample, tokenizer) -> dict:
-    """An episode's record and whole conversation, for generations.jsonl, eval files and tables ({} for a
-    single response)."""
-    if "episode" not in sample.extras:
-        return {}
-    return {"episode": {**sample.extras["episode"], "turns": conversation(sample, tokenizer)}}
+def sample_row(sample: Sample, tokenizer) -> dict:
+    """A sample as generations.jsonl, the eval files and the trackers' tables show it; an episode with its record
+    and whole conversation."""
+    s, response = sample, tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+    row = {"row": s.prompt.index, "prompt": s.prompt.text, "response": response, "reward": s.reward,
+           "weight_version": s.weight_version}  # fmt: skip
+    if s.episode is not None:
+        row["episode"] = {**asdict(s.episode), "turns": conversation(s, tokenizer)}
+    return row
 
 
 def conversation(sample: Sample, tokenizer) -> list[dict]:

@@ -40,10 +40,25 @@ from dsrl.config import Config
 from dsrl.data import Prompt, PromptDataset, Sample
 from dsrl.rewards.rewarder import Rewarder
 from dsrl.rollout.episode import Episode, EpisodeRunner
-from dsrl.rollout.rollouts import Batch, Generation, Rollouts, parse_generation, request_seed, sampling_params
+from dsrl.rollout.rollouts import Batch, Generation, Rollouts, SyncRollouts, generate_one, request_seed, sampling_params
 from dsrl.serving.client import RolloutClient
 
 log = logging.getLogger(__name__)
+
+
+def schedule(client: RolloutClient, cfg: Config, dataset: PromptDataset, rewarder: Rewarder, rank: int, world: int,
+             runner: EpisodeRunner, state: dict | None = None, version: int = 0) -> Rollouts:  # fmt: skip
+    """The run's rollout schedule, as a checkpoint (this rank's `state`, of weight `version`) left it: colocated, each
+    batch generated at its step (`SyncRollouts`); disaggregated, ahead of training by up to max_staleness versions
+    (`RolloutManager`)."""
+    if cfg.rollout.placement == "colocate":
+        rollouts = SyncRollouts(client, cfg, dataset, rewarder, rank, world, runner)
+    else:
+        stream = PromptStream(dataset, cfg.rollout.prompts_per_step, rank, world)
+        rollouts = RolloutManager(client, cfg, stream, rewarder, runner)
+    if state is not None:
+        rollouts.restore(state["rollouts"], version)
+    return rollouts
 
 
 class Restarted(Exception):
@@ -248,23 +263,21 @@ class RolloutManager(Rollouts):
             s = episode.sample
             params["sampling_seed"] = request_seed(self.cfg.seed, prompt.index, slot, self.version, len(s.response_ids))
             # The version of the request's oldest tokens decides whether a weight update interrupts it.
-            own = s.oldest_version if s.extras["spans"] else self.version
+            own = s.oldest_version if s.spans else self.version
             oldest = min(own, group.oldest_so_far(default=self.version))
             rid = f"{self.rid_prefix}-v{oldest}-g{group.gid}-s{slot}-{uuid.uuid4().hex[:8]}"
             sent_under = self.version  # its first token's version, or older than it (when it waits for a slot)
-            body = {"input_ids": prompt.prompt_ids + s.response_ids, "sampling_params": params,
-                    "return_logprob": True, "rid": rid}  # fmt: skip
-            # Older groups first where the server schedules by priority (the embedded engine; SGLang with
-            # --enable-priority-scheduling, else ignored): a group near the staleness bound holds up the next batch.
-            body["priority"] = -oldest
             group.started[rid] = oldest
             self._request_started()
             try:
-                out = await self.client.generate(body, route_key=(self.rid_prefix, group.gid))
+                # Older groups first where the server schedules by priority (the embedded engine; SGLang with
+                # --enable-priority-scheduling, else ignored): a group near the staleness bound holds up the next batch.
+                ids, route = prompt.prompt_ids + s.response_ids, (self.rid_prefix, group.gid)
+                reply = await generate_one(self.client, ids, params, route, rid=rid, priority=-oldest)
             finally:
                 group.started.pop(rid)
                 await self._request_finished()
-            return parse_generation(out), sent_under
+            return reply, sent_under
 
         try:
             finished = await self.runner.run(episode, request)

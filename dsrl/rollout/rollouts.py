@@ -8,6 +8,7 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import torch
 from tqdm import tqdm
 
 from dsrl.config import Config, RolloutConfig, function_spec
@@ -36,13 +37,14 @@ class Rollouts(ABC):
 
         start()                                   once, before the first step
         for step: collect(step)                   the batch trained at weight version `step`
+                  generate_ahead(step + 1)        beside the optimizer step (colocated one-step-off)
                   before_update()                 then every trainer rank syncs the weights
                   after_update(step + 1)          the servers hold version step + 1 now
         state() / restore(state, step)            what a checkpoint keeps of the schedule
         stop()                                    at the end, also on error
 
-    The synchronous schedule generates inside `collect` and needs none of the hooks; the
-    asynchronous one (`RolloutManager`) generates between them.
+    The synchronous schedule generates inside `collect` (or, one-step-off, from `generate_ahead`); the
+    asynchronous one (`RolloutManager`) generates between the hooks.
     """
 
     @abstractmethod
@@ -51,6 +53,11 @@ class Rollouts(ABC):
 
     def start(self) -> None:
         """Start generating ahead of the trainer, where the schedule does."""
+
+    def generate_ahead(self, step: int) -> None:
+        """Start generating the batch of `step` now, beside the trainer's last optimizer step, with the weights the
+        servers hold (`dsrl.train.beside_optimizer_step` says when); a schedule that generates ahead on its own
+        (`RolloutManager`) has nothing to start."""
 
     def before_update(self) -> None:
         """Put requests in flight in the state the weight update needs (see `rollout.interrupt`)."""
@@ -69,6 +76,40 @@ class Rollouts(ABC):
         """Continue from `state()` of a run checkpointed at weight version `version`."""
 
 
+def rollout_metrics(samples: list[Sample], trainer_version: int) -> dict[str, float]:
+    """A batch's rewards, lengths and staleness, and the engine's logprobs against the trainer's."""
+    rewards = torch.tensor([s.reward for s in samples])
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float)
+    staleness = torch.tensor([trainer_version - s.oldest_version for s in samples], dtype=torch.float)
+    return {
+        "rollout/staleness_mean": staleness.mean().item(),
+        "rollout/staleness_max": staleness.max().item(),
+        "rollout/versions_per_batch": float(len({v for s in samples for _, v in s.spans})),
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item(),
+        "response/length_mean": lengths.mean().item(),
+        "response/length_max": lengths.max().item(),
+        "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        **logprob_mismatch(samples),
+    }
+
+
+def logprob_mismatch(samples: list[Sample]) -> dict[str, float]:
+    """How far the engine's sampling logprobs are from the trainer's recomputed ones, over the model's tokens
+    (none when the step was skipped before the update gave them: `old_from_update`)."""
+    if any("old_logprobs" not in s.extras for s in samples):
+        return {}
+    model = torch.cat([torch.tensor(s.mask(), dtype=torch.bool) for s in samples])
+    engine = torch.cat([torch.tensor(s.engine_logprobs) for s in samples])[model]
+    trainer = torch.cat([s.extras["old_logprobs"] for s in samples])[model]
+    diff = engine - trainer
+    return {
+        "mismatch/logprob_abs_diff": diff.abs().mean().item(),
+        "mismatch/prob_abs_diff": (engine.exp() - trainer.exp()).abs().mean().item(),
+        "mismatch/logprob_max_abs_diff": diff.abs().max().item(),
+    }
+
+
 @dataclass
 class Generation:
     """A `/generate` reply, parsed: the one place dsrl reads SGLang's response fields."""
@@ -78,6 +119,13 @@ class Generation:
     finish_reason: str
     weight_version: int | None
     """None when the request was aborted before it was sent (the client answered, not a server)."""
+
+
+async def generate_one(client: RolloutClient, input_ids: list[int], sampling: dict, route_key, **fields) -> Generation:
+    """One `/generate`, the only place its request is built: token ids in (`fields`: SGLang's own, e.g. rid,
+    priority); the tokens out with their logprobs and weight version."""
+    body = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True, **fields}
+    return parse_generation(await client.generate(body, route_key))
 
 
 def parse_generation(out: dict) -> Generation:
@@ -118,16 +166,13 @@ class Engine:
 
     async def generate(self, input_ids: list[int], sampling: dict) -> Generation:
         """One `/generate`: token ids in, the tokens out with their logprobs and weight version."""
-        body = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True}
-        return parse_generation(await self.client.generate(body, self.route_key))
+        return await generate_one(self.client, input_ids, sampling, self.route_key)
 
     async def sample(self, prompt: Prompt, sampling: dict) -> Sample:
         """dsrl's own rollout: one response to `prompt`."""
-        body = {"input_ids": prompt.prompt_ids, "sampling_params": {**sampling, **prompt.sampling},
-                "return_logprob": True}  # fmt: skip
-        out = parse_generation(await self.client.generate(body, self.route_key))
+        out = await self.generate(prompt.prompt_ids, {**sampling, **prompt.sampling})
         return Sample(prompt, out.output_ids, out.logprobs, out.finish_reason, out.weight_version,
-                      extras={"spans": [(0, out.weight_version)]})  # fmt: skip
+                      spans=[(0, out.weight_version)])  # fmt: skip
 
 
 class RolloutFnError(RuntimeError):
@@ -150,11 +195,11 @@ async def custom_sample(fn, spec: str, engine: Engine, prompt: Prompt, sampling:
         problem = f"weight_version {sample.weight_version!r} is not the int of a server's reply"
     if problem:
         raise RolloutFnError(f"--rollout.rollout_fn={spec}: on dataset row {prompt.index}: {problem}")
-    sample.extras.setdefault("spans", [(0, sample.weight_version)])
+    sample.spans = sample.spans or [(0, sample.weight_version)]
     return sample
 
 
-def generate(
+async def generate(
     client: RolloutClient,
     prompts: list[Prompt],
     cfg: RolloutConfig,
@@ -165,20 +210,7 @@ def generate(
 ) -> list[Sample]:
     """n_samples responses (or `runner`'s episodes) per prompt, or `rollout.rollout_fn`'s samples, groups
     contiguous in prompt order; each group is scored by `rewarder` as soon as it is complete, while the
-    others still generate."""
-    return client.run(generate_async(client, prompts, cfg, seed, progress, rewarder, runner))
-
-
-async def generate_async(
-    client: RolloutClient,
-    prompts: list[Prompt],
-    cfg: RolloutConfig,
-    seed: int = 0,
-    progress: tqdm | None = None,
-    rewarder: Rewarder | None = None,
-    runner: EpisodeRunner | None = None,
-) -> list[Sample]:
-    """`generate`, on the client's event loop."""
+    others still generate. On the client's event loop (`client.run(generate(...))` from elsewhere)."""
     fn = None if cfg.rollout_fn is None else load_function(cfg.rollout_fn, "rollout.rollout_fn")
     spec = function_spec(cfg.rollout_fn)
     runner, params = runner or EpisodeRunner(), sampling_params(cfg)
@@ -209,11 +241,9 @@ async def play(client: RolloutClient, runner: EpisodeRunner, episode: Episode, s
     `seed` and the tokens so far, so a resumed run repeats them."""
 
     async def request(episode: Episode, params: dict) -> tuple[Generation, int]:
-        n = len(episode.sample.response_ids)
-        params.setdefault("sampling_seed", request_seed(*seed, *([n] if n else [])))
-        body = {"input_ids": episode.sample.prompt.prompt_ids + episode.sample.response_ids,
-                "sampling_params": params, "return_logprob": True}  # fmt: skip
-        reply = parse_generation(await client.generate(body, route_key))
+        s = episode.sample
+        params.setdefault("sampling_seed", request_seed(*seed, *([len(s.response_ids)] if s.response_ids else [])))
+        reply = await generate_one(client, s.prompt.prompt_ids + s.response_ids, params, route_key)
         return reply, reply.weight_version
 
     while not await runner.run(episode, request):
@@ -225,7 +255,7 @@ class SyncRollouts(Rollouts):
     """The colocated schedule: each step's batch is generated with the current weights, each group scored as it
     completes. The data position follows from the step, so a checkpoint needs nothing of it.
 
-    One-step-off (`rollout.max_staleness` 1): the loop starts the next step's batch (`generate_ahead`) while
+    One-step-off (`rollout.max_staleness` 1): the next step's batch starts (`generate_ahead`) while
     the trainer's last optimizer step runs, with the weights the servers still hold; the weight update waits
     for it (`before_update`). A checkpoint keeps no batch generated ahead: a resumed run generates it again,
     with the weights of the checkpoint."""
@@ -244,7 +274,7 @@ class SyncRollouts(Rollouts):
         return self.client.run(self._generate(step))
 
     def generate_ahead(self, step: int) -> None:
-        """Start generating the batch of `step` now, on the client's event loop."""
+        """On the client's event loop; `collect(step)` takes it, and the weight update waits for it."""
         self.ahead = (step, self.client.submit(self._generate(step, ahead=True)))
 
     def before_update(self) -> None:
@@ -261,7 +291,7 @@ class SyncRollouts(Rollouts):
         prompts = self.dataset.batch(step, self.cfg.rollout.prompts_per_step, self.rank, self.world)
         failed = self.rewarder.failed
         seed = request_seed(self.cfg.seed, step)
-        samples = await generate_async(self.client, prompts, self.cfg.rollout, seed, None, self.rewarder, self.runner)
+        samples = await generate(self.client, prompts, self.cfg.rollout, seed, None, self.rewarder, self.runner)
         metrics = {"reward/failed": float(self.rewarder.failed - failed)}
         if ahead:  # beside the last step's update: the loop's own timer of this step sees none of it
             metrics["timing/generate_ahead"] = time.perf_counter() - start

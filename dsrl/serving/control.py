@@ -17,9 +17,21 @@ from pathlib import Path
 
 from aiohttp import web
 
-from dsrl.serving.servers import Fleet
+from dsrl.config import Config
+from dsrl.serving.client import RolloutClient
+from dsrl.serving.servers import Fleet, server_host
 
 FLEET_FILE = "fleet.json"
+
+
+def start_control(cfg: Config, fleet: Fleet, client: RolloutClient, run_dir: Path) -> "FleetControl":
+    """Trainer rank 0's endpoint, started on its client's event loop."""
+    frozen = "CUDA IPC ties each server to a trainer rank's GPU: this run's fleet cannot change"
+    r = cfg.rollout
+    control = FleetControl(fleet, run_dir, server_host(r, bool(cfg.trainer.hostfile)), r.api_key,
+                           frozen if cfg.sync.type == "ipc" else None)  # fmt: skip
+    client.run(control.start())
+    return control
 
 
 class FleetControl:

@@ -3,7 +3,9 @@
 import logging
 from pathlib import Path
 
-from dsrl.config import RolloutConfig, fleet_kind
+from dsrl.auto import fleet_kind
+from dsrl.config import Config, RolloutConfig
+from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import (
     ExternalFleet,
     Fleet,
@@ -71,3 +73,25 @@ def start_fleet(
         fleet.stop()
         raise
     return fleet
+
+
+def start_fleet_for_ranks(
+    cfg: RolloutConfig, model_path: str, run_dir: Path, seed: int, engine: str, multi_node: bool, role: str = "rollout"
+) -> Fleet:
+    """Trainer rank 0 starts the servers (`start_fleet`) and every rank learns their URLs (on the other ranks the
+    fleet is only that list: rank 0 alone changes it)."""
+    import torch.distributed as dist  # (this module is imported before the launcher, where torch is not)
+
+    rank0 = dist.get_rank() == 0
+    fleet = [start_fleet(cfg, model_path, run_dir, seed, engine, multi_node, role) if rank0 else None]
+    urls = [fleet[0].urls if rank0 else None]
+    dist.broadcast_object_list(urls, src=0)
+    return fleet[0] or ServerFleet(urls=urls[0])
+
+
+def start_rollout_servers(cfg: Config, model_dir: str, run_dir: Path) -> tuple[Fleet, RolloutClient]:
+    """The run's rollout servers (`start_fleet_for_ranks`; reachable from every node on several), and this rank's
+    client of them: every rank generates through its own, only rank 0's talks to the servers about weights."""
+    r = cfg.rollout
+    fleet = start_fleet_for_ranks(r, model_dir, run_dir, cfg.seed, r.engine, multi_node=bool(cfg.trainer.hostfile))
+    return fleet, RolloutClient(fleet.urls, r.max_concurrency, r.request_timeout_s, api_key=r.api_key, route=r.route)

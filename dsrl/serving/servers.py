@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsrl.config import RolloutConfig
-from dsrl.rundir import PROGRESS_S, die_with_parent, member_fds, write_private
+from dsrl.config import RolloutConfig, write_private
+from dsrl.rundir import PROGRESS_S, die_with_parent, member_fds
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from dsrl.collectives import agreed
 from dsrl.metrics import Timer
 from dsrl.serving.client import RolloutClient, ServedAdapter
-from dsrl.sync.base import SERVER_ERRORS, CheckpointEngine
+from dsrl.sync.base import SERVER_ERRORS, Transport
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def adapter_name(version: int) -> str:
 
 
 class AdapterServing:
-    def __init__(self, transport: CheckpointEngine, client: RolloutClient):
+    def __init__(self, transport: Transport, client: RolloutClient):
         self.transport, self.client = transport, client
         self.rank0 = dist.get_rank() == 0
         self.needs_base = True

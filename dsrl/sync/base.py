@@ -1,4 +1,4 @@
-"""The checkpoint engine's transports: one small interface, one transport per file, chosen by --sync.type.
+"""The weight update's transports: one small interface, one transport per file, chosen by --sync.type.
 
 A transport moves the trainer's parameters into every server, bucket by bucket, and makes
 `weight_version` live with the last bucket; with a LoRA adapter served on its own (`--sync.lora
@@ -27,7 +27,7 @@ SERVER_ERRORS = (SyncError, ServerError)
 """What a server can make an update fail with; anything else is a bug and propagates as it is."""
 
 
-class CheckpointEngine(ABC):
+class Transport(ABC):
     def __init__(self, cfg: SyncConfig, client: RolloutClient, root: Path):
         self.cfg, self.client, self.root = cfg, client, root
         """`root`: where files for the servers go (--sync.disk_dir, default <run_dir>/weights)."""

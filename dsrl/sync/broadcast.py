@@ -23,13 +23,13 @@ from dsrl.metrics import Timer
 from dsrl.rundir import deadline
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import free_port, routable_address
-from dsrl.sync.base import CheckpointEngine, SyncError
+from dsrl.sync.base import SyncError, Transport
 from dsrl.zero.buckets import FlatBucket, FlatGatherer
 
 log = logging.getLogger(__name__)
 
 
-class BroadcastEngine(CheckpointEngine):
+class BroadcastTransport(Transport):
     def __init__(self, cfg: SyncConfig, client: RolloutClient, root: Path, backend: str):
         super().__init__(cfg, client, root)
         self.backend = backend

@@ -13,11 +13,11 @@ from safetensors.torch import save_file
 
 from dsrl.config import SyncConfig
 from dsrl.serving.client import RolloutClient
-from dsrl.sync.base import CheckpointEngine
+from dsrl.sync.base import Transport
 from dsrl.zero.buckets import gathered_buckets
 
 
-class DiskEngine(CheckpointEngine):
+class DiskTransport(Transport):
     def __init__(self, cfg: SyncConfig, client: RolloutClient, root: Path):
         super().__init__(cfg, client, root)
         self.previous: Path | None = None

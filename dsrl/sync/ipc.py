@@ -23,7 +23,7 @@ import torch.distributed as dist
 from dsrl.config import SyncConfig
 from dsrl.metrics import Timer
 from dsrl.serving.client import RolloutClient
-from dsrl.sync.base import CheckpointEngine
+from dsrl.sync.base import Transport
 from dsrl.zero.buckets import FlatBucket, FlatGatherer
 from dsrl.zero.lora import adapter_config, gathered_adapter
 
@@ -37,7 +37,7 @@ def serialize(obj) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-class IpcEngine(CheckpointEngine):
+class IpcTransport(Transport):
     def __init__(self, cfg: SyncConfig, client: RolloutClient, root: Path, tp_size: int):
         super().__init__(cfg, client, root)
         self.tp_size = tp_size

@@ -4,23 +4,23 @@
                or leave do (`dsrl fleet add/remove`); the transport's per-fleet state (the
                broadcast group) is rebuilt only when membership changed, and a joining server
                takes no request before this update has given it the weights
-    offload    colocated on GPUs: the trainer's optimizer states leave the GPU
-    wake       colocated: the servers take their weights' memory back
+    lend       colocated: the GPU goes to the update (`GpuLending.for_update`: the trainers'
+               optimizer states leave it, the servers take their weights' memory back)
     pause      interrupt pause: the servers pause, their requests stay on them through the update
     send       the transport moves every bucket; the new weight_version goes live with the last
     continue   paused servers resume
     check      every server reports the new weight_version
     verify     the weights compared, or the trainer's half of the probe computed
-    offload    colocated on GPUs: the transport's buffers, and the trainer's parameters or (states kept)
-               the allocator's cached blocks, leave the GPU
-    wake       colocated: the servers take their KV cache back
+    lend       colocated: the transport's buffers are freed and the GPU goes back to the servers
+               (`GpuLending.to_servers`: the trainers' parameters leave, the KV cache comes back)
     probe      the servers' logprobs of fixed tokens against the trainer's, in the background beside
                the rollout's requests; checked before the servers sleep (colocated: before the step
                trains on what they generated) or at the next update (disaggregated)
 
 Every trainer rank calls it (the parameters are gathered from every rank's partitions); only
 trainer rank 0 talks to the servers, and a failure there surfaces on every rank (`agreed`). A
-failed send is tried once more after the fleet is healed.
+failed send is tried once more after the fleet is healed. Which tenant of the GPU sleeps, wakes
+or offloads, and when, is `dsrl.lending`'s.
 """
 
 import logging
@@ -33,49 +33,30 @@ import torch.distributed as dist
 
 from dsrl.collectives import agreed
 from dsrl.config import Config, SyncConfig
+from dsrl.lending import GpuLending
 from dsrl.metrics import Timer
 from dsrl.rundir import deadline
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import ServerFleet
 from dsrl.sync.adapter import AdapterServing
-from dsrl.sync.base import SERVER_ERRORS, CheckpointEngine, SyncError
+from dsrl.sync.base import SERVER_ERRORS, SyncError, Transport
 from dsrl.sync.verify import probe_reference, probe_servers, verify_weights
-from dsrl.zero.engine import free_cached_memory, offload_states, reload_states
 from dsrl.zero.lora import is_lora
 
 log = logging.getLogger(__name__)
 
-MEMORY_TAGS = ("weights", "kv_cache")
-
 
 class WeightSync:
     def __init__(
-        self,
-        cfg: Config,
-        actor,
-        fleet: ServerFleet,
-        client: RolloutClient,
-        transport: CheckpointEngine,
-        offload: bool,
-        critic=None,
-        reward=None,
+        self, cfg: Config, actor, fleet: ServerFleet, client: RolloutClient, transport: Transport, gpu: GpuLending
     ):
         self.cfg, self.actor, self.fleet, self.client, self.transport = cfg, actor, fleet, client, transport
-        self.trainers = [actor] + ([critic] if critic is not None else [])
-        """The engines that lend the GPU to the servers between updates (colocated): actor, critic."""
+        self.gpu = gpu  # colocated, it lends the GPU to the update and back to the servers
         self.rank0 = dist.get_rank() == 0
         """Only trainer rank 0 talks to the servers; the fields below marked (rank 0) are empty elsewhere."""
-        self.reward = reward
-        """(rank 0) The reward model's servers (`RewardModel`): colocated, they sleep and wake with the rollouts'."""
-        self.colocated = cfg.rollout.placement == "colocate"
-        self.offload = offload
-        """Colocated on GPUs: the trainers' states leave the GPU while the servers generate."""
         r = cfg.rollout
         self.pause = r.pause_mode if r.placement == "disaggregate" and r.interrupt == "pause" else None
         """SGLang's pause mode when requests stay in flight through updates (interrupt pause), else None."""
-        self.released: dict[str, set[str]] = {}
-        """(rank 0) memory each server has released: colocated, they sleep between generations. A retried
-        update wakes only what is still asleep (SGLang refuses to resume memory that is not released)."""
         self.verified = False  # the first update is always verified
         self.probe: Future | None = None
         """(rank 0) the last update's probe of the servers, running beside the rollout's requests."""
@@ -83,13 +64,6 @@ class WeightSync:
         """(rank 0) the figures of the probe awaited last, until `check_probe` hands them on."""
         self.adapters = AdapterServing(transport, client) if is_lora(actor.module) and not transport.merge else None
         """A LoRA actor whose adapter the servers serve on their own (`--sync.lora adapter`)."""
-        self.ahead = self.colocated and cfg.rollout.max_staleness > 0
-        """Colocated one-step-off: the servers generate the next batch with their weights while the trainer's last
-        optimizer step runs (`wake_for_generation`)."""
-        self.sleep_tags = MEMORY_TAGS if self.adapters is None and not self.ahead else ("kv_cache",)
-        """What the servers release while the trainer trains (colocated). Serving an adapter, or generating ahead,
-        they keep their weights: SGLang drops released weights' contents, the base is only sent once, and the
-        batch generated ahead needs the weights the trainer just trained on."""
 
     def update(self, version: int) -> dict[str, float]:
         """Bring every server to weight `version`; returns the sync metrics (rank 0's are the real ones). An update
@@ -106,11 +80,7 @@ class WeightSync:
                 self._heal()
             try:
                 with agreed(f"the weight sync to version {version}", SERVER_ERRORS):
-                    if self.offload:
-                        with timer("offload"):
-                            self.offload_trainers(params=False)
-                    with timer("wake"):
-                        self._wake("weights")
+                    self.gpu.for_update(timer)
                     start = time.perf_counter()
                     if self.pause is not None:
                         with timer("pause"):
@@ -141,21 +111,16 @@ class WeightSync:
         if verify == "probe":  # the trainer's side now, while its params are still on the GPU
             with timer("verify"):
                 reference = probe_reference(self.actor, self.actor.module.config.vocab_size)
-        if self.colocated:
-            with timer("offload"):  # the KV cache needs the memory the trainer held
+        if self.gpu.colocated:
+            with timer("offload"):  # the KV cache needs the memory the transport's buffers held
                 self.transport.release()
-                if self.offload:
-                    self.offload_trainers(params=True)
-                else:
-                    free_cached_memory()
-        with timer("wake"):  # the KV cache needs the memory the trainer's params held
-            self._wake("kv_cache")
+        self.gpu.to_servers(timer)
         if reference is not None:
             self._probe(*reference)
         metrics |= {"sync/bytes": sent, "sync/seconds": seconds, "sync/gb_per_s": sent / max(seconds, 1e-9) / 1e9}
         profile = self.adapters.profile if self.adapters is not None else self.transport.profile
-        transport = {f"timing/sync_{part}": seconds for part, seconds in profile.items()}
-        return metrics | timer.metrics("timing/sync_") | transport
+        parts = {f"timing/sync_{part}": seconds for part, seconds in profile.items()}
+        return metrics | timer.metrics("timing/sync_") | parts
 
     def _verifies(self, version: int) -> str:
         """--sync.verify for this update: every verify_every-th, the first and the last always."""
@@ -164,45 +129,18 @@ class WeightSync:
         due = first or version % s.verify_every == 0 or version >= self.cfg.trainer.total_steps
         return s.verify if due else "off"
 
-    def sleep(self) -> None:
-        """Colocated: once every rank has its samples, the servers give their memory to the trainer. The last
-        update's probe is checked first (a collective: every rank has its samples then): a mismatch stops
-        the run before it trains on what the servers generated."""
-        self._await_probe()
-        if self.rank0:
-            self.client.call_all("/release_memory_occupation", {"tags": list(self.sleep_tags)})
-            self.released = {url: set(self.sleep_tags) for url in self.client.live_urls()}
-            if self.reward is not None:
-                self.reward.sleep(self.sleep_tags)
-        if self.offload:
-            self.reload_trainers()
-
-    def wake_for_generation(self) -> None:
-        """Colocated one-step-off, after the update's last backward pass: the servers take their KV cache back, in
-        the memory the trainer's activations held; every rank waits until they have (`agreed`)."""
-        free_cached_memory()
-        with agreed("waking the servers to generate ahead", SERVER_ERRORS):
-            self._wake("kv_cache")
-
-    def offload_trainers(self, params: bool) -> None:
-        """Optimizer states (and with `params` the parameters) of every trainer to the CPU."""
-        for engine in self.trainers:
-            offload_states(engine, params)
-
-    def reload_trainers(self) -> None:
-        for engine in self.trainers:
-            reload_states(engine)
-
     def check_probe(self) -> dict[str, float]:
         """The last update's probe, awaited if it still runs; a mismatch stops the run on every rank. Returns
         its figures once (rank 0's; empty elsewhere)."""
-        self._await_probe()
+        self.await_probe()
         if self.adapters is not None and self.rank0:
             self.adapters.settle()
         out, self.probed = self.probed, {}
         return out
 
-    def _await_probe(self) -> None:
+    def await_probe(self) -> None:
+        """The last update's probe, awaited (a collective: colocated, before the servers sleep, so that a mismatch
+        stops the run before it trains on what they generated); its figures wait for `check_probe`."""
         pending, self.probe = self.probe, None
         with agreed("the weight probe after the last sync", SERVER_ERRORS):
             if pending is not None:
@@ -232,7 +170,7 @@ class WeightSync:
             self.transport.reset()
             if self.adapters is not None:
                 self.adapters.reset()
-            self.released = {url: tags for url, tags in self.released.items() if url in change[0].urls}
+            self.gpu.fleet_changed(change[0].urls)
         if self.rank0:
             for url in change[0].leaving if change[0] else []:
                 self.fleet.stop_server(url)
@@ -249,17 +187,6 @@ class WeightSync:
         if self.rank0:
             self.client.call_all(path, payload)
 
-    def _wake(self, tag: str) -> None:
-        """Colocated: the servers that released `tag` take it back (none otherwise); with the KV cache, the reward
-        model's servers wake whole (after the trainer's memory has gone)."""
-        if tag == "kv_cache" and self.reward is not None:
-            self.reward.wake()
-        asleep = [url for url in self.client.live_urls() if tag in self.released.get(url, ())] if self.rank0 else []
-        if asleep:
-            self.client.run(self.client.all_servers("/resume_memory_occupation", {"tags": [tag]}, urls=asleep))
-            for url in asleep:
-                self.released[url].discard(tag)
-
     def _check_versions(self, version: int) -> None:
         if not self.rank0:
             return
@@ -272,7 +199,7 @@ class WeightSync:
         """The servers' half of the probe, in the background: behind a busy server's queue it took 0.1 s per
         step on an H200, and 45 ms of a toy step colocated. No cache flush: the rollout's requests run
         meanwhile and SGLang refuses to flush then (seen: HTTP 400 under load); a probe matches no cached
-        prefix past logprob_start_len 0 anyway. Colocated, `sleep` checks it before the servers release
+        prefix past logprob_start_len 0 anyway. Colocated, `await_probe` checks it before the servers release
         their memory (SGLang dies generating asleep); disaggregated, the next update does."""
         if self.rank0:
             tolerance = self.cfg.sync.probe_tolerance
@@ -285,21 +212,19 @@ async def _timed(work: Awaitable[float]) -> tuple[float, float]:
     return await work, time.perf_counter() - start
 
 
-def make_checkpoint_engine(
-    cfg: SyncConfig, client: RolloutClient, run_dir: Path, backend: str, tp_size: int = 1
-) -> CheckpointEngine:
+def make_transport(cfg: SyncConfig, client: RolloutClient, run_dir: Path, backend: str, tp_size: int = 1) -> Transport:
     """The transport named by --sync.type ('auto' must be resolved by the caller)."""
     root = Path(cfg.disk_dir or run_dir / "weights")
     if cfg.type == "ipc":
-        from dsrl.sync.ipc import IpcEngine
+        from dsrl.sync.ipc import IpcTransport
 
-        return IpcEngine(cfg, client, root, tp_size)
+        return IpcTransport(cfg, client, root, tp_size)
     if cfg.type == "broadcast":
-        from dsrl.sync.broadcast import BroadcastEngine
+        from dsrl.sync.broadcast import BroadcastTransport
 
-        return BroadcastEngine(cfg, client, root, backend)
+        return BroadcastTransport(cfg, client, root, backend)
     if cfg.type == "disk":
-        from dsrl.sync.disk import DiskEngine
+        from dsrl.sync.disk import DiskTransport
 
-        return DiskEngine(cfg, client, root)
+        return DiskTransport(cfg, client, root)
     raise ValueError(f"--sync.type={cfg.type!r}: expected ipc, broadcast or disk")

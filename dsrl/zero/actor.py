@@ -3,8 +3,10 @@
 Micro-batches are built by tokens, packed on CUDA (`dsrl/zero/batches.py`); the model computes logits of the
 response positions only, and their fp32 log-softmax runs a chunk of positions at a time."""
 
+import itertools
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -17,10 +19,11 @@ from dsrl.algorithms import (
     kl_estimate,
     ppo_clip_loss,
 )
+from dsrl.auto import old_from_update, packs
 from dsrl.collectives import reduce_device
 from dsrl.config import Config
 from dsrl.data import Sample
-from dsrl.zero.batches import MicroBatch, largest_micro_batch, micro_batches, packs
+from dsrl.zero.batches import MicroBatch, largest_micro_batch, micro_batches
 
 
 def per_token(mb: MicroBatch, key: str) -> torch.Tensor:
@@ -118,29 +121,6 @@ def compute_logprobs(engine, samples: list[Sample], key: str, cfg: Config, pad_i
         keep_per_sample(logprobs, chunk, key)
 
 
-def old_from_update(cfg: Config) -> bool:
-    """Whether the update's own forward pass gives the old logprobs (`trainer.old_logprobs`): then no pass
-    computes them before it."""
-    t = cfg.trainer
-    return t.old_logprobs == "auto" and t.updates_per_step == t.ppo_epochs == 1 and not cfg.algorithm.kl_in_reward
-
-
-def logprob_mismatch(samples: list[Sample]) -> dict[str, float]:
-    """How far the engine's sampling logprobs are from the trainer's recomputed ones, over the model's tokens
-    (none when the step was skipped before the update gave them: `old_from_update`)."""
-    if any("old_logprobs" not in s.extras for s in samples):
-        return {}
-    model = torch.cat([torch.tensor(s.mask(), dtype=torch.bool) for s in samples])
-    engine = torch.cat([torch.tensor(s.engine_logprobs) for s in samples])[model]
-    trainer = torch.cat([s.extras["old_logprobs"] for s in samples])[model]
-    diff = engine - trainer
-    return {
-        "mismatch/logprob_abs_diff": diff.abs().mean().item(),
-        "mismatch/prob_abs_diff": (engine.exp() - trainer.exp()).abs().mean().item(),
-        "mismatch/logprob_max_abs_diff": diff.abs().max().item(),
-    }
-
-
 def global_denominators(mini: list[Sample]) -> tuple[float, float]:
     """The mini-batch's model tokens and sequences over every rank, divided by the number of ranks.
 
@@ -149,7 +129,7 @@ def global_denominators(mini: list[Sample]) -> tuple[float, float]:
     `token_mean` the mean of per-rank means: wrong whenever ranks hold different token totals.
     Skipped samples (a failed reward, `on_reward_error skip`) count for nothing.
     """
-    kept = [s for s in mini if not s.extras.get("skip")]
+    kept = [s for s in mini if not s.skip]
     counts = [float(sum(s.model_tokens() for s in kept)), float(len(kept))]
     counts = torch.tensor(counts, dtype=torch.float64, device=reduce_device())
     dist.all_reduce(counts)
@@ -211,16 +191,16 @@ def importance_stats(old, behaviour, weights, mask, cap: float) -> dict[str, tor
 
 
 def update_actor(
-    engine, samples: list[Sample], cfg: Config, pad_id: int, kl_coef: float, alongside: Callable | None = None
+    engine, samples: list[Sample], cfg: Config, pad_id: int, kl_coef: float, beside: Callable | None = None
 ) -> dict[str, float]:
-    """The policy update: `ppo_epochs` passes of `updates_per_step` optimizer steps, micro-batched; `alongside`
-    as `run_updates`."""
+    """The policy update: `ppo_epochs` passes of `updates_per_step` optimizer steps, micro-batched; `beside` as
+    `run_updates`."""
     stash_engine_logprobs(samples)
 
     def loss(mb, num_tokens, num_seqs):
         return micro_batch_loss(engine, mb, cfg, num_tokens, num_seqs, kl_coef)
 
-    stats = run_updates(engine, samples, cfg, cfg.trainer.micro_batch_size, loss, pad_id, alongside)
+    stats = run_updates(engine, samples, cfg, cfg.trainer.micro_batch_size, loss, pad_id, beside)
     return {f"actor/{k}": v for k, v in stats.items()}
 
 
@@ -231,45 +211,23 @@ def stash_engine_logprobs(samples: list[Sample]) -> None:
 
 
 def run_updates(
-    engine,
-    samples: list[Sample],
-    cfg: Config,
-    micro_batch_size: int,
-    loss_fn,
-    pad_id: int,
-    alongside: Callable | None = None,
+    engine, samples: list[Sample], cfg: Config, micro_batch_size: int, loss_fn, pad_id: int, beside=None
 ) -> dict[str, float]:
     """`ppo_epochs` passes over the batch, each `updates_per_step` optimizer steps of gradient accumulation
     over micro-batches (by tokens: `trainer_micro_batches`, as many on every rank); `loss_fn(mb, num_tokens,
     num_seqs)` -> (loss, metrics, mask) gives each micro-batch's share of its mini-batch loss. Their number
     varies from step to step, so the last one of each mini-batch is marked as DeepSpeed's accumulation
-    boundary. `alongside()` is called after the last backward pass, before the last optimizer step (which then
-    runs beside what it started). Returns token-weighted means of the metrics, `padded_frac` (the padding's
-    share of the tokens the model ran on) and `steps_skipped`: optimizer steps DeepSpeed skipped, their gradient
-    norm not finite (non-finite logprobs in the update give that), the gradients dropped."""
-    auto = getattr(engine, "auto_checkpointing", None)  # (a trained engine under --model.gradient_checkpointing auto)
-    if auto is not None:
-        longest = max(len(s.prompt.prompt_ids) + len(s.response_ids) for s in samples)
-        auto.apply(
-            engine.module, largest_micro_batch(cfg.trainer.max_tokens_per_micro_batch, micro_batch_size, longest)
-        )
-    engine.train()  # (transformers checkpoints layers in training mode only; the log-prob passes run in eval mode)
-    try:
-        return _run_updates(engine, samples, cfg, micro_batch_size, loss_fn, pad_id, alongside)
-    finally:
-        engine.eval()
-
-
-def _run_updates(
-    engine, samples: list[Sample], cfg: Config, micro_batch_size: int, loss_fn, pad_id: int, alongside
-) -> dict:
+    boundary. `beside()` is called after the last backward pass, before the last optimizer step, which then runs
+    beside what it started (what that is: `dsrl.train.beside_optimizer_step`). Returns token-weighted means of the
+    metrics, `padded_frac` (the padding's share of the tokens the model ran on) and `steps_skipped`: optimizer
+    steps DeepSpeed skipped, their gradient norm not finite (non-finite logprobs in the update give that)."""
     t = cfg.trainer
     mini_size = len(samples) // t.updates_per_step
     sums: dict[str, float] = defaultdict(float)
     maxima: dict[str, float] = {}
     tokens_seen, grad_norms, lrs, ran, real, skipped = 0.0, [], [], 0, 0, 0
-    for epoch in range(t.ppo_epochs):
-        for m in range(0, len(samples), mini_size):
+    with training(engine, samples, cfg, micro_batch_size):
+        for epoch, m in itertools.product(range(t.ppo_epochs), range(0, len(samples), mini_size)):
             mini = samples[m : m + mini_size]
             num_tokens, num_seqs = global_denominators(mini)
             chunks = trainer_micro_batches(mini, cfg, micro_batch_size)
@@ -282,8 +240,8 @@ def _run_updates(
                 # The loss is already a share of the mini-batch mean: no extra 1/accumulation scaling.
                 engine.backward(loss, scale_wrt_gas=False)
                 last = epoch == t.ppo_epochs - 1 and m + mini_size >= len(samples) and i == len(chunks) - 1
-                if last and alongside is not None:
-                    alongside()
+                if last and beside is not None:
+                    beside()
                 engine.step()
                 if i == len(chunks) - 1:  # the optimizer's step: DeepSpeed skips one whose gradient norm is not finite
                     skipped += not engine.was_step_applied()
@@ -303,3 +261,20 @@ def _run_updates(
     out["lr"] = lrs[-1]
     out["steps_skipped"] = float(skipped)
     return out
+
+
+@contextmanager
+def training(engine, samples: list[Sample], cfg: Config, micro_batch_size: int):
+    """The engine in training mode for an update (transformers checkpoints layers in training mode only; the
+    log-prob passes run in eval mode), its layers' checkpointing decided first where it is auto."""
+    auto = getattr(engine, "auto_checkpointing", None)  # (a trained engine under --model.gradient_checkpointing auto)
+    if auto is not None:
+        longest = max(len(s.prompt.prompt_ids) + len(s.response_ids) for s in samples)
+        auto.apply(
+            engine.module, largest_micro_batch(cfg.trainer.max_tokens_per_micro_batch, micro_batch_size, longest)
+        )
+    engine.train()
+    try:
+        yield
+    finally:
+        engine.eval()

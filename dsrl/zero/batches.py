@@ -25,24 +25,12 @@ import torch
 import torch.distributed as dist
 
 from dsrl.collectives import reduce_device
-from dsrl.config import Config, trainer_on_cuda
 from dsrl.data import Sample
 
 MICRO_BATCH_COST = 0.5
 """A micro-batch's fixed cost (ZeRO-3 gathers every parameter for it, its hooks run, the kernels launch), in
 budgets: padding is worth adding where it saves a micro-batch, up to half a budget of tokens. Measured on one
 H200 at 3B: 0.14 s a forward pass, as long as a forward of ~13k tokens (docs/benchmarks.md, Trainer)."""
-
-
-def use_cuda(cfg: Config) -> bool:
-    """Whether the trainer runs on CUDA: `trainer.device` cuda, or auto where a GPU is visible."""
-    return trainer_on_cuda(cfg.trainer, torch.cuda.is_available)
-
-
-def packs(cfg: Config) -> bool:
-    """`trainer.pack_sequences` decided: auto packs where the trainer runs on CUDA, rows on CPU."""
-    p = cfg.trainer.pack_sequences
-    return p if isinstance(p, bool) else use_cuda(cfg)
 
 
 def largest_micro_batch(max_tokens: int | str | None, micro_batch_size: int, longest: int) -> int:
@@ -187,7 +175,7 @@ class MicroBatch:
             targets += s.response_ids
             rows += [i] * len(s.response_ids)
             cols += range(len(s.response_ids))
-            if not s.extras.get("skip"):  # a sample whose reward failed (on_reward_error skip) has no loss
+            if not s.skip:  # a sample whose reward failed (on_reward_error skip) has no loss
                 mask[i, : len(s.response_ids)] = torch.tensor(s.mask(), dtype=mask.dtype)
             offset += len(seq)
         as_long = dict(dtype=torch.long, device=device)

@@ -20,6 +20,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers.modeling_outputs import TokenClassifierOutput
 
 from dsrl.algorithms import value_loss
+from dsrl.auto import packs
 from dsrl.config import Config
 from dsrl.data import Sample
 from dsrl.zero.actor import (
@@ -30,7 +31,7 @@ from dsrl.zero.actor import (
     stash_engine_logprobs,
     trainer_micro_batches,
 )
-from dsrl.zero.batches import MicroBatch, packs
+from dsrl.zero.batches import MicroBatch
 from dsrl.zero.lora import ADAPTER
 
 CRITIC = "critic"
@@ -148,12 +149,12 @@ def update_critic(engine, samples: list[Sample], cfg: Config, pad_id: int) -> di
 
 
 def update_actor_and_critic(
-    engine, samples: list[Sample], cfg: Config, pad_id: int, kl_coef: float, train_actor: bool, alongside=None
+    engine, samples: list[Sample], cfg: Config, pad_id: int, kl_coef: float, train_actor: bool, beside=None
 ) -> dict[str, float]:
     """`PolicyAndValue`'s update: each micro-batch's loss is the critic's plus (after critic.warmup_steps) the
     actor's, their gradients summed, one optimizer step per mini-batch, as many as either would take alone. The
     two adapters share no parameter, so each gets the gradient of its own loss and Adam's steps are its own; they
-    are clipped together (trainer.grad_clip on the joint norm, reported as actor/grad_norm). `alongside`: as
+    are clipped together (trainer.grad_clip on the joint norm, reported as actor/grad_norm). `beside`: as
     `run_updates`."""
     stash_engine_logprobs(samples)
 
@@ -172,6 +173,6 @@ def update_actor_and_critic(
             stats |= {f"actor/{k}": v for k, v in actor_stats.items()}
         return total, stats, mask
 
-    stats = run_updates(engine, samples, cfg, cfg.trainer.micro_batch_size, loss, pad_id, alongside)
+    stats = run_updates(engine, samples, cfg, cfg.trainer.micro_batch_size, loss, pad_id, beside)
     shared = {f"actor/{k}": stats.pop(k) for k in ("padded_frac", "grad_norm", "lr", "steps_skipped")}
     return stats | shared | {"critic/lr": engine.get_lr()[1]}

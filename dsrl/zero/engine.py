@@ -18,11 +18,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from transformers.integrations import HfDeepSpeedConfig
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from dsrl.config import Config, ModelConfig, critic_on_actor_base, reward_beside_rollouts
+from dsrl.auto import bf16, count_params, device_memory, packs, replicated_base, state_bytes, use_cuda
+from dsrl.config import Config, ModelConfig, critic_on_actor_base
 from dsrl.rundir import report_writes
 from dsrl.zero import varlen
 from dsrl.zero.actor import LOGPROB_CHUNK
-from dsrl.zero.batches import packs, use_cuda
 from dsrl.zero.critic import PolicyAndValue
 from dsrl.zero.lora import add_adapters, add_in_place, lora_config
 
@@ -30,9 +30,7 @@ log = logging.getLogger(__name__)
 
 
 def param_dtype(cfg: Config) -> torch.dtype:
-    if cfg.trainer.precision == "auto":
-        return torch.bfloat16 if use_cuda(cfg) else torch.float32
-    return torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
+    return torch.bfloat16 if bf16(cfg) else torch.float32
 
 
 def batch_shape(cfg: Config, world: int, micro_batch_size: int | None = None) -> tuple[int, int]:
@@ -54,7 +52,7 @@ def ds_config(
     stage: int = 3,
 ) -> dict:
     """DeepSpeed's config for an engine: the actor's (trainer.*), or with `lr` and `micro_batch_size` the critic's.
-    `stage` 2: a LoRA actor on a replicated base (`replicated_base`), ZeRO-2 for the adapters alone."""
+    `stage` 2: a LoRA actor on a replicated base (`dsrl.auto.replicated_base`), ZeRO-2 for the adapters alone."""
     t = cfg.trainer
     micro_batch_size = micro_batch_size or t.micro_batch_size
     # memory_efficient_linear off: torch's own F.linear, not DeepSpeed's autograd function around every linear layer
@@ -123,7 +121,7 @@ def load_engine(
     (`AutoModelForTokenClassification`, num_labels 1, as verl), from `critic.path` or the policy's weights."""
     c = cfg.critic
     lora = train and not critic and cfg.model.lora_rank > 0
-    replicated = lora and replicated_base(cfg, model_dir)
+    replicated = lora and replicated_base(cfg, model_dir)[0]
     if critic:
         conf = ds_config(cfg, world, train, c.lr, c.micro_batch_size)
     else:
@@ -189,33 +187,6 @@ def with_lora(model: torch.nn.Module, cfg: Config, checkpointing: bool, replicat
     if replicated or cfg.trainer.gather_per_layer:
         log.info("LoRA: %d adapted layers add their adapter in one GEMM into the base's output", add_in_place(model))
     return model
-
-
-def replicated_base(cfg: Config, model_dir: str) -> bool:
-    """Whether LoRA's frozen base is held whole by every rank, outside ZeRO-3 (--model.lora_base): no gathers, no
-    per-layer hooks, only the adapters partitioned (3B on one H200: the log-prob pass 1.41 -> 1.20 s, the update
-    3.60 -> 3.42 s; LoRA PPO at 1.5B 14.5 -> 7.8 s a step; docs/benchmarks.md "LoRA against full")."""
-    choice = cfg.model.lora_base
-    if choice != "auto":
-        log.info("LoRA: the frozen base %s (--model.lora_base %s)",
-                 "whole on every rank" if choice == "replicated" else "partitioned by ZeRO-3", choice)  # fmt: skip
-        return choice == "replicated"
-    width = 2 if param_dtype(cfg) == torch.bfloat16 else 4
-    base, (total, where) = count_params(cfg, model_dir) * width, device_memory(cfg)
-    replicated = base <= total / 3
-    log.info("LoRA: the frozen base's %.1f GB %s a third of %s %.1f GB: %s (--model.lora_base auto)",
-             base / 1e9, "is within" if replicated else "exceeds", where, total / 1e9,
-             "whole on every rank, outside ZeRO-3" if replicated else "partitioned by ZeRO-3")  # fmt: skip
-    return replicated
-
-
-def count_params(cfg: Config, model_dir: str) -> int:
-    """The model's parameters, counted from its config (nothing is allocated)."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights():
-        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
 
 
 def apply_liger(model_type: str) -> None:
@@ -316,7 +287,7 @@ def offload_states(engine, params: bool) -> None:
 
 
 def frozen_replicated(engine) -> list[torch.nn.Parameter]:
-    """A LoRA actor's replicated base (`replicated_base`): parameters outside ZeRO-3 and outside the optimizer."""
+    """A LoRA actor's replicated base (`dsrl.auto.replicated_base`): parameters outside ZeRO-3 and the optimizer."""
     return [p for p in engine.module.parameters() if not p.requires_grad and not hasattr(p, "ds_id")]
 
 
@@ -393,24 +364,6 @@ def activation_bytes(config, tokens: int, checkpointing: bool, width: int = 2, l
     return tokens * (kept * width / 2 + config.vocab_size * width) + 5 * LOGPROB_CHUNK * config.vocab_size * 4
 
 
-def device_memory(cfg: Config) -> tuple[int, str]:
-    """The memory a trainer rank's states and activations live in, and its name: its GPU's, or on CPU its share of
-    the host's."""
-    if use_cuda(cfg):
-        return torch.cuda.mem_get_info()[1], "the GPU's"
-    import psutil
-
-    return psutil.virtual_memory().total // int(os.environ.get("LOCAL_WORLD_SIZE", 1)), "this rank's share of RAM,"
-
-
-def state_bytes(cfg: Config, weights: int, trained: int) -> float:
-    """GPU bytes of an engine's states: its weights; the trained ones' grads and, unless ZeRO-Offload keeps them on
-    the host, their fp32 master copy and Adam's two moments."""
-    width = 2 if param_dtype(cfg) == torch.bfloat16 else 4
-    on_gpu = 1 - cfg.trainer.offload_optimizer_ratio if cfg.trainer.offload_optimizer else 1
-    return weights * width + trained * (width + on_gpu * (4 + 8))
-
-
 def trainers_state_bytes(cfg: Config, model: torch.nn.Module, critic: bool) -> float:
     """GPU bytes of every trainer engine's states, counted from the one being built: its own, the reference model's
     weights (KL without LoRA), and a critic as large as the actor (gae without LoRA)."""
@@ -469,50 +422,3 @@ class AutoCheckpointing:
         for module in model.modules():
             if isinstance(module, GradientCheckpointingLayer):
                 module.gradient_checkpointing = on
-
-
-def decide_offload(cfg: Config, engines: list) -> bool:
-    """Colocated on GPUs: whether the trainers' states must leave the GPU while the servers generate.
-
-    auto keeps them when this rank's states (parameters, fp32 master copy, Adam's two moments, gradients)
-    plus what the servers take (mem_fraction_static of the GPU) and a margin for their activations
-    fit in the GPU's memory; moving them costs seconds per step at 7B. The decision is logged.
-    """
-    choice = cfg.trainer.offload_states
-    if cfg.rollout.placement != "colocate" or not use_cuda(cfg):
-        return False
-    if choice != "auto":
-        log.info("colocated memory: the trainers' states %s leave the GPU (--trainer.offload_states %s)",
-                 "do" if choice == "always" else "do not", choice)  # fmt: skip
-        return choice == "always"
-    params = [p for engine in engines for p in engine.module.parameters()]
-    weights = sum(getattr(p, "ds_tensor", p).numel() for p in params)  # (this rank's ZeRO-3 partitions)
-    trained = sum(getattr(p, "ds_tensor", p).numel() for p in params if p.requires_grad)  # (LoRA: the adapters)
-    states = state_bytes(cfg, weights, trained)
-    total = torch.cuda.mem_get_info()[1]
-    reward = cfg.reward_model.mem_fraction_static * total if reward_beside_rollouts(cfg) else 0  # the third tenant
-    servers = cfg.rollout.mem_fraction_static * total + reward
-    margin = 0.05 * total + (4 << 30)  # the servers' activations, CUDA graphs, the allocator's slack
-    keep = states + servers + margin < total
-    if not keep and cfg.rollout.max_staleness > 0:
-        raise MemoryError(
-            f"--rollout.max_staleness 1 (colocated): the servers generate beside the optimizer step, so the trainers' "
-            f"states stay on the GPU, and states {states / 1e9:.1f} GB + servers {servers / 1e9:.1f} GB "
-            f"(mem_fraction_static {cfg.rollout.mem_fraction_static:.2f}) + margin {margin / 1e9:.1f} GB exceed the "
-            f"GPU's {total / 1e9:.1f} GB: lower --rollout.mem_fraction_static, keep the optimizer on the host "
-            "(--trainer.offload_optimizer), or use --rollout.max_staleness 0"
-        )
-    if cfg.trainer.offload_optimizer:  # DeepSpeed moves states between phases for FusedAdam only, not CPU Adam
-        log.info("colocated memory: trainers' GPU states %.1f GB + servers %.1f GB + margin %.1f GB %s the GPU's "
-                 "%.1f GB; with ZeRO-Offload they stay on the GPU%s", states / 1e9, servers / 1e9, margin / 1e9,
-                 "fit in" if keep else "exceed", total / 1e9,
-                 "" if keep else ": raise --trainer.offload_optimizer_ratio or lower mem_fraction_static")  # fmt: skip
-        return False
-    log.info(
-        "colocated memory: trainers' states %.1f GB + servers %.1f GB (mem_fraction_static %.2f; of them the reward "
-        "model's %.1f GB) + margin %.1f GB %s the GPU's %.1f GB: the states %s (--trainer.offload_states auto)",
-        states / 1e9, servers / 1e9, cfg.rollout.mem_fraction_static, reward / 1e9, margin / 1e9,
-        "fit in" if keep else "exceed", total / 1e9,
-        "stay on the GPU" if keep else "leave the GPU while the servers generate",
-    )  # fmt: skip
-    return not keep

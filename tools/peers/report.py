@@ -13,9 +13,9 @@ start-up costs are not a step's).
                                                                 # table (pair_table) and verl's settings
 """
 
+import argparse
 import json
 import re
-import sys
 from itertools import accumulate
 from pathlib import Path
 
@@ -367,9 +367,13 @@ def merged(paths: list[Path]) -> dict:
 
 
 def main() -> None:
-    out = Path(sys.argv[1])  # may hold no record of its own: then it only takes the PNGs
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path, help="the PNGs go there; its peers.json, if any, is read too")
+    p.add_argument("dirs", type=Path, nargs="*", help="more records: a run's directory, or a verl console log")
+    args = p.parse_args()
+    out = args.out  # may hold no record of its own: then it only takes the PNGs
     out.mkdir(parents=True, exist_ok=True)
-    record = merged([p for p in map(Path, sys.argv[1:]) if p.is_file() or (p / "peers.json").exists()])
+    record = merged([p for p in [out, *args.dirs] if p.is_file() or (p / "peers.json").exists()])
     print(table(record))
     if any(run.get("pair") for run in record["runs"].values()):
         print(pair_table(record))

@@ -1,0 +1,195 @@
+"""Every "auto" setting, decided here: its rule, what it measures, and the pass that decides them all once at a run's
+start (`resolve`, then `decide_offload` once the trainers exist), logged as one block (`log_decisions`); a piece built
+alone (a tool, a test, `dsrl eval`) gets the same answers. Decided later, where what they depend on first exists:
+model.gradient_checkpointing (each update: `zero.engine.AutoCheckpointing`), trainer.max_tokens_per_micro_batch (each
+batch: `zero.batches.micro_batches`), reward_model.input (its tokenizer: `rewards.models.sends_token_ids`),
+logging.resume (the latest checkpoint). Imports no torch: the CLI asks it before the launcher starts."""
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import replace
+
+from dsrl.config import Config, RolloutConfig, SyncConfig, TrainerConfig, reward_beside_rollouts
+
+log = logging.getLogger(__name__)
+
+
+def trainer_on_cuda(t: TrainerConfig, cuda_available: Callable[[], bool]) -> bool:
+    """trainer.device: cuda, or auto where `cuda_available()` (asked only then)."""
+    return t.device == "cuda" or (t.device == "auto" and cuda_available())
+
+
+def use_cuda(cfg: Config) -> bool:
+    """Whether the trainer runs on CUDA: trainer.device, auto where torch sees a GPU."""
+    import torch
+
+    return trainer_on_cuda(cfg.trainer, torch.cuda.is_available)
+
+
+def rollout_engine(cfg: Config, cuda: bool) -> str:
+    """rollout.engine: auto = SGLang where the trainer runs on CUDA (`cuda`), the embedded engine elsewhere."""
+    return cfg.rollout.engine if cfg.rollout.engine != "auto" else ("sglang" if cuda else "embedded")
+
+
+def fleet_kind(r: RolloutConfig) -> str:
+    """rollout.fleet: auto is external with server_urls, else local."""
+    if r.fleet == "auto":
+        return "external" if r.server_urls else "local"
+    return r.fleet
+
+
+def bf16(cfg: Config) -> bool:
+    """trainer.precision: auto = bf16 on GPU, fp32 on CPU."""
+    return cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and use_cuda(cfg))
+
+
+def packs(cfg: Config) -> bool:
+    """trainer.pack_sequences: auto packs where the trainer runs on CUDA, rows on CPU."""
+    p = cfg.trainer.pack_sequences
+    return p if isinstance(p, bool) else use_cuda(cfg)
+
+
+def old_from_update(cfg: Config) -> bool:
+    """trainer.old_logprobs: whether the update's own forward pass gives the old logprobs (auto, where the batch gets
+    one optimizer step); then no pass computes them before it."""
+    t = cfg.trainer
+    return t.old_logprobs == "auto" and t.updates_per_step == t.ppo_epochs == 1 and not cfg.algorithm.kl_in_reward
+
+
+def resolve_sync(cfg: Config) -> SyncConfig:
+    """sync.type (auto = ipc when colocated on GPUs, else broadcast) and sync.lora (auto = the adapter alone where
+    dsrl starts the servers and they read its files, merged over CUDA IPC: docs/benchmarks.md "LoRA")."""
+    s = cfg.sync
+    if s.type == "auto":
+        s = replace(s, type="ipc" if cfg.rollout.placement == "colocate" and use_cuda(cfg) else "broadcast")
+    if s.lora == "auto":
+        external = fleet_kind(cfg.rollout) == "external"  # started by someone else: dsrl cannot enable LoRA
+        remote = s.type == "broadcast" and (bool(cfg.trainer.hostfile) or fleet_kind(cfg.rollout) == "ray")
+        adapter = cfg.model.lora_rank > 0 and s.type != "ipc" and not external and not remote
+        s = replace(s, lora="adapter" if adapter else "merged")
+    return s
+
+
+def lora_servers(cfg: Config, target_modules: list[str]) -> Config:
+    """sync.lora adapter: the servers start with LoRA support for the actor's adapter (the user's keys win)."""
+    lora = {"enable_lora": True, "max_lora_rank": cfg.model.lora_rank, "lora_target_modules": target_modules}
+    return replace(cfg, rollout=replace(cfg.rollout, server_args=lora | cfg.rollout.server_args))
+
+
+def count_params(cfg: Config, model_dir: str) -> int:
+    """The model's parameters, counted from its config (nothing is allocated)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights():
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
+def device_memory(cfg: Config) -> tuple[int, str]:
+    """The memory a trainer rank's states and activations live in, and its name: its GPU's, or on CPU its share of
+    the host's."""
+    if use_cuda(cfg):
+        import torch
+
+        return torch.cuda.mem_get_info()[1], "the GPU's"
+    import psutil
+
+    return psutil.virtual_memory().total // int(os.environ.get("LOCAL_WORLD_SIZE", 1)), "this rank's share of RAM,"
+
+
+def state_bytes(cfg: Config, weights: int, trained: int) -> float:
+    """GPU bytes of an engine's states: its weights; the trained ones' grads and, unless ZeRO-Offload keeps them on
+    the host, their fp32 master copy and Adam's two moments."""
+    width = 2 if bf16(cfg) else 4
+    on_gpu = 1 - cfg.trainer.offload_optimizer_ratio if cfg.trainer.offload_optimizer else 1
+    return weights * width + trained * (width + on_gpu * (4 + 8))
+
+
+def replicated_base(cfg: Config, model_dir: str) -> tuple[bool, str]:
+    """model.lora_base: whether LoRA's frozen base is held whole by every rank, outside ZeRO-3: no gathers, no
+    per-layer hooks, only the adapters partitioned (3B on one H200: the log-prob pass 1.41 -> 1.20 s, the update
+    3.60 -> 3.42 s; LoRA PPO at 1.5B 14.5 -> 7.8 s a step; docs/benchmarks.md "LoRA against full"). auto: where the
+    base takes at most a third of the device's memory. And why, for the log."""
+    replicated, why = cfg.model.lora_base == "replicated", "given"
+    if cfg.model.lora_base == "auto":
+        base, (total, name) = count_params(cfg, model_dir) * (2 if bf16(cfg) else 4), device_memory(cfg)
+        replicated = base <= total / 3
+        why = f"{base / 1e9:.1f} GB, {'within' if replicated else 'over'} a third of {name} {total / 1e9:.1f} GB"
+    where = (
+        "replicated: the frozen base whole on every rank" if replicated else "partitioned: the frozen base in ZeRO-3"
+    )
+    return replicated, f"model.lora_base {where} ({why})"
+
+
+def decide_offload(cfg: Config, engines: list) -> tuple[bool, str | None]:
+    """trainer.offload_states, colocated on GPUs: whether the trainers' states leave the GPU while the servers
+    generate, and why (None: not colocated on GPUs, nothing to decide). auto keeps them when this rank's states
+    (parameters, fp32 master copy, Adam's two moments, gradients) plus what the servers take (mem_fraction_static
+    of the GPU) and a margin for their activations fit in the GPU's memory; moving them costs seconds per step at 7B.
+    """
+    choice = cfg.trainer.offload_states
+    if cfg.rollout.placement != "colocate" or not use_cuda(cfg):
+        return False, None
+    if choice != "auto":
+        return choice == "always", f"trainer.offload_states {choice} (given)"
+    import torch
+
+    params = [p for engine in engines for p in engine.module.parameters()]
+    weights = sum(getattr(p, "ds_tensor", p).numel() for p in params)  # (this rank's ZeRO-3 partitions)
+    trained = sum(getattr(p, "ds_tensor", p).numel() for p in params if p.requires_grad)  # (LoRA: the adapters)
+    states, total = state_bytes(cfg, weights, trained), torch.cuda.mem_get_info()[1]
+    reward = cfg.reward_model.mem_fraction_static * total if reward_beside_rollouts(cfg) else 0  # the third tenant
+    servers = cfg.rollout.mem_fraction_static * total + reward
+    margin = 0.05 * total + (4 << 30)  # the servers' activations, CUDA graphs, the allocator's slack
+    keep = states + servers + margin < total
+    if not keep and cfg.rollout.max_staleness > 0:
+        raise MemoryError(
+            f"--rollout.max_staleness 1 (colocated): the servers generate beside the optimizer step, so the trainers' "
+            f"states stay on the GPU, and states {states / 1e9:.1f} GB + servers {servers / 1e9:.1f} GB "
+            f"(mem_fraction_static {cfg.rollout.mem_fraction_static:.2f}) + margin {margin / 1e9:.1f} GB exceed the "
+            f"GPU's {total / 1e9:.1f} GB: lower --rollout.mem_fraction_static, keep the optimizer on the host "
+            "(--trainer.offload_optimizer), or use --rollout.max_staleness 0"
+        )
+    why = (f"trainers' states {states / 1e9:.1f} GB + servers {servers / 1e9:.1f} GB (the reward model's "
+           f"{reward / 1e9:.1f}) + margin {margin / 1e9:.1f} GB {'fit in' if keep else 'exceed'} the GPU's "
+           f"{total / 1e9:.1f} GB")  # fmt: skip
+    if cfg.trainer.offload_optimizer:  # DeepSpeed moves states between phases for FusedAdam only, not CPU Adam
+        hint = "" if keep else ": raise --trainer.offload_optimizer_ratio or lower mem_fraction_static"
+        return False, f"trainer.offload_states never, with ZeRO-Offload ({why}{hint})"
+    return not keep, f"trainer.offload_states {'never' if keep else 'always'}: the states " + (
+        f"stay on the GPU ({why})" if keep else f"leave the GPU while the servers generate ({why})"
+    )
+
+
+def resolve(cfg: Config, model_dir: str) -> tuple[Config, list[str]]:
+    """The config with every auto that start-up decides decided (all but trainer.offload_states, which needs the
+    trainers: `decide_offload`), and a line per decision for `log_decisions`."""
+    t, r, cuda = cfg.trainer, cfg.rollout, use_cuda(cfg)
+    trainer = replace(t, device="cuda" if cuda else "cpu", precision="bf16" if bf16(cfg) else "fp32",
+                      pack_sequences=packs(cfg))  # fmt: skip
+    rollout = replace(r, engine=rollout_engine(cfg, cuda), fleet=fleet_kind(r))
+    out = replace(cfg, trainer=trainer, rollout=rollout, sync=resolve_sync(cfg))
+    lines = [f"{flag} {new}" for flag, old, new in (
+        ("trainer.device", t.device, trainer.device), ("trainer.precision", t.precision, trainer.precision),
+        ("trainer.pack_sequences", t.pack_sequences, str(trainer.pack_sequences).lower()),
+        ("rollout.engine", r.engine, rollout.engine), ("rollout.fleet", r.fleet, rollout.fleet),
+        ("sync.type", cfg.sync.type, out.sync.type), ("sync.lora", cfg.sync.lora, out.sync.lora),
+    ) if old == "auto"]  # fmt: skip
+    if t.old_logprobs == "auto":
+        own = "from the update's own forward pass" if old_from_update(cfg) else "recomputed before the update"
+        lines.append(f"trainer.old_logprobs {own} (one optimizer step a batch: {old_from_update(cfg)})")
+    if cfg.model.lora_rank > 0:
+        replicated, why = replicated_base(out, model_dir)
+        out = replace(out, model=replace(cfg.model, lora_base="replicated" if replicated else "partitioned"))
+        lines.append(why)
+    return out, lines
+
+
+def log_decisions(lines: list[str]) -> None:
+    log.info(
+        "auto settings, decided at start-up:\n  %s\n  decided later: model.gradient_checkpointing (before each "
+        "update), trainer.max_tokens_per_micro_batch (each batch), reward_model.input (with its tokenizer)",
+        "\n  ".join(lines) or "none",
+    )
