@@ -272,12 +272,6 @@ def value_loss(
     return loss, {"vf_clip_frac": frac}
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-position entropy of softmax(logits) over the last dimension."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 def _clipped_objective(
     advantages: torch.Tensor, ratio: torch.Tensor, clip_low: float, clip_high: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,6 @@ from dsrl.advantages import KlController
 from dsrl.algorithms import (
     aggregate,
     cispo_loss,
-    entropy_from_logits,
     gae,
     grpo_advantages,
     gspo_loss,
@@ -104,10 +103,6 @@ def test_k3_is_unbiased_for_kl():
     estimate = kl_estimate(p.log()[samples], q.log()[samples], "k3").mean().item()
     exact = (p * (p.log() - q.log())).sum().item()
     assert estimate == pytest.approx(exact, rel=0.05)
-
-
-def test_entropy_of_uniform_logits():
-    assert entropy_from_logits(torch.zeros(2, 8)).tolist() == pytest.approx([math.log(8)] * 2)
 
 
 def test_dual_clip_caps_the_loss_of_a_negative_advantage():

@@ -1,6 +1,7 @@
 """Fault injection: every kind of bad input gets one clear message naming the field or row, and
 loses nothing. Select with `-k bad_input`."""
 
+import asyncio
 import json
 import os
 import subprocess
@@ -9,10 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from dsrl.config import Config, ConfigError, DataConfig, ModelConfig, build_parser, parse_config, to_config, validate
+from dsrl.config import (
+    AlgorithmConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    build_parser,
+    parse_config,
+    to_config,
+    validate,
+)
 from dsrl.data import DatasetError, Prompt, PromptDataset, Sample, check_fits_context
 from dsrl.evaluate import eval_rollout
-from dsrl.rewards.rewarder import score_one
+from dsrl.rewards.rewarder import Rewarder
 from dsrl.rewards.rules import load_reward_fn
 from dsrl.rundir import check_writable
 from dsrl.serving.client import RolloutClient, ServerError
@@ -252,22 +263,27 @@ def test_bad_input_reward_function_missing():
         load_reward_fn("dsrl.tasks.toy:nope")
 
 
+def score_one(s: Sample, fn) -> None:
+    """The sample's reward as a run computes it (a local function: in a thread of this process)."""
+    asyncio.run(Rewarder(AlgorithmConfig(), TOKENIZER, fn=fn).score_group([s]))
+
+
 def test_bad_input_reward_raises_names_the_row():
     def broken(prompt, response, answer):
         raise KeyError("score")
 
     with pytest.raises(RuntimeError, match=r"reward function failed on dataset row 7: KeyError\('score'\)"):
-        score_one(sample(), broken, TOKENIZER)
+        score_one(sample(), broken)
 
 
 def test_bad_input_reward_returns_nan():
     with pytest.raises(TypeError, match=r"reward function returned nan for dataset row 7"):
-        score_one(sample(), lambda *a: float("nan"), TOKENIZER)
+        score_one(sample(), lambda *a: float("nan"))
 
 
 def test_bad_input_reward_returns_wrong_type():
     with pytest.raises(TypeError, match=r"reward function returned 'good' for dataset row 7; expected a finite float"):
-        score_one(sample(), lambda *a: "good", TOKENIZER)
+        score_one(sample(), lambda *a: "good")
 
 
 # -- run time -----------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 to the computation it replaced (right-padded rows, the full fp32 log-softmax): values and gradients equal
 to fp32 rounding. The ZeRO-3 gradient over two ranks with unequal micro-batch counts is in test_sync.py."""
 
+import math
 import random
 from types import SimpleNamespace
 
@@ -46,6 +47,11 @@ def padded_reference(model, batch: list[Sample], temperature: float):
         start, n = len(s.prompt.prompt_ids) - 1, len(s.response_ids)
         out_lp[i, :n], out_ent[i, :n] = token[i, start : start + n], entropy[i, start : start + n]
     return out_lp, out_ent
+
+
+def test_entropy_of_uniform_logits():
+    _, entropy = actor.token_logprobs(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), 1.0)
+    assert entropy.tolist() == pytest.approx([math.log(8)] * 2)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from dsrl.config import AlgorithmConfig
 from dsrl.data import Sample
 from dsrl.rewards.models import RewardModel
 from dsrl.rewards.pool import NOT_SCORED, WorkerPool, call_reward
-from dsrl.rewards.rules import RewardFn, load_function
+from dsrl.rewards.rules import load_function
 
 log = logging.getLogger(__name__)
 
@@ -171,10 +171,3 @@ def _call_in_process(fn, item) -> tuple[object, str | None]:
         return call_reward(fn, *item), None
     except Exception as e:  # noqa: BLE001 -- reported naming the row
         return None, repr(e)
-
-
-def score_one(sample: Sample, reward_fn: RewardFn, tokenizer) -> float:
-    """The reward of one sample, in this process; a reward function that raises or returns a non-number
-    names the row."""
-    value, error = _call_in_process(reward_fn, reward_item(sample, tokenizer))
-    return check_reward(sample.prompt.index, value, error)

@@ -156,12 +156,6 @@ def gathered_adapter(module: torch.nn.Module) -> Iterator[dict[str, torch.Tensor
         yield get_peft_model_state_dict(module, state_dict={names[id(p)]: p.data for p in served.adapters()})
 
 
-def adapter_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter's full tensors under PEFT's file names, a CPU copy on every rank (every rank joins)."""
-    with gathered_adapter(module) as state:
-        return {name: t.detach().cpu().clone() for name, t in state.items()}
-
-
 def adapter_config(module: torch.nn.Module) -> dict:
     """The adapter's adapter_config.json as a dict (what SGLang's load_lora_adapter_from_tensors takes)."""
     config = module.peft_config[ADAPTER].to_dict()
