@@ -1,5 +1,6 @@
 """The `dsrl` console script: `dsrl train ...` runs the deepspeed launcher for you; `dsrl serve` the embedded engine."""
 
+import argparse
 import base64
 import json
 import logging
@@ -11,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from dsrl.auto import rollout_engine, trainer_on_cuda
-from dsrl.config import ConfigError, build_parser, dump_config, to_config, validate
+from dsrl.auto import fleet_kind, rollout_engine, trainer_on_cuda
+from dsrl.config import ConfigError, build_parser, dump_config, reward_rollout, to_config, validate
 from dsrl.rundir import (
     OWNER_ENV,
     OWNER_FLAG,
@@ -25,6 +26,7 @@ from dsrl.rundir import (
     die_with_parent,
     request_stop,
 )
+from dsrl.serving.servers import check_server_args, free_port
 
 USAGE = """usage: dsrl <command> [options]
 
@@ -41,37 +43,22 @@ commands:
 def train(argv: list[str]) -> int:
     parser = build_parser("dsrl train")
     cfg = to_config(parser, parser.parse_args(argv))
+    run_dir = Path(cfg.logging.run_dir)
     try:
         validate(cfg)
-    except ConfigError as e:
-        print(f"dsrl train: error: {e}", file=sys.stderr)
-        return 2
-    from dsrl.auto import fleet_kind
-    from dsrl.config import reward_rollout
-    from dsrl.serving.servers import check_server_args
-
-    cuda = trainer_on_cuda(cfg.trainer, cuda_available)
-    if not cuda:  # DeepSpeed (imported by PEFT here) would warn that it found no GPU
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    engine = rollout_engine(cfg, cuda)
-    try:
+        cuda = trainer_on_cuda(cfg.trainer, cuda_available)
+        if not cuda:  # DeepSpeed (imported by PEFT here) would warn that it found no GPU
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        engine = rollout_engine(cfg, cuda)
         if fleet_kind(cfg.rollout) != "external":
             check_server_args(cfg.rollout, engine)
         if cfg.reward_model.path and not cfg.reward_model.server_urls:
             check_server_args(reward_rollout(cfg), engine, "--reward_model.server_args")
-    except ConfigError as e:
-        print(f"dsrl train: error: {e}", file=sys.stderr)
-        return 2
-
-    from dsrl.data import DatasetError
-
-    run_dir = Path(cfg.logging.run_dir)
-    try:
         check_data(cfg, engine)
         check_lora_targets(cfg)
         check_reward_model(cfg)
         lock = RunLock(run_dir).acquire("dsrl train")  # before anything is written there
-    except (DatasetError, RunDirLocked, ValueError, TypeError) as e:  # a bad row, an environment, its template
+    except (RunDirLocked, ValueError, TypeError) as e:  # a bad config (ConfigError), row, environment, template
         print(f"dsrl train: error: {e}", file=sys.stderr)
         return 2
     try:
@@ -144,8 +131,6 @@ def launch(cfg, run_dir: Path, cuda: bool) -> int:
     asks the ranks to stop at the end of the step (and checkpoint: --logging.save_on_signal) through the
     run directory; a second signal, or --logging.stop_timeout_s later, kills every process of the run.
     Returns the launcher's exit status, or 128 + the signal's number when it was stopped."""
-    from dsrl.serving.servers import free_port
-
     config_path = run_dir / "config.yaml"
     dump_config(cfg, config_path)
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{OWNER_ENV: str(os.getpid())})
@@ -279,9 +264,6 @@ def gpu_count() -> int:
 
 def fleet(argv: list[str]) -> int:
     """Change a live run's rollout servers; applied at its next weight update."""
-    import argparse
-    import json
-
     from dsrl.serving.control import call, wait_applied
 
     parser = argparse.ArgumentParser(prog="dsrl fleet", description=fleet.__doc__)
@@ -338,8 +320,6 @@ def evaluate(argv: list[str]) -> int:
 def export(argv: list[str]) -> int:
     """`dsrl export`: a training checkpoint as a Hugging Face model directory (sharded safetensors, config,
     tokenizer), loadable by transformers and SGLang."""
-    import argparse
-
     parser = argparse.ArgumentParser(prog="dsrl export", description=export.__doc__)
     parser.add_argument("--checkpoint", required=True, help="<run_dir>/checkpoints/step_<N>")
     parser.add_argument("--out", default=None, help="Default: <run_dir>/hf_step_<N>.")
@@ -384,19 +364,14 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     if command in ("eval", "export") and not cuda_available():  # DeepSpeed would warn that it found no GPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if command == "train":
-        return train(rest)
     if command == "serve":
         from dsrl.serving.embedded import main as serve
 
         serve(rest)
         return 0
-    if command == "fleet":
-        return fleet(rest)
-    if command == "eval":
-        return evaluate(rest)
-    if command == "export":
-        return export(rest)
+    commands = {"train": train, "fleet": fleet, "eval": evaluate, "export": export}
+    if command in commands:
+        return commands[command](rest)
     print(f"dsrl: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 
