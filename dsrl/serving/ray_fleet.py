@@ -29,7 +29,6 @@ from dsrl.serving.servers import (
     Fleet,
     ServerProcess,
     free_port,
-    log_tail,
     server_command,
     server_env,
     spawn,
@@ -69,9 +68,6 @@ class ServerActor:
     def poll(self) -> int | None:
         """The server's exit code, None while it runs."""
         return self.server.proc.poll() if self.server else None
-
-    def log_tail(self) -> str:
-        return log_tail(self.server.log_path) if self.server else "(not started)"
 
     def stop(self) -> None:
         if self.server is not None:

@@ -326,8 +326,6 @@ def merged_adapters(state, adapter: dict, adapter_dir: Path):
     """A LoRA checkpoint's fp32 state (PEFT's names) as the base model's weights with the adapters merged,
     W + alpha / r * B @ A, under the base names; the adapter itself is written to `adapter_dir` as PEFT
     saves it (loadable with `PeftModel.from_pretrained`)."""
-    from safetensors.torch import save_file
-
     prefix, scale = "base_model.model.", adapter["lora_alpha"] / adapter["r"]
     # (lazy: read them) the actor's adapter; a critic's adapter and value head (`PolicyAndValue`) are not exported
     lora = {name: state[name].contiguous() for name in state.keys() if ".lora_" in name and f".{ADAPTER}." in name}
