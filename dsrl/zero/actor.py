@@ -11,14 +11,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from dsrl.algorithms import (
-    LOG_RATIO_LIMIT,
-    POLICY_LOSSES,
-    aggregate,
-    importance_weights,
-    kl_estimate,
-    ppo_clip_loss,
-)
+from dsrl.algorithms import LOG_RATIO_LIMIT, POLICY_LOSSES, aggregate, importance_weights, kl_estimate, ppo_clip_loss
 from dsrl.auto import old_from_update, packs
 from dsrl.collectives import reduce_device
 from dsrl.config import Config

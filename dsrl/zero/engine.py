@@ -44,12 +44,7 @@ def batch_shape(cfg: Config, world: int, micro_batch_size: int | None = None) ->
 
 
 def ds_config(
-    cfg: Config,
-    world: int,
-    train: bool,
-    lr: float | None = None,
-    micro_batch_size: int | None = None,
-    stage: int = 3,
+    cfg: Config, world: int, train: bool, lr: float | None = None, micro_batch_size: int | None = None, stage: int = 3
 ) -> dict:
     """DeepSpeed's config for an engine: the actor's (trainer.*), or with `lr` and `micro_batch_size` the critic's.
     `stage` 2: a LoRA actor on a replicated base (`dsrl.auto.replicated_base`), ZeRO-2 for the adapters alone."""
