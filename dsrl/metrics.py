@@ -73,15 +73,6 @@ def configure_logging(level: str) -> None:
         transformers.utils.logging.disable_progress_bar()
 
 
-def mean_across_ranks(values: dict[str, float]) -> dict[str, float]:
-    """Mean of each metric over trainer ranks (every rank must pass the same keys)."""
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=reduce_device())
-    dist.all_reduce(t)
-    t /= dist.get_world_size()
-    return dict(zip(keys, t.tolist()))
-
-
 SUMMED = ("rollout/interrupted", "rollout/resumed", "rollout/restarted", "rollout/dropped_stale",
           "rollout/filtered", "reward/failed", "rollout/tokens_per_s")  # fmt: skip
 """Per-rank counts (and rates) that add up over the ranks; every other metric is a per-rank mean, averaged."""
@@ -90,9 +81,10 @@ SUMMED = ("rollout/interrupted", "rollout/resumed", "rollout/restarted", "rollou
 def reduce_across_ranks(values: dict[str, float]) -> dict[str, float]:
     """Each metric over trainer ranks: the sum for counters (`SUMMED`), else the mean (every rank must
     pass the same keys)."""
-    out = mean_across_ranks(values)
-    world = dist.get_world_size()
-    return {k: v * world if k in SUMMED else v for k, v in out.items()}
+    keys, world = sorted(values), dist.get_world_size()
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=reduce_device())
+    dist.all_reduce(t)
+    return {k: v if k in SUMMED else v / world for k, v in zip(keys, t.tolist())}
 
 
 def gather_lists(values: list) -> list:

@@ -11,7 +11,7 @@ from dsrl.auto import old_from_update
 from dsrl.collectives import all_ranks
 from dsrl.config import Config, critic_on_actor_base
 from dsrl.data import Sample
-from dsrl.metrics import mean_across_ranks
+from dsrl.metrics import reduce_across_ranks
 from dsrl.zero.actor import compute_logprobs, update_actor
 from dsrl.zero.checkpoint import export_hf, find_checkpoint, load_checkpoint, save_checkpoint
 from dsrl.zero.critic import compute_values, has_values, update_actor_and_critic, update_critic
@@ -110,7 +110,7 @@ class Trainer:
         old = torch.cat([s.extras["old_logprobs"] for s in samples])
         kl = (old - torch.cat([s.extras["ref_logprobs"] for s in samples]))[model].mean().item()
         coef = self.kl.value
-        self.kl.update(mean_across_ranks({"kl": kl})["kl"])
+        self.kl.update(reduce_across_ranks({"kl": kl})["kl"])
         return {"kl/coef": coef, "kl/old_ref_k1": kl}
 
     def save(self, run_dir: Path, step: int, rank_state: dict) -> None:
