@@ -32,14 +32,10 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 
 
-def checkpoint_dir(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
-
-
 def save_checkpoint(engine, run_dir: Path, state: dict, rank_state: dict, keep_last: int, critic=None) -> Path:
     """Write step_<state['step']> on every rank (each its partition and `rank_state`; the critic's states
     under critic/), then its manifest, then publish it. A write that fails names its path and cause."""
-    root, rank = checkpoint_dir(run_dir), dist.get_rank()
+    root, rank = run_dir / "checkpoints", dist.get_rank()
     final, tmp = root / f"step_{state['step']}", root / f".tmp_step_{state['step']}"
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -174,7 +170,7 @@ def find_checkpoint(run_dir: Path, resume: str) -> Path | None:
         if problem:
             raise CheckpointError(f"--logging.resume={resume!r}: the checkpoint is damaged: {problem}")
         return path
-    root = checkpoint_dir(run_dir)
+    root = run_dir / "checkpoints"
     latest_file = root / "latest"
     if not latest_file.is_file():
         return None
