@@ -163,10 +163,8 @@ class RolloutManager(Rollouts):
         metrics = {f"rollout/{name}": float(v) for name, v in asdict(self.take_stats()).items()}
         metrics.update({"rollout/trainer_idle_s": waited, "rollout/queue_depth": float(len(self.ready))})
         filtered, self.filtered_rows = self.filtered_rows, []
-        metrics["reward/failed"], self.failed_seen = (
-            float(self.rewarder.failed - self.failed_seen),
-            self.rewarder.failed,
-        )
+        metrics["reward/failed"] = float(self.rewarder.failed - self.failed_seen)
+        self.failed_seen = self.rewarder.failed
         return Batch([s for g in groups for s in g.samples], metrics, filtered)
 
     def before_update(self) -> None:
@@ -295,10 +293,7 @@ class RolloutManager(Rollouts):
                 self.stats.restarted += resume is None
                 self._spawn(self._run_sample(group, slot, resume))
             return
-        await self._sample_done(group, slot, episode.sample)
-
-    async def _sample_done(self, group: Group, slot: int, sample: Sample) -> None:
-        group.samples[slot] = sample
+        group.samples[slot] = episode.sample
         group.pending -= 1
         if group.pending == 0:
             await self._group_done(group)
