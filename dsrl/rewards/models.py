@@ -81,10 +81,8 @@ class RewardModel:
         try:
             return self.parse(text), None
         except Exception as e:  # noqa: BLE001 -- reported naming the row
-            return (
-                None,
-                f"--reward_model.judge_parse_fn={self.cfg.judge_parse_fn} raised on the verdict {text!r}: {e!r}",
-            )
+            why = f"--reward_model.judge_parse_fn={self.cfg.judge_parse_fn} raised on the verdict {text!r}: {e!r}"
+            return None, why
 
     async def post(self, path: str, body: dict, key: int) -> list[dict]:
         """One group's request. A server that stops answering is restarted (rank 0; it keeps its URL, so every

@@ -141,12 +141,7 @@ def parse_generation(out: dict) -> Generation:
 
 
 def sampling_params(cfg: RolloutConfig) -> dict:
-    return {
-        "max_new_tokens": cfg.max_new_tokens,
-        "temperature": cfg.temperature,
-        "top_p": cfg.top_p,
-        "top_k": cfg.top_k,
-    }
+    return {key: getattr(cfg, key) for key in ("max_new_tokens", "temperature", "top_p", "top_k")}
 
 
 def request_seed(*parts: int) -> int:

@@ -127,10 +127,7 @@ class RolloutClient:
                 async with self.session.request(
                     method, url + path, json=payload if method != "GET" else None, timeout=timeout
                 ) as resp:
-                    if resp.content_type == "application/json":
-                        body = await resp.json()
-                    else:
-                        body = await resp.text()
+                    body = await (resp.json() if resp.content_type == "application/json" else resp.text())
                     if resp.status >= 400:
                         raise ServerError(url, path, f"HTTP {resp.status}: {_error_message(body)}")
                     if isinstance(body, dict) and body.get("success") is False:

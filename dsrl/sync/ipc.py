@@ -122,20 +122,12 @@ class IpcTransport(Transport):
     def _post(self, path: str, handles: list[str], body: dict) -> Future:
         """`body` to every server with its own handles: server s covers GPUs [s * tp, (s + 1) * tp), and
         trainer rank g sits on GPU g."""
-        tp = self.tp_size
+        tp, urls = self.tp_size, self.client.urls
+        bodies = [{**body, "serialized_named_tensors": handles[s * tp : (s + 1) * tp]} for s in range(len(urls))]
 
         async def post_all():
-            return await asyncio.gather(
-                *(
-                    self.client.request(
-                        url,
-                        path,
-                        {**body, "serialized_named_tensors": handles[s * tp : (s + 1) * tp]},
-                        timeout_s=self.cfg.timeout_s,
-                    )
-                    for s, url in enumerate(self.client.urls)
-                )
-            )
+            calls = [self.client.request(url, path, b, timeout_s=self.cfg.timeout_s) for url, b in zip(urls, bodies)]
+            return await asyncio.gather(*calls)
 
         return self.client.submit(post_all())
 
