@@ -151,7 +151,7 @@ def rank_main(args) -> None:
     from dsrl.lending import GpuLending
     from dsrl.serving.client import RolloutClient
     from dsrl.serving.fleet import start_fleet_for_ranks
-    from dsrl.sync.verify import probe_reference, verify_probe
+    from dsrl.sync.verify import probe_reference, probe_servers
     from dsrl.sync.weight_sync import WeightSync, make_transport
     from dsrl.zero.buckets import param_bytes
     from dsrl.zero.engine import init_distributed, load_engine
@@ -198,11 +198,11 @@ def rank_main(args) -> None:
             probe, probe_before = None, None
             if gpu:  # the mean |logprob diff| of the probe: before any sync, and after one
                 ids, reference = probe_reference(actor, actor.module.config.vocab_size)
-                probe_before = verify_probe(client, ids, reference, float("inf")) if rank == 0 else None
+                probe_before = client.run(probe_servers(client, ids, reference, float("inf"))) if rank == 0 else None
             version += 1
             weights.update(version)  # forms the group, first-touch allocations
             if gpu:
-                probe = verify_probe(client, ids, reference, float("inf")) if rank == 0 else None
+                probe = client.run(probe_servers(client, ids, reference, float("inf"))) if rank == 0 else None
             times, phases = [], []
             for _ in range(args.repeats):
                 version += 1

@@ -28,10 +28,6 @@ from dsrl.sync.base import SERVER_ERRORS, Transport
 log = logging.getLogger(__name__)
 
 
-def adapter_name(version: int) -> str:
-    return f"dsrl-v{version}"
-
-
 class AdapterServing:
     def __init__(self, transport: Transport, client: RolloutClient):
         self.transport, self.client = transport, client
@@ -57,7 +53,7 @@ class AdapterServing:
             with clock("base"), agreed(f"the base weights for version {version}", SERVER_ERRORS):
                 base = self.transport.send(module, version, flush_cache)
             self.needs_base = False
-        name = adapter_name(version)
+        name = f"dsrl-v{version}"
         with agreed(f"the adapter {name}", SERVER_ERRORS):
             if self.rank0:
                 with clock("unload"):

@@ -61,23 +61,17 @@ def probe_reference(engine, vocab_size: int) -> tuple[list[list[int]], torch.Ten
     return ids, torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0].cpu()
 
 
-def verify_probe(
+async def probe_servers(
     client: RolloutClient, ids: list[list[int]], reference: torch.Tensor, tolerance: float, flush: bool = True
 ) -> float:
-    """Compare each server's logprobs of the probe tokens with the trainer's; return the worst mean |diff|.
+    """Compare each server's logprobs of the probe tokens with the trainer's; return the worst mean |diff|. On the
+    client's loop: the trainer may go on while it runs (`client.submit`).
 
     Prompt logprobs come from /generate with logprob_start_len=0, after /flush_cache. SGLang matches
     no cached prefix past logprob_start_len anyway (`Req._compute_max_prefix_len`), so `flush` False
     (with requests running, which SGLang's flush refuses) checks the same. The servers must hold
     their KV cache: SGLang dies generating while it is released.
     """
-    return client.run(probe_servers(client, ids, reference, tolerance, flush))
-
-
-async def probe_servers(
-    client: RolloutClient, ids: list[list[int]], reference: torch.Tensor, tolerance: float, flush: bool = True
-) -> float:
-    """`verify_probe` on the client's loop: the trainer may go on while it runs (`client.submit`)."""
     if flush:
         await client.all_servers("/flush_cache")
     payload = {
