@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from dsrl.algorithms import LOG_RATIO_LIMIT, POLICY_LOSSES, aggregate, importance_weights, kl_estimate, ppo_clip_loss
+from dsrl.algorithms import LOG_RATIO_LIMIT, POLICY_LOSSES, aggregate, importance_weights, kl_estimate
 from dsrl.auto import old_from_update, packs
 from dsrl.collectives import reduce_device
 from dsrl.config import Config
@@ -145,22 +145,16 @@ def micro_batch_loss(
     else:
         old = per_token(mb, "old_logprobs")
     agg = (a.loss_agg, num_tokens, num_seqs)
-    if a.policy_loss == "ppo":
-        weights = None
-        if a.off_policy != "none":
-            behaviour = per_token(mb, "engine_logprobs")
-            weights = importance_weights(old, behaviour, a.off_policy, a.is_cap)
-        loss, stats = ppo_clip_loss(
-            logprobs, old, advantages, mask, a.clip_low, a.clip_high, *agg, weights, a.clip_ratio_c,
-            cfg.rollout.max_new_tokens,
-        )  # fmt: skip
-        if weights is not None:
-            stats |= importance_stats(old, behaviour, weights, mask, a.is_cap)
-    else:
-        policy_loss = POLICY_LOSSES[a.policy_loss]
-        loss, stats = policy_loss(
-            logprobs, old, advantages, mask, a.clip_low, a.clip_high, *agg, horizon=cfg.rollout.max_new_tokens
-        )
+    weights = None
+    if a.policy_loss == "ppo" and a.off_policy != "none":
+        behaviour = per_token(mb, "engine_logprobs")
+        weights = importance_weights(old, behaviour, a.off_policy, a.is_cap)
+    ppo = {"is_weights": weights, "clip_ratio_c": a.clip_ratio_c} if a.policy_loss == "ppo" else {}
+    loss, stats = POLICY_LOSSES[a.policy_loss](
+        logprobs, old, advantages, mask, a.clip_low, a.clip_high, *agg, horizon=cfg.rollout.max_new_tokens, **ppo
+    )
+    if weights is not None:
+        stats |= importance_stats(old, behaviour, weights, mask, a.is_cap)
     n = mask.sum().clamp(min=1)
     stats["pg_loss"] = loss.detach()
     if kl_coef > 0 and not a.kl_in_reward:
