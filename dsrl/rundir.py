@@ -161,14 +161,6 @@ def _read_owner(fd: int) -> str:
         return raw[:200]
 
 
-def lock_run_dir(run_dir: Path, command: str = "") -> RunLock | None:
-    """Take the run directory's lock, unless the process that launched this one holds it for us."""
-    holder = os.environ.get(OWNER_ENV)
-    if holder and _lock_pid(Path(run_dir) / LOCK_FILE) == int(holder):
-        return None
-    return RunLock(run_dir).acquire(command)
-
-
 def _lock_pid(path: Path) -> int | None:
     try:
         return int(json.loads(path.read_text())["pid"])
@@ -415,9 +407,10 @@ def check_writable(run_dir: Path) -> None:
 def claim_run_dir(run_dir: Path, cfg: Config) -> "RunLock | None":
     """Rank 0, before anything is written: the run directory's lock (unless `dsrl train` holds it for the ranks),
     a writable checkpoint directory, an export target that holds nothing but dsrl's own; then the config."""
-    lock = lock_run_dir(run_dir, "python -m dsrl.train")
-    if lock is not None:  # launched without `dsrl train`: a stale stop request is ours to clear
-        clear_stop(run_dir)
+    holder, lock = os.environ.get(OWNER_ENV), None
+    if not holder or _lock_pid(run_dir / LOCK_FILE) != int(holder):  # not launched by `dsrl train`, which holds it
+        lock = RunLock(run_dir).acquire("python -m dsrl.train")
+        clear_stop(run_dir)  # a stale stop request is ours to clear
     check_writable(run_dir)
     if cfg.logging.export_hf:
         check_export_target(run_dir / "hf", overwrite=True, flag="the final export <run_dir>/hf")
