@@ -56,7 +56,10 @@ def call_reward(fn, prompt: str, response: str, answer, row: dict):
     """fn(prompt, response, answer), with `row=` when it takes one; a function with verl's interface,
     compute_score(data_source, solution_str, ground_truth, extra_info), as verl calls it, its dict's "score"
     taken as verl takes it. An async function is run to its end."""
-    params = _parameters(fn)
+    try:
+        params = set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin or C function: no keyword to offer it
+        params = set()
     if "solution_str" in params:  # a verl user's reward function, as it is
         extra = row.get("extra_info") or {}
         value = fn(data_source=row.get("data_source"), solution_str=response, ground_truth=answer, extra_info=extra)
@@ -64,13 +67,6 @@ def call_reward(fn, prompt: str, response: str, answer, row: dict):
         value = fn(prompt, response, answer, **({"row": row} if "row" in params else {}))
     value = asyncio.run(value) if inspect.isawaitable(value) else value
     return value["score"] if isinstance(value, dict) and "score" in value else value
-
-
-def _parameters(fn) -> set[str]:
-    try:
-        return set(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return set()
 
 
 def _worker(spec: str, conn: Connection, plain: bool) -> None:

@@ -86,15 +86,13 @@ class RolloutClient:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-client", daemon=True)
         self.thread.start()
-        self.semaphore: asyncio.Semaphore = self.run(self._make_semaphore(max_concurrency))
-        self.session: aiohttp.ClientSession = self.run(self._make_session())
+        self.semaphore, self.session = self.run(self._on_loop(max_concurrency))
 
-    async def _make_semaphore(self, n: int) -> asyncio.Semaphore:
-        return asyncio.Semaphore(n)
-
-    async def _make_session(self) -> aiohttp.ClientSession:
+    async def _on_loop(self, n: int) -> tuple[asyncio.Semaphore, aiohttp.ClientSession]:
+        """What belongs to the client's event loop: the concurrency limit and the HTTP session."""
         timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=30)
-        return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0), headers=self.headers)
+        connector = aiohttp.TCPConnector(limit=0)
+        return asyncio.Semaphore(n), aiohttp.ClientSession(timeout=timeout, connector=connector, headers=self.headers)
 
     # -- running coroutines from synchronous code ---------------------------------------------------
 
