@@ -151,7 +151,6 @@ class PromptDataset:
         self.cfg, self.seed, self.path, self.tools = cfg, seed, path or cfg.train_path, tools
         self.use_template = cfg.apply_chat_template and getattr(tokenizer, "chat_template", None)
         self.prompts: list[Prompt] = []
-        self.skipped_bad: list[tuple[int, str]] = []  # (row, why), with --data.on_bad_row skip
         self.too_long = 0  # skipped or truncated, by --data.on_long_prompt
         self._orders: dict[int, list[int]] = {}
         bad: list[tuple[int, str]] = []
@@ -175,7 +174,7 @@ class PromptDataset:
                 if len(bad) > 1
                 else listed[0]
             )
-        self.skipped_bad = sorted(bad)
+        self.skipped_bad = sorted(bad)  # (row, why), with --data.on_bad_row skip
         if self.skipped_bad:
             log.warning(
                 "%d bad rows skipped (--data.on_bad_row skip), first: %s", len(self.skipped_bad), self.skipped_bad[0][1]

@@ -173,9 +173,7 @@ def save_adapter(module: torch.nn.Module, out_dir: Path, rank0: bool) -> int:
     `PeftModel.from_pretrained(base, out_dir)`, and by SGLang's /load_lora_adapter. Every rank joins;
     returns the tensors' bytes (rank 0)."""
     with gathered_adapter(module) as state:
-        if not rank0:
-            return 0
-        return write_adapter(module, state, out_dir)
+        return write_adapter(module, state, out_dir) if rank0 else 0
 
 
 def write_adapter(module: torch.nn.Module, state: dict[str, torch.Tensor], out_dir: Path) -> int:
