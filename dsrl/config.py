@@ -553,13 +553,6 @@ def critic_on_actor_base(cfg: Config) -> bool:
     return cfg.algorithm.advantage == "gae" and cfg.model.lora_rank > 0
 
 
-def world_size(cfg: Config) -> int | None:
-    """Trainer ranks the launcher will start, when known before launch."""
-    if cfg.trainer.hostfile:
-        return None
-    return cfg.trainer.num_ranks or None
-
-
 def validate(cfg: Config, world: int | None = None, check_paths: bool = True) -> None:
     """Raise ConfigError listing every cross-field problem; `world` is the real world size when known.
 
@@ -714,7 +707,7 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     check(cfg.logging.stop_timeout_s > 0, "logging.stop_timeout_s", cfg.logging.stop_timeout_s, "must be > 0")
     check(cfg.logging.keep_last >= 0, "logging.keep_last", cfg.logging.keep_last, "must be >= 0 (0 keeps all)")
 
-    world = world or world_size(cfg)
+    world = world or (None if t.hostfile else t.num_ranks)  # the ranks the launcher starts, when known before
     if world and r.prompts_per_step > 0 and r.n_samples > 0:
         check(
             r.prompts_per_step % world == 0,

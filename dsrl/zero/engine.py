@@ -33,16 +33,6 @@ def param_dtype(cfg: Config) -> torch.dtype:
     return torch.bfloat16 if bf16(cfg) else torch.float32
 
 
-def batch_shape(cfg: Config, world: int, micro_batch_size: int | None = None) -> tuple[int, int]:
-    """(samples per rank per step, gradient-accumulation micro-batches per optimizer step)."""
-    per_rank = cfg.rollout.prompts_per_step // world * cfg.rollout.n_samples
-    # With micro-batches by tokens their number varies: the trainer marks each mini-batch's last one as the
-    # accumulation boundary, and this count is DeepSpeed's nominal figure only.
-    return per_rank, max(
-        1, per_rank // cfg.trainer.updates_per_step // (micro_batch_size or cfg.trainer.micro_batch_size)
-    )
-
-
 def ds_config(
     cfg: Config, world: int, train: bool, lr: float | None = None, micro_batch_size: int | None = None, stage: int = 3
 ) -> dict:
@@ -50,6 +40,10 @@ def ds_config(
     `stage` 2: a LoRA actor on a replicated base (`dsrl.auto.replicated_base`), ZeRO-2 for the adapters alone."""
     t = cfg.trainer
     micro_batch_size = micro_batch_size or t.micro_batch_size
+    # With micro-batches by tokens their number varies: the trainer marks each mini-batch's last one as the
+    # accumulation boundary, and this count is DeepSpeed's nominal figure only.
+    per_rank = cfg.rollout.prompts_per_step // world * cfg.rollout.n_samples
+    accumulation = max(1, per_rank // t.updates_per_step // micro_batch_size)
     # memory_efficient_linear off: torch's own F.linear, not DeepSpeed's autograd function around every linear layer
     # (3B on one H200: the full update 3.75 -> 3.62 s, the same peak memory; docs/benchmarks.md "LoRA against full")
     zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False, "memory_efficient_linear": False}
@@ -59,7 +53,7 @@ def ds_config(
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": use_cuda(cfg), "ratio": t.offload_optimizer_ratio}
     conf = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
-        "gradient_accumulation_steps": batch_shape(cfg, world, micro_batch_size)[1],
+        "gradient_accumulation_steps": accumulation,
         "zero_optimization": zero,
         "bf16": {"enabled": param_dtype(cfg) == torch.bfloat16},
         "gradient_clipping": t.grad_clip,
