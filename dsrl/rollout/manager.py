@@ -81,9 +81,6 @@ class PromptStream:
         self.position += 1
         return self.dataset.batch(step, self.prompts_per_step, self.rank, self.prompts_per_step // self.per_rank)[j]
 
-    def give_back(self, prompt: Prompt) -> None:
-        self.returned.append(prompt)
-
 
 @dataclass
 class Group:
@@ -333,7 +330,7 @@ class RolloutManager(Rollouts):
                 for group in [g for g in self.ready if trainer_version - g.oldest_version > self.max_staleness]:
                     self.ready.remove(group)  # finished too late: never train on it; generate the prompt again
                     self.stats.dropped_stale += 1
-                    self.stream.give_back(group.prompt)
+                    self.stream.returned.append(group.prompt)
                     self.admitted -= 1
                     self.cond.notify_all()
                 ready = sorted(self.ready, key=lambda g: g.oldest_version)
