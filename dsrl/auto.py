@@ -10,6 +10,8 @@ import os
 from collections.abc import Callable
 from dataclasses import replace
 
+import psutil
+
 from dsrl.config import Config, RolloutConfig, SyncConfig, TrainerConfig, reward_beside_rollouts
 
 log = logging.getLogger(__name__)
@@ -94,8 +96,6 @@ def device_memory(cfg: Config) -> tuple[int, str]:
         import torch
 
         return torch.cuda.mem_get_info()[1], "the GPU's"
-    import psutil
-
     return psutil.virtual_memory().total // int(os.environ.get("LOCAL_WORLD_SIZE", 1)), "this rank's share of RAM,"
 
 

@@ -5,9 +5,11 @@ and config errors are instant. Cross-field checks live in :func:`validate` and a
 together, each naming the flag, the value and what is allowed.
 """
 
+import json
 import os
 import sys
 from dataclasses import asdict, dataclass, field, fields, replace
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Literal
 
@@ -578,8 +580,6 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     check(0 < t.offload_optimizer_ratio <= 1, "trainer.offload_optimizer_ratio", t.offload_optimizer_ratio,
           "must be in (0, 1]")  # fmt: skip
     if m.liger_kernel:
-        from importlib.util import find_spec
-
         check(find_spec("liger_kernel") is not None, "model.liger_kernel", True, "liger-kernel is not installed")
         check(t.device != "cpu", "model.liger_kernel", True, "its kernels run on CUDA (--trainer.device cpu)")
     check(m.lora_rank >= 0, "model.lora_rank", m.lora_rank, "must be >= 0 (0: no adapters)")
@@ -786,8 +786,6 @@ def validate_reward_model(cfg: Config, check, check_paths: bool) -> None:
 def reward_model_kind(path: str) -> tuple[str | None, str]:
     """What config.json says a model directory is: 'classifier' (one label, or a *ForRewardModel), 'judge' (a
     causal LM) or None; and in words."""
-    import json
-
     try:
         config = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError) as e:

@@ -5,6 +5,7 @@ Imports no torch: the CLI uses it before the launcher starts.
 """
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import json
@@ -18,6 +19,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import psutil
 
 from dsrl.config import Config, dump_config
 
@@ -171,8 +174,6 @@ def _lock_pid(path: Path) -> int | None:
 def die_with_parent(signum: int = signal.SIGKILL) -> None:
     """The kernel sends this process `signum` when the thread that started it ends (Linux's PR_SET_PDEATHSIG):
     for `preexec_fn`, or called first thing in a child."""
-    import ctypes
-
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signum)
 
 
@@ -183,8 +184,6 @@ class OwnerWatch:
     so nothing of the run outlives its owner. `stop()` before the ranks close: rank 0 may exit first then."""
 
     def __init__(self, owner_pid: int | None, store: tuple[str, int] | None, interval_s: float = 1.0):
-        import psutil
-
         self.store, self.interval_s, self.stopped = store, interval_s, threading.Event()
         self.owner = None
         if owner_pid:
@@ -231,8 +230,6 @@ class OwnerWatch:
 
 def end_process(why: str) -> None:
     """Log `why`, kill every process this one started, then this one (SIGKILL: no cleanup can hang)."""
-    import psutil
-
     log.error("%s: this rank and the processes it started exit now", why)
     for handler in logging.getLogger().handlers:
         handler.flush()

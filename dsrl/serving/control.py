@@ -15,6 +15,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import yaml
 from aiohttp import web
 
 from dsrl.config import Config
@@ -120,8 +121,6 @@ def call(run_dir: str, method: str, path: str, body: dict | None = None) -> dict
 
 
 def run_api_key(run_dir: Path) -> str | None:
-    import yaml
-
     config = run_dir / "config.yaml"
     return (yaml.safe_load(config.read_text()) or {}).get("rollout", {}).get("api_key") if config.is_file() else None
 

@@ -11,6 +11,7 @@ weights are released, and `weight_version` follows the updates. Start it with
 
 import asyncio
 import hmac
+import json
 import logging
 import os
 import threading
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from aiohttp import web
+from safetensors.torch import load_file
 
 from dsrl.serving.embedded_args import parse_args
 
@@ -105,10 +107,6 @@ class Adapters:
         return add_adapter
 
     def load(self, name: str, path: str) -> None:
-        import json
-
-        from safetensors.torch import load_file
-
         if name in self.loaded:
             raise BadRequest(f"Failed to load LoRA adapter {name} because it is already loaded")
         folder = Path(path)
@@ -487,8 +485,6 @@ class Engine:
         return self.storage[start:offset]
 
     def update_from_disk(self, model_path: str) -> None:
-        from safetensors.torch import load_file
-
         self.check_weights_resident()
         files = sorted(Path(model_path).glob("*.safetensors"))
         if not files:

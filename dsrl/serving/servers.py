@@ -5,6 +5,7 @@ Each server runs in its own process session with its log in <run_dir>/logs, so a
 start shows the end of that log, and stopping kills the server's whole process group.
 """
 
+import difflib
 import json
 import logging
 import os
@@ -18,11 +19,12 @@ import urllib.error
 import urllib.request
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from dsrl.config import RolloutConfig, write_private
+from dsrl.config import ConfigError, RolloutConfig, write_private
 from dsrl.rundir import PROGRESS_S, die_with_parent, member_fds
+from dsrl.serving.embedded_args import build_parser
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +108,7 @@ def wait_healthy(server: "ServerProcess | str", timeout_s: float, every_s: float
 def check_server_args(cfg: RolloutConfig, engine: str, flag: str = "--rollout.server_args") -> None:
     """A key of `flag` (--rollout.server_args, or --reward_model.server_args) the engine does not know fails here,
     naming it, before any server starts (SGLang's own `ServerArgs` fields, when SGLang is installed here)."""
-    import difflib
-    from dataclasses import fields
-
     if engine == "embedded":
-        from dsrl.serving.embedded_args import build_parser
-
         known = {a.dest for a in build_parser()._actions}
     else:
         try:
@@ -126,8 +123,6 @@ def check_server_args(cfg: RolloutConfig, engine: str, flag: str = "--rollout.se
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             errors.append(f"{flag}: {key!r} is not an argument of the {engine} server{hint}")
     if errors:
-        from dsrl.config import ConfigError
-
         raise ConfigError(errors)
 
 

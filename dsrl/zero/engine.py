@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import deepspeed
+import psutil
 import torch
 import torch.distributed as dist
 from torch.utils.cpp_extension import _get_build_directory
@@ -306,8 +307,6 @@ def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
     (a rank's "return code = -9" said nothing). Counted from the config, before any weight is loaded."""
     if not cfg.trainer.offload_optimizer:
         return
-    import psutil
-
     params = count_params(cfg, model_dir)
     # the critic is as large, and trained too (with LoRA it is an adapter on the actor's base)
     trainers = 2 if cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg) else 1
