@@ -109,8 +109,7 @@ def state_bytes(cfg: Config, weights: int, trained: int) -> float:
 
 def replicated_base(cfg: Config, model_dir: str) -> tuple[bool, str]:
     """model.lora_base: whether LoRA's frozen base is held whole by every rank, outside ZeRO-3: no gathers, no
-    per-layer hooks, only the adapters partitioned (3B on one H200: the log-prob pass 1.41 -> 1.20 s, the update
-    3.60 -> 3.42 s; LoRA PPO at 1.5B 14.5 -> 7.8 s a step; docs/benchmarks.md "LoRA against full"). auto: where the
+    per-layer hooks, only the adapters partitioned (faster: docs/benchmarks.md "LoRA against full"). auto: where the
     base takes at most a third of the device's memory. And why, for the log."""
     replicated, why = cfg.model.lora_base == "replicated", "given"
     if cfg.model.lora_base == "auto":

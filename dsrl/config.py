@@ -231,9 +231,8 @@ class TrainerConfig:
     old_logprobs: Literal["auto", "recompute"] = "auto"
     """The old policy's logprobs (PPO's ratio, decoupled PPO's proximal policy). auto: where the batch gets one
     optimizer step (updates_per_step 1, ppo_epochs 1, no kl_in_reward), the update's own forward pass gives them,
-    detached (the ratio is 1, the gradient the same), and the pass over the batch before the update is saved
-    (one H200, 64 x 8 x 512 tokens: the step 16.2 -> 13.8 s at 1.5B, 27.4 -> 24.4 s at 3B); recompute: always that
-    pass."""
+    detached (the ratio is 1, the gradient the same), and the pass over the batch before the update is saved (11-15%
+    of a step at 1.5B and 3B: docs/benchmarks.md); recompute: always that pass."""
     lr: float = 1e-6
     """Peak learning rate."""
     lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
