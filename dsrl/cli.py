@@ -2,6 +2,7 @@
 
 import argparse
 import base64
+import contextlib
 import json
 import logging
 import os
@@ -175,10 +176,8 @@ def supervise(proc: subprocess.Popen, run_dir: Path, signals: list[int], stop_ti
                 ": killing the run")  # fmt: skip
             kill_group(proc)
             break
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=0.5)
-        except subprocess.TimeoutExpired:
-            pass
     if signals:
         clear_stop(run_dir)
         return 128 + signals[0]
@@ -207,10 +206,8 @@ def kill_group(proc: subprocess.Popen, grace_s: float = 40.0) -> None:
         except ProcessLookupError:
             return
         time.sleep(0.2)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def cuda_available() -> bool:

@@ -14,6 +14,7 @@ this module, which imports nothing heavy, and the reward function by its `module
 """
 
 import asyncio
+import contextlib
 import inspect
 import itertools
 import logging
@@ -259,10 +260,8 @@ class WorkerPool:
             self.wake_send.send_bytes(b"\0")
         self.thread.join(5)
         for process, conn in self.workers:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send(None)
-            except OSError:
-                pass
             try:
                 process.wait(2)
             except subprocess.TimeoutExpired:

@@ -112,10 +112,8 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
             continue
         arguments = call.get("arguments") or {}
         if isinstance(arguments, str):  # some models send the arguments as a JSON string
-            try:
+            with contextlib.suppress(json.JSONDecodeError):
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass
         if not isinstance(arguments, dict):
             calls.append(ToolCall(call["name"], error=f"the arguments of {call['name']} must be an object"))
             continue

@@ -10,6 +10,7 @@ weights are released, and `weight_version` follows the updates. Start it with
 """
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -165,10 +166,8 @@ class Engine:
         self.context_len = getattr(config, "max_position_embeddings", 1 << 30)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.eos_ids = _as_set(config.eos_token_id)
-        try:
+        with contextlib.suppress(OSError):
             self.eos_ids |= _as_set(GenerationConfig.from_pretrained(model_path).eos_token_id)
-        except OSError:
-            pass
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
         self.generator = torch.Generator().manual_seed(seed)
         self.max_batch_tokens = max_batch_tokens

@@ -13,6 +13,7 @@ Servers added to a live run (`dsrl fleet add`) get a placement group of their ow
 replaced in its bundle. dsrl must be importable on every node (installed there, or on a shared path).
 """
 
+import contextlib
 import logging
 import os
 import uuid
@@ -210,8 +211,6 @@ class RayFleet(Fleet):
 
 
 def _stop(actor) -> None:
-    try:
+    with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
         ray.get(actor.stop.remote(), timeout=30)
-    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-        pass
     ray.kill(actor, no_restart=True)

@@ -8,6 +8,7 @@ disk mid-save never damages the last good one; a file damaged later is found by 
 resume, which then takes the newest complete checkpoint.
 """
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -258,10 +259,8 @@ class ShardWriter:
             index = {"metadata": {"total_size": self.total}, "weight_map": self.weight_map}
             (self.tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
         (config or AutoConfig.from_pretrained(model_dir)).save_pretrained(self.tmp)
-        try:
+        with contextlib.suppress(OSError):
             GenerationConfig.from_pretrained(model_dir).save_pretrained(self.tmp)
-        except OSError:
-            pass
         AutoTokenizer.from_pretrained(model_dir).save_pretrained(self.tmp)
         publish_export(self.tmp, self.out, self.source, self.overwrite)
 
