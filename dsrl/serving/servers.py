@@ -5,6 +5,7 @@ Each server runs in its own process session with its log in <run_dir>/logs, so a
 start shows the end of that log, and stopping kills the server's whole process group.
 """
 
+import contextlib
 import difflib
 import json
 import logging
@@ -86,12 +87,9 @@ def wait_healthy(server: "ServerProcess | str", timeout_s: float, every_s: float
                 f"rollout server {url} exited with code {server.proc.returncode} while starting; "
                 f"end of {server.log_path}:\n{log_tail(server.log_path)}"
             )
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
+        with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=5) as resp:
+            if resp.status == 200:
+                return
         time.sleep(0.5)
     if external:
         raise TimeoutError(
