@@ -836,8 +836,7 @@ def to_config(parser: ArgumentParser, ns: Namespace) -> Config:
 def parse_config(argv: list[str] | None = None, world: int | None = None) -> Config:
     """Parse flags and YAML into a validated Config; on a bad config print every error and exit 2."""
     parser = build_parser()
-    ns = parser.parse_args(argv)
-    cfg = to_config(parser, ns)
+    cfg = to_config(parser, parser.parse_args(argv))
     try:
         validate(cfg, world)
     except ConfigError as e:

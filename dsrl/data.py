@@ -168,9 +168,8 @@ class PromptDataset:
         if bad and cfg.on_bad_row == "fail":
             listed = [why for _, why in bad[:MAX_LISTED]]
             more = f"\n  ... and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else ""
-            plural = "s" if len(bad) > 1 else ""
             raise DatasetError(
-                f"{len(bad)} bad row{plural} (--data.on_bad_row skip skips them):\n  " + "\n  ".join(listed) + more
+                f"{len(bad)} bad rows (--data.on_bad_row skip skips them):\n  " + "\n  ".join(listed) + more
                 if len(bad) > 1
                 else listed[0]
             )

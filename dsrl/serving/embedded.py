@@ -88,9 +88,8 @@ class Adapters:
     requests that name them, x W^T + (x A^T B^T) s, as PEFT computes it in the trainer, and to no other."""
 
     def __init__(self, model: torch.nn.Module, max_rank: int | None, targets: list[str] | None):
-        self.max_rank, self.loaded, self.active = max_rank, {}, None
-        self.loaded: dict[str, Adapter]
-        self.active: Adapter | None  # the adapter of the group of requests being stepped (scheduler thread)
+        self.max_rank, self.loaded = max_rank, {}  # loaded: name -> Adapter
+        self.active: Adapter | None = None  # the adapter of the group of requests being stepped (scheduler thread)
         self.layers = set()
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and (not targets or name.rsplit(".", 1)[-1] in targets):
