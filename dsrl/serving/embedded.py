@@ -738,8 +738,7 @@ class Api:
         body = await body_of(request)
         if body.get("abort_all_requests", True):
             self.engine.abort(abort_all=True)
-        self.engine.weight_version = str(body["new_version"])
-        version = self.engine.weight_version
+        version = self.engine.weight_version = str(body["new_version"])
         return ok(message=f"Weight version updated to {version}", new_version=version)
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:

@@ -50,10 +50,9 @@ class Transport(ABC):
         transport hands them the tensors instead."""
         with gathered_adapter(module) as state:
             sent = write_adapter(module, state, self.root / name) if self.rank0 else 0
+        body = {"lora_name": name, "lora_path": str((self.root / name).resolve())}
         if self.rank0:
-            self.client.call_all(
-                "/load_lora_adapter", {"lora_name": name, "lora_path": str((self.root / name).resolve())}
-            )
+            self.client.call_all("/load_lora_adapter", body)
         return sent
 
     def forget_adapter(self, name: str) -> None:

@@ -115,8 +115,7 @@ def _sha256(path: Path) -> str:
 def write_manifest(tmp: Path) -> None:
     """Every file's size and SHA-256, written last (the ranks hash a share of the files each)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    files = _files(tmp) if rank == 0 else None
-    box = [files]
+    box = [_files(tmp) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     mine = {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in box[0][rank::world]}
     shares = [None] * world
