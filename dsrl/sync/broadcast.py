@@ -162,12 +162,12 @@ class BroadcastTransport(Transport):
 
     def _wait(self, work: dist.Work, replies: list[Future]) -> None:
         """Wait for a broadcast, failing fast when a server has already answered with an error."""
-        deadline = time.monotonic() + self.cfg.timeout_s
+        due = time.monotonic() + self.cfg.timeout_s
         while not work.is_completed():
             failed = next((r for r in replies if r.done() and r.exception() is not None), None)
             if failed is not None:
                 raise SyncError(f"a server failed during the weight update: {failed.exception()}")
-            if time.monotonic() > deadline:
+            if time.monotonic() > due:
                 waiting = self.client.live_urls()
                 raise SyncError(
                     f"a bucket broadcast did not finish within {self.cfg.timeout_s:.0f}s (--sync.timeout_s); "
