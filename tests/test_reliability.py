@@ -4,6 +4,7 @@ Select with `-k resume` or `-k crash`. Real processes throughout: `dsrl train`, 
 launcher, 2 ZeRO-3 ranks and embedded servers; the kills are real SIGKILLs.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -42,12 +44,17 @@ def run_to_end(cmd: list[str]) -> str:
 
 
 def run_and_kill(cmd: list[str], at_step: int, total: int) -> None:
-    """Start a run and SIGKILL the whole trainer (launcher and ranks) once it logs step `at_step`."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    """Start a run and SIGKILL the whole trainer (`dsrl train`, the launcher, the ranks, their servers) once it logs
+    step `at_step`. Every process at once: the launcher has a session of its own, and ranks left to notice their
+    owner gone (within a second, tests/test_nothing_lost.py) could finish another step and its checkpoint first."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
         for line in proc.stderr:
             if f"step {at_step}/{total} |" in line:
-                os.killpg(proc.pid, signal.SIGKILL)
+                run = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+                for p in run:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        p.kill()
                 break
         else:
             raise AssertionError(f"the run ended before step {at_step}")
