@@ -56,7 +56,9 @@ def parent_pid(pid: int) -> int:
 @pytest.fixture(scope="module")
 def ray_run(ray_cluster, tmp_path_factory):
     """3 Ray-placed embedded servers spread over 2 nodes; at step 8 one more joins (`dsrl fleet add`), at 16
-    server 0 leaves (`dsrl fleet remove`), at 24 the Ray actor of server 1 is SIGKILLed mid-step."""
+    server 0 leaves (`dsrl fleet remove`), at 24 the Ray actor of server 1 is SIGKILLed mid-step. Each change waits
+    for the weight-update group the last one formed: the `dsrl fleet` calls block this reader, which then reads the
+    lines the run wrote meanwhile (seen on CI: the kill came before the leave was applied, and one update did both)."""
     run_dir = tmp_path_factory.mktemp("ray_run")
     args = ["--trainer.total_steps", str(STEPS), "--logging.save_every", str(STEPS)]
     args += ["--rollout.fleet", "ray", "--rollout.ray_address", ray_cluster, "--rollout.num_servers", "3"]
@@ -65,21 +67,24 @@ def ray_run(ray_cluster, tmp_path_factory):
     proc = subprocess.Popen(
         train_cmd("toy_cpu_async.yaml", run_dir, *args), cwd=ROOT, stderr=subprocess.PIPE, text=True
     )
-    log, events = [], {}
+    log, events, formed = [], {}, 0
     try:
         for line in proc.stderr:
             log.append(line)
-            if f"step {ADD_AT}/{STEPS} |" in line:
+            formed += bool(re.search(r"weight-update group .* server ranks", line))
+            step = int(m.group(1)) if (m := re.search(rf"step (\d+)/{STEPS} \|", line)) else 0
+            if step >= ADD_AT and "add" not in events:
                 events["add"] = fleet(run_dir, "add", "--count", "1")
-            if f"step {REMOVE_AT}/{STEPS} |" in line:
+            if step >= REMOVE_AT and formed == 2 and "remove" not in events:  # the joined server is in the group
                 events["before_remove"] = fleet(run_dir, "list")["servers"]
                 events["remove"] = fleet(run_dir, "remove", "--url", events["before_remove"][0])
-            if f"step {KILL_AT}/{STEPS} |" in line:
+            if step >= KILL_AT and formed == 3 and "killed_actor" not in events:  # the leave is applied
                 server_pid = int(re.search(r"\(pid (\d+)\)", (run_dir / "logs" / "server_1.log").read_text()).group(1))
                 events["killed_actor"] = parent_pid(server_pid)
                 os.kill(events["killed_actor"], signal.SIGKILL)
                 events["server_pid"] = server_pid
         assert proc.wait(600) == 0, "".join(log[-80:])
+        assert {"add", "remove", "killed_actor"} <= events.keys(), f"the run ended before every change: {events}"
     finally:
         proc.kill()
     return run_dir, "".join(log), events
