@@ -154,15 +154,17 @@ def test_training_against_external_servers_that_go_down_and_come_back(tmp_path):
     args = ["--rollout.server_urls", json.dumps(urls), "--rollout.placement", "disaggregate"]
     args += ["--trainer.total_steps", str(steps), "--rollout.prompts_per_step", "16", "--sync.verify", "probe"]
     proc = subprocess.Popen(train_cmd("toy_cpu.yaml", run_dir, *args), cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    log = []
+    log, set_aside, restarted = [], False, False
     try:
         for line in proc.stderr:
             log.append(line)
             if f"step 3/{steps} |" in line:
                 servers[1].kill()
-            if f"step 6/{steps} |" in line:
+            set_aside |= "is down: set aside" in line
+            step = int(m.group(1)) if (m := re.search(rf"step (\d+)/{steps} \|", line)) else 0
+            if step >= 6 and set_aside and not restarted:  # (lines read late: not before it was set aside)
                 servers[1].wait()
-                servers[1] = start(1)
+                servers[1], restarted = start(1), True
         assert proc.wait(600) == 0, "".join(log[-60:])
     finally:
         proc.kill()
