@@ -26,7 +26,7 @@
 #   source .gpu/setup.sh; MODELS="1.5b 1.5b-rm" bash tools/gpu_run.sh setup rm       # 1 GPU (reward model, 3 tenants)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup split_hang placements           # 4 GPUs: every placement, one
 #                         line each (issue 52; PLACEMENTS="dis2x2 off2x2|colo4" picks them, in waves; ray2x2 needs
-#                         .gpu/ray_site.tar.xz)
+#                         .gpu/ray_site.tar.xz). 8 GPUs (issue 54): PLACEMENTS="colo8|colo8_tp2|dis4x4|async4x4_partial"
 #   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py;
 #                                                         ASYNC_EXTRA="--rollout.max_concurrency 768" passes flags on)
 # Pure-Python wheels the image lacks travel in .whl/ (carried; `setup` installs them into /tmp/site): peft, and
@@ -66,6 +66,7 @@ placement() {
   [ -n "${2:-}" ] && pre=(env "CUDA_VISIBLE_DEVICES=$2")
   local dis=(--config configs/gpu_disaggregate.yaml --trainer.num_ranks 2 --rollout.num_servers 2 --rollout.first_gpu 2)
   local colo=(--config configs/gpu_colocate.yaml --trainer.num_ranks 4 --rollout.num_servers 4)
+  local dis4=(--config configs/gpu_disaggregate.yaml --trainer.num_ranks 4 --rollout.num_servers 4 --rollout.first_gpu 4)
   case $name in
     dis2x2) args=("${dis[@]}") ;;
     dis2_tp2) args=("${dis[@]}" --rollout.num_servers 1 --rollout.tp_size 2) ;;
@@ -76,6 +77,11 @@ placement() {
     colo2) args=(--config configs/gpu_colocate.yaml --trainer.num_ranks 2 --rollout.num_servers 2) ;;
     colo4) args=("${colo[@]}") ;;
     colo4_tp2) args=("${colo[@]}" --rollout.num_servers 2 --rollout.tp_size 2) ;;
+    # 8 GPUs (issue 54): every GPU of the host, so no rotation
+    colo8) args=(--config configs/gpu_colocate.yaml --trainer.num_ranks 8 --rollout.num_servers 8) ;;
+    colo8_tp2) args=(--config configs/gpu_colocate.yaml --trainer.num_ranks 8 --rollout.num_servers 4 --rollout.tp_size 2) ;;
+    dis4x4) args=("${dis4[@]}") ;;
+    async4x4_partial) args=("${dis4[@]}" --rollout.max_staleness 2 --rollout.interrupt partial --algorithm.off_policy tis) ;;
     ray2x2)  # a Ray cluster that owns GPUs 2-3 places the servers; the trainer ranks take GPUs 0-1
       CUDA_VISIBLE_DEVICES=2,3 timeout 120 python3 -m ray.scripts.scripts start --head --num-gpus 2 --num-cpus 16 \
         --include-dashboard false --disable-usage-stats > "$OUT/ray_start.log" 2>&1 || note "ray start failed"
@@ -435,7 +441,7 @@ print('verl stack: verl', verl.__version__, 'sglang', sglang.__version__, 'trans
       for wave in "${waves[@]}"; do
         k=0
         for p in $wave; do
-          case $p in colo*|ray*) placement "$p" & ;; *) placement "$p" "${rotations[$((k % 6))]}" & k=$((k + 1)) ;; esac
+          case $p in colo*|ray*|*4x4*) placement "$p" & ;; *) placement "$p" "${rotations[$((k % 6))]}" & k=$((k + 1)) ;; esac
           sleep 1
         done
         wait
