@@ -95,13 +95,14 @@ placement() {
   stage "pl_$name" "${PL_LIMIT:-150}" "${pre[@]}" "${cmd[@]}" "${args[@]}" --model.path "/tmp/models/${PL_MODEL:-0.5b}" \
     --trainer.total_steps "${PL_STEPS:-4}" --logging.tensorboard "$TB" --logging.export_hf false \
     --logging.run_dir "/tmp/runs/pl_$name" --rollout.server_args "$PL_SERVER_ARGS" --sync.timeout_s "${PL_SYNC_TIMEOUT:-60}" \
-    --rollout.mem_fraction_static "${PL_MEM:-0.1}"
+    --rollout.mem_fraction_static "${PL_MEM:-0.1}" ${PL_EXTRA:-}  # (last: PL_EXTRA's flags override the ones above)
   local rc=$? verdict=FAIL
   grep -aq "final metrics" "$OUT/pl_$name.log" && [ $rc = 0 ] && verdict=PASS
   local figures
   figures=$(python3 tools/step_report.py --line "/tmp/runs/pl_$name" 2>/dev/null || grep -a "Error\|error:" \
     "$OUT/pl_$name.log" | tail -1 | cut -c1-200)
   note "placement $name: $verdict (rc=$rc) | $figures"
+  grep -a "written in" "$OUT/pl_$name.log" | sed 's/.*\[dsrl\] /  /' | tee -a "$SUMMARY"  # a checkpoint's, an export's cost
 }
 
 for s in "$@"; do
@@ -429,7 +430,7 @@ print('verl stack: verl', verl.__version__, 'sglang', sglang.__version__, 'trans
       grep -a "^split hang" "$OUT/split_hang.log" | tee -a "$SUMMARY"
       ;;
     placements)  # 4 GPUs: every placement of the design on one host, one line each (PLACEMENTS picks them; PL_MODEL,
-      # PL_STEPS, PL_LIMIT). SGLang without CUDA graphs: it starts in ~30 s instead of 50-130 (these runs check, the
+      # PL_STEPS, PL_LIMIT; PL_EXTRA: flags for every run, after the others, e.g. a workload, a checkpoint, the export). SGLang without CUDA graphs: it starts in ~30 s instead of 50-130 (these runs check, the
       # speed stages measure). ray2x2 needs Ray: carry .gpu/ray_site.tar.xz (tools/peers/build_site.sh, RAY_ONLY=1).
       TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
       PL_SERVER_ARGS=${PL_SERVER_ARGS:-'{"attention_backend": "triton", "sampling_backend": "pytorch", "disable_cuda_graph": true}'}
