@@ -9,6 +9,22 @@ TOY_MODEL = ROOT / "examples" / "toy" / "model"
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+SHARED_RUNS = ("tests/test_e2e.py::", "tests/test_fleet.py::", "tests/test_lora.py::")
+"""Files whose tests share one costly module fixture (the toy run, the Ray fleet run, the LoRA run: 80-150 s each)."""
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Two workers (-n 2), each file of SHARED_RUNS whole on one of them, so that its run is built once (plain load
+    built the Ray run on both); every other test goes where there is room, as with --dist load. (xdist's own
+    --dist loadgroup groups nothing under pytest 9: it renames `item._nodeid`, which pytest 9 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedRunsWhole(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return next((file for file in SHARED_RUNS if nodeid.startswith(file)), nodeid)
+
+    return SharedRunsWhole(config, log)
+
 
 @pytest.fixture(scope="session")
 def toy_weights(tmp_path_factory) -> Path:
