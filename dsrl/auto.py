@@ -122,17 +122,19 @@ def replicated_base(cfg: Config, model_dir: str) -> tuple[bool, str]:
     return replicated, f"model.lora_base {where} ({why})"
 
 
-def decide_offload(cfg: Config, engines: list) -> tuple[bool, str | None]:
-    """trainer.offload_states, colocated on GPUs: whether the trainers' states leave the GPU while the servers
-    generate, and why (None: not colocated on GPUs, nothing to decide). auto keeps them when this rank's states
-    (parameters, fp32 master copy, Adam's two moments, gradients) plus what the servers take (mem_fraction_static
-    of the GPU) and a margin for their activations fit in the GPU's memory; moving them costs seconds per step at 7B.
-    """
+def decide_offload(cfg: Config, engines: list) -> tuple[str | None, str | None]:
+    """trainer.offload_states, colocated on GPUs: what of the trainers' states leaves the GPU while the servers
+    generate (None: nothing; "moments": Adam's two moments; "all"), and why (None: not colocated on GPUs, nothing
+    to decide). auto keeps them when this rank's states (parameters, fp32 master copy, Adam's two moments,
+    gradients) plus what the servers take (mem_fraction_static of the GPU) and a margin for their activations fit
+    in the GPU's memory; else moves the moments alone when that is enough; else all. Moving them costs seconds per
+    step at 7B, so the least that fits moves."""
     choice = cfg.trainer.offload_states
     if cfg.rollout.placement != "colocate" or not use_cuda(cfg):
-        return False, None
+        return None, None
+    moves = {"always": "all", "moments": "moments", "never": None}
     if choice != "auto":
-        return choice == "always", f"trainer.offload_states {choice} (given)"
+        return moves[choice], f"trainer.offload_states {choice} (given)"
     import torch
 
     params = [p for engine in engines for p in engine.module.parameters()]
@@ -156,10 +158,17 @@ def decide_offload(cfg: Config, engines: list) -> tuple[bool, str | None]:
            f"{total / 1e9:.1f} GB")  # fmt: skip
     if cfg.trainer.offload_optimizer:  # DeepSpeed moves states between phases for FusedAdam only, not CPU Adam
         hint = "" if keep else ": raise --trainer.offload_optimizer_ratio or lower mem_fraction_static"
-        return False, f"trainer.offload_states never, with ZeRO-Offload ({why}{hint})"
-    return not keep, f"trainer.offload_states {'never' if keep else 'always'}: the states " + (
-        f"stay on the GPU ({why})" if keep else f"leave the GPU while the servers generate ({why})"
-    )
+        return None, f"trainer.offload_states never, with ZeRO-Offload ({why}{hint})"
+    if keep:
+        return None, f"trainer.offload_states never: the states stay on the GPU ({why})"
+    moments = 8 * trained  # (fp32 exp_avg and exp_avg_sq)
+    if states - moments + servers + margin < total:
+        return (
+            "moments",
+            f"trainer.offload_states moments: Adam's moments ({moments / 1e9:.1f} GB) leave the GPU "
+            f"while the servers generate, the rest stays ({why})",
+        )
+    return "all", f"trainer.offload_states always: the states leave the GPU while the servers generate ({why})"
 
 
 def resolve(cfg: Config, model_dir: str) -> tuple[Config, list[str]]:

@@ -7,11 +7,11 @@
                     generated beside the optimizer step
     for_update      in the weight update, before the send: offloaded trainers' optimizer states leave, the
                     servers' weights come back
-    to_servers      in the weight update, after its checks: the trainers' parameters leave (offloaded; else the
-                    allocator's cached blocks), the servers' KV cache comes back (the reward model's whole)
+    to_servers      in the weight update, after its checks: the trainers' parameters leave (offloaded "all"; else
+                    the allocator's cached blocks), the servers' KV cache comes back (the reward model's whole)
 
 A tenant of `servers` has `release(tags)` and `resume(tag)`; a new one is one more entry. Disaggregated nothing was
-released, so nothing wakes; `offload` is decided at start-up (`dsrl.auto.decide_offload`).
+released, so nothing wakes; `offload` (None, "moments" or "all") is decided at start-up (`dsrl.auto.decide_offload`).
 """
 
 from contextlib import contextmanager
@@ -47,7 +47,7 @@ class ServerMemory:
 
 
 class GpuLending:
-    def __init__(self, cfg: Config, client: RolloutClient, trainers: list, offload: bool = False, reward=None):
+    def __init__(self, cfg: Config, client: RolloutClient, trainers: list, offload: str | None = None, reward=None):
         """`trainers`: the engines with states (actor, critic); `reward` (rank 0): the reward model's servers."""
         self.trainers, self.offload = trainers, offload
         self.colocated = cfg.rollout.placement == "colocate"
@@ -85,7 +85,7 @@ class GpuLending:
         """In the weight update, after its checks: the KV cache needs the memory the trainers' parameters held."""
         if self.colocated:
             with timer("offload"):
-                if self.offload:
+                if self.offload == "all":
                     self.offload_trainers(params=True)
                 else:
                     free_cached_memory()
@@ -102,7 +102,7 @@ class GpuLending:
 
     def offload_trainers(self, params: bool) -> None:  # (optimizer states; with `params` the parameters too)
         for engine in self.trainers:
-            offload_states(engine, params)
+            offload_states(engine, self.offload, params)
 
     def trainers_back(self) -> None:  # (where they were offloaded)
         for engine in self.trainers if self.offload else []:

@@ -158,7 +158,7 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     offload, why = decide_offload(cfg, trainer.engines)  # do they lend the GPU to the servers?
     log_decisions(decided + ([why] if why else []))
     for engine in trainer.engines if offload else []:  # before any server starts: it sizes its KV cache from the
-        offload_states(engine, params=False)  # memory it finds free
+        offload_states(engine, offload, params=False)  # memory it finds free
     if cfg.sync.lora == "adapter":
         cfg = lora_servers(cfg, target_modules(trainer.actor.module))
     fleet, client = start_rollout_servers(cfg, model_dir, run_dir)

@@ -110,6 +110,8 @@ def test_bad_input_conflicting_options():
     errors = cross_field_errors("--rollout.max_staleness", "1", "--trainer.offload_states", "always")
     assert not any(e.startswith("--rollout.max_staleness") for e in errors)  # one-step-off colocated is allowed
     assert any(e.startswith("--trainer.offload_states='always': one-step-off colocated") for e in errors)
+    errors = cross_field_errors("--rollout.max_staleness", "1", "--trainer.offload_states", "moments")
+    assert any(e.startswith("--trainer.offload_states='moments': one-step-off colocated") for e in errors)
     errors = cross_field_errors(
         "--rollout.placement", "disaggregate", "--rollout.max_staleness", "2", "--rollout.max_ahead", "3"
     )

@@ -257,6 +257,11 @@ def test_the_7b_workload_offloads_in_both_frameworks():
     assert sync.rollout.max_staleness == 0 and sync.algorithm.off_policy == "none"
     assert sync.trainer.offload_optimizer and sync.trainer.offload_optimizer_ratio == 0.6
     assert (cfg.rollout.prompts_per_step, cfg.rollout.n_samples, cfg.rollout.max_new_tokens) == (16, 4, 256)
+    argv = peers.dsrl_command(w, Path("m"), Path("d.parquet"), Path("r"), 3, 0, "dsrl-moments")
+    moments = to_config(parser, parser.parse_args([str(a) for a in argv[4:]]))
+    validate(moments, 1, check_paths=False)  # Adam on the GPU: no ZeRO-Offload, its moments off while generating
+    assert not moments.trainer.offload_optimizer and moments.trainer.offload_states == "moments"
+    assert moments.rollout.max_staleness == 0 and moments.model.gradient_checkpointing is True
 
 
 # -- issue 53: matched pairs, repeats in alternating order, verl at its best, N GPUs, the realistic workload --------

@@ -220,11 +220,12 @@ def test_gradient_checkpointing_auto_turns_on_for_an_update_whose_micro_batch_wo
     assert largest_micro_batch(4096, 8, 5000) == 5000, "a sample longer than the budget goes alone"
 
 
-def test_colocated_planner_keeps_the_states_on_the_gpu_only_when_they_fit(monkeypatch):
+def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_fit(monkeypatch):
     """--trainer.offload_states auto on a GPU (a fake one: trainer.device cuda, and its memory): the states (16 bytes
-    per trained bf16 parameter) stay when they, the servers' share and the margin fit; else they leave while the
-    servers generate. With ZeRO-Offload they always stay (DeepSpeed moves CPU Adam's states between phases for
-    no one), and the message says which knob to turn."""
+    per trained bf16 parameter) stay when they, the servers' share and the margin fit; else Adam's two moments
+    (8 of the 16 bytes) leave while the servers generate when that is enough; else all of them. With ZeRO-Offload
+    they always stay (DeepSpeed moves CPU Adam's states between phases for no one), and the message says which knob
+    to turn."""
     from accelerate import init_empty_weights
 
     from dsrl.auto import decide_offload
@@ -241,14 +242,20 @@ def test_colocated_planner_keeps_the_states_on_the_gpu_only_when_they_fit(monkey
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, total))
 
     gpu(int(((4 << 30) + states * 1.01) / 0.45))  # servers 50%, margin 5% + 4 GiB: the states just fit
-    assert not decide_offload(cfg, engines)[0]
-    gpu(int(((4 << 30) + states * 0.99) / 0.45))
+    assert decide_offload(cfg, engines)[0] is None
+    gpu(int(((4 << 30) + states * 0.99) / 0.45))  # half of them (the moments) off the GPU is enough
     offload, why = decide_offload(cfg, engines)
-    assert offload and f"trainers' states {states / 1e9:.1f} GB" in why and "leave the GPU" in why
+    assert offload == "moments" and f"Adam's moments ({states / 2 / 1e9:.1f} GB) leave the GPU" in why
+    gpu(int(((4 << 30) + states * 0.49) / 0.45))  # not even half fits beside the servers
+    offload, why = decide_offload(cfg, engines)
+    assert offload == "all" and f"trainers' states {states / 1e9:.1f} GB" in why and "leave the GPU" in why
+    cfg.trainer.offload_states = "moments"  # given: as given, whatever fits
+    assert decide_offload(cfg, engines)[0] == "moments"
+    cfg.trainer.offload_states = "auto"
     cfg.rollout.max_staleness = 1  # one-step-off: the states cannot leave while the optimizer steps
     with pytest.raises(MemoryError, match=r"--rollout.max_staleness 1 \(colocated\).*lower --rollout.mem_fr"):
         decide_offload(cfg, engines)
     cfg.rollout.max_staleness = 0
     cfg.trainer.offload_optimizer = True  # 4 of the 16 bytes stay: weights and grads
     offload, why = decide_offload(cfg, engines)
-    assert not offload and f"trainers' states {states / 4 / 1e9:.1f} GB" in why and "ZeRO-Offload" in why
+    assert offload is None and f"trainers' states {states / 4 / 1e9:.1f} GB" in why and "ZeRO-Offload" in why

@@ -259,13 +259,18 @@ def unlink_shm_workspace() -> None:
     Path("/dev/shm", name).unlink(missing_ok=True)
 
 
-def offload_states(engine, params: bool) -> None:
-    """Colocated on GPUs: move optimizer states, fp32 master weights and grads (and the bf16
-    params when `params`) to CPU, so the rollout server can have the memory."""
+def offload_states(engine, what: str, params: bool) -> None:
+    """Colocated on GPUs: move the trainers' states to CPU, so the rollout server can have the memory. `what`
+    "all": optimizer states, fp32 master weights and grads (and the bf16 params when `params`); "moments": Adam's
+    two moments alone (8 of 16 bytes per trained parameter), the rest stays and the optimizer steps on the GPU."""
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
 
-    states = [State.optim_states, State.hp_params, State.lp_grads, State.contiguous_grad_buffer]
-    engine.offload_states(include=states + ([State.lp_params] if params else []))
+    if what == "moments":
+        engine.offload_states(include=[State.optim_states], pin_memory=True, non_blocking=True)
+        params = False
+    else:
+        states = [State.optim_states, State.hp_params, State.lp_grads, State.contiguous_grad_buffer]
+        engine.offload_states(include=states + ([State.lp_params] if params else []))
     for p in frozen_replicated(engine) if params else []:  # DeepSpeed moves what its optimizer holds, not these
         host = getattr(p, "dsrl_host", None)
         if host is None:
@@ -291,7 +296,7 @@ def free_cached_memory() -> None:
 
 
 def reload_states(engine) -> None:
-    engine.reload_states()
+    engine.reload_states(non_blocking=True)  # (from pinned buffers; synchronized below)
     for p in frozen_replicated(engine):
         p.data = p.data.to(engine.device, non_blocking=True)
     torch.cuda.synchronize()

@@ -401,11 +401,23 @@ DSRL_VARIANTS = {
     "dsrl-padded": ("padded rows", {"--trainer.pack_sequences": "false"}),
     "dsrl-recompute": ("old log-probs pass", {"--trainer.old_logprobs": "recompute"}),
     "dsrl-sync": ("synchronous", {"--rollout.max_staleness": 0, "--algorithm.off_policy": "none"}),
+    "dsrl-moments": (
+        "synchronous, Adam on the GPU",
+        {
+            "--rollout.max_staleness": 0,
+            "--algorithm.off_policy": "none",
+            "--trainer.offload_optimizer": "false",
+            "--trainer.offload_states": "moments",
+            "--model.gradient_checkpointing": "true",
+        },
+    ),
 }
 """dsrl's runs, each a mode (the table's column) and the flags that differ from its defaults: padded rows, like
 verl's here (flash-attn, which verl's remove-padding needs, has no wheel for this torch); the old log-probs in a pass
 of their own before the update, as verl computes them; synchronous (the 7B workload's dsrl is one-step-off), as
-verl's trainer is."""
+verl's trainer is; synchronous with Adam stepping on the GPU, its two moments alone on the host while the servers
+generate (`--trainer.offload_states moments`), as verl's optimizer offload does (7B on one H200; gradient
+checkpointing on, as verl's)."""
 
 
 def dsrl_command(w: dict, model: Path, data: Path, run_dir: Path, steps: int, seed: int, name: str = "dsrl",
