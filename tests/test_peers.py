@@ -541,3 +541,19 @@ def test_the_runs_logs_are_kept_in_one_compressed_archive(tmp_path):
     with tarfile.open(path) as tar:
         assert sorted(tar.getnames()) == sorted(log.name for log in logs)
     assert not any(log.exists() for log in logs) and path.stat().st_size < 2000
+
+
+def test_verls_reward_workers_load_the_reward_without_dsrls_requirements():
+    """verl loads tools/peers/verl_reward.py by path in its reward workers, on its own stack, which has none of
+    dsrl's requirements (jsonargparse, DeepSpeed): the toy reward it imports must not pull in dsrl's config."""
+    path = ROOT / "tools/peers/verl_reward.py"
+    code = (
+        "import sys, importlib.util\n"
+        "for name in ('jsonargparse', 'deepspeed'): sys.modules[name] = None  # (absent: importing them fails)\n"
+        f"spec = importlib.util.spec_from_file_location('custom_module', {str(path)!r})\n"
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+        "print(module.compute_score('graded', '2 4 5', ''), module.compute_score('toy', 'x', '7'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(2 / 3), "0.0"]

@@ -205,7 +205,7 @@ def test_gradient_checkpointing_auto_turns_on_for_an_update_whose_micro_batch_wo
         assert 3.09e9 * 16 + engine.activation_bytes(config, tokens, False, liger=True) == pytest.approx(peak, rel=0.03)
 
     model = AutoModelForCausalLM.from_config(toy.build_model_config())
-    model.activation_checkpointing_enable()
+    engine.checkpoint_layers(model)
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     total, states = 10 << 30, 1e6
     auto = engine.AutoCheckpointing(model.config, states, total, "the GPU's")

@@ -14,6 +14,9 @@ import torch.distributed as dist
 
 from dsrl.zero.lora import ServedWeights
 
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""torch 2.13's name, or before it (the GPU image's 2.11) the old one, which 2.13 deprecates."""
+
 NamedTensors = list[tuple[str, torch.Tensor]]
 
 
@@ -177,7 +180,7 @@ class FlatGatherer:
                 else:  # the last rank's partition is padded: gather aside, copy the real bytes after
                     out = torch.empty(part.numel() * self.world, dtype=torch.uint8, device=flat.device)
                     self.unaligned.append((out[:full], flat[dst : dst + full]))
-                works.append(dist.all_gather_single(out, part, async_op=True))
+                works.append(all_gather(out, part, async_op=True))
             return works
         for p, r, offset, n in self._pieces(i):
             if self.rank == 0 and r != 0:

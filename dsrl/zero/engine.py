@@ -140,7 +140,7 @@ def load_engine(
         states = trainers_state_bytes(cfg, model, critic) + awake_server_bytes(cfg, model)
         budget = AutoCheckpointing(model.config, states, *device_memory(cfg), width, cfg.model.liger_kernel)
     if checkpointing:
-        model.activation_checkpointing_enable()
+        checkpoint_layers(model)
     if lora:  # new adapter parameters: deepspeed.initialize partitions them with the rest (or, replicated, alone)
         model = with_lora(model, cfg, checkpointing, replicated)
     else:
@@ -213,6 +213,15 @@ def gather_per_layer(model: torch.nn.Module, whole: bool = True) -> None:
              f", their {adapters} LoRA adapters with them" if adapters else "")  # fmt: skip
 
 
+def checkpoint_layers(model, kwargs: dict | None = None) -> None:
+    """Activation (gradient) checkpointing on: transformers 5.13's name, or before it (the GPU image's 5.12) the old
+    one, which 5.13 deprecates."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def add_lora(model: torch.nn.Module, m: ModelConfig, critic: bool, checkpointing: bool) -> torch.nn.Module:
     """The actor's adapters; with a `critic` (gae) the critic's adapter and value head beside them, on the one base."""
     if not critic:
@@ -220,7 +229,7 @@ def add_lora(model: torch.nn.Module, m: ModelConfig, critic: bool, checkpointing
     model = PolicyAndValue(model, lora_config(m))
     if checkpointing:  # recomputed layers run under the adapter of their forward
         kwargs = {"use_reentrant": False, "context_fn": model.replay_adapter}
-        model.get_base_model().activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        checkpoint_layers(model.get_base_model(), kwargs)
     log.info("the critic is a second LoRA adapter and a value head on the actor's base: one engine, no second model")
     return model
 
