@@ -329,7 +329,8 @@ def test_each_pair_does_the_same_algorithmic_work_on_both_sides():
 def test_verl_runs_at_its_best_and_every_setting_says_why(tmp_path):
     """FSDP2, fused kernels on every workload (the toy's too), dynamic batch sizes, its replay buffer's poll at
     0.05 s through its custom-sampler hook (2 s when asked), no remove-padding (no flash-attn for torch 2.11);
-    gradient checkpointing off where the activations fit, its default (on) at 7B. Each setting carries a reason."""
+    gradient checkpointing off where the activations fit, its default (on) at 7B and on 80 GB GPUs. Each setting
+    carries a reason."""
     for name in ("step", "tail", "toy", "7b"):
         settings = peers.verl_settings(peers.WORKLOADS[name], Path("m"), Path("d"), Path("w"), 11, 0)
         verl = {s.key: peers._hydra(s.value) for s in settings}
@@ -348,6 +349,9 @@ def test_verl_runs_at_its_best_and_every_setting_says_why(tmp_path):
                   "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936}  # fmt: skip
         (model / "config.json").write_text(json.dumps(config))
         assert _verl(peers.WORKLOADS["step"], model)["actor_rollout_ref.model.enable_gradient_checkpointing"] == on
+        # on an 80 GB H100 its default stays at every size: without it its 1.5B update ran out of memory there
+        h100 = _verl(peers.WORKLOADS["tail"], model, gpu_gb=85.5)
+        assert h100["actor_rollout_ref.model.enable_gradient_checkpointing"] == "true"
     assert 1.4e9 < peers.model_params(tmp_path / "1.5b") < 1.8e9 and 7e9 < peers.model_params(tmp_path / "7b") < 8e9
 
 

@@ -200,6 +200,10 @@ WORKLOADS = report.WORKLOADS
 CHECKPOINTING_PARAMS = 5e9
 """verl's gradient checkpointing (its default) stays on for models past this size; below it, the activations of a
 micro-batch fit without it and the step is faster (dsrl's `auto` chose off at 1.5B and 3B)."""
+SMALL_GPU_GB = 100
+"""On GPUs of less memory (an H100's 80 GB) verl keeps its default checkpointing at every size: without it, its 1.5B
+update on the `tail` workload (micro-batches of 16,384 tokens, padded rows) ran out of an H100's memory, 76.4 GB
+allocated by PyTorch (eleventh session), where it fits an H200's 141 GB."""
 
 
 @dataclass(frozen=True)
@@ -281,12 +285,14 @@ def verl_settings(
     poll: float = 0.05,
     overrides: list[str] = (),
     server: dict = SERVER,
+    gpu_gb: float = 141.0,
 ) -> list[Setting]:
     """verl 0.9.1's PPO entry point, GRPO, colocated with SGLang (its hybrid engine) on `gpus` GPUs of one host, at
     its best on this machine: FSDP2, dynamic batch size by tokens, its fused log-prob kernels, its replay buffer's
     poll at `poll` seconds, no remove-padding (it needs flash-attn, which has no wheel for torch 2.11: sdpa instead,
     padded rows), no offload, KL off, SGLang with `server` (SERVER_0512 on verl's own stack); `pair`'s settings on
-    top. `overrides` (hydra's KEY=VALUE) replace or add
+    top; gradient checkpointing as `CHECKPOINTING_PARAMS` and `SMALL_GPU_GB` say, on GPUs of `gpu_gb` GB each.
+    `overrides` (hydra's KEY=VALUE) replace or add
     settings last: actor_rollout_ref.model.use_fused_kernels=false is the path the first runs took (a Python loop
     over every token's log-softmax; docs/benchmarks.md, "Beside verl")."""
     toy, tail = w["new_tokens"] < 16, w.get("tail", False)
@@ -355,9 +361,9 @@ def verl_settings(
         Setting("hydra.run.dir", work / "verl_hydra", run),
     ]  # fmt: skip
     big = model_params(model) > CHECKPOINTING_PARAMS if (model / "config.json").is_file() else False
-    s.append(Setting("actor_rollout_ref.model.enable_gradient_checkpointing", big or offload,
-                     "its default (on) for 7B; off where a micro-batch's activations fit (faster; dsrl's auto chose "
-                     "off at 1.5B and 3B)"))  # fmt: skip
+    s.append(Setting("actor_rollout_ref.model.enable_gradient_checkpointing", big or offload or gpu_gb < SMALL_GPU_GB,
+                     "its default (on) for 7B and on 80 GB GPUs; off where a micro-batch's activations fit (faster; "
+                     "an H200's 141 GB at 1.5B and 3B, where dsrl's auto chose off too)"))  # fmt: skip
     if split:
         s += [Setting("actor_rollout_ref.rollout.nnodes", 1, "the servers' GPUs: the other half of the host"),
               Setting("actor_rollout_ref.rollout.n_gpus_per_node", gpus - trainer_gpus, "the other half")]  # fmt: skip
@@ -633,8 +639,9 @@ def one_run(name: str, args, w: dict, model: Path, data: dict[str, Path], seed: 
     if framework == "verl":
         env = verl_env(env, args.verl_site, work)
         server = SERVER_0512 if own_stack(args.verl_site) else SERVER
+        gpu_gb = min((float(x) * 2**20 / 1e9 for x in gpu_query("memory.total").split()), default=141.0)
         settings = verl_settings(w, model, data["verl"], work, args.steps, seed, args.gpus, p, args.verl_poll,
-                                 args.verl_overrides, server)  # fmt: skip
+                                 args.verl_overrides, server, gpu_gb)  # fmt: skip
         argv = verl_command(settings)
     else:
         argv = dsrl_command(w, model, data["dsrl"], work / "run", args.steps, seed, name, args.gpus, p)
