@@ -323,7 +323,8 @@ def test_each_pair_does_the_same_algorithmic_work_on_both_sides():
     assert rest == {k: v for k, v in _verl(w, pair="recompute").items() if not k.startswith("trainer.v1")}
     assert (auto.rollout.prompts_per_step, auto.rollout.n_samples) == (32, 8) == (
         int(verl["data.train_batch_size"]), int(verl["actor_rollout_ref.rollout.n"]))  # fmt: skip
-    assert auto.trainer.max_tokens_per_micro_batch == int(verl["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"])
+    rows = int(verl["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"])  # padded rows: the same positions
+    assert abs(rows * (peers.PROMPT_LENGTH + w["new_tokens"]) / auto.trainer.max_tokens_per_micro_batch - 1) < 0.05
 
 
 def test_verl_runs_at_its_best_and_every_setting_says_why(tmp_path):
@@ -336,11 +337,16 @@ def test_verl_runs_at_its_best_and_every_setting_says_why(tmp_path):
         verl = {s.key: peers._hydra(s.value) for s in settings}
         assert verl["actor_rollout_ref.actor.strategy"] == "fsdp2"
         assert verl["actor_rollout_ref.model.use_fused_kernels"] == "true"
-        assert verl["actor_rollout_ref.actor.use_dynamic_bsz"] == "true"
+        # by tokens, except on rows of varying length: it counts real tokens, and runs padded rows (no flash-attn)
+        assert verl["actor_rollout_ref.actor.use_dynamic_bsz"] == ("false" if name == "tail" else "true")
         assert verl["actor_rollout_ref.model.use_remove_padding"] == "false"
         assert verl["trainer.v1.sampler.custom_sampler.path"] == str(peers.SAMPLER)
         assert verl["+trainer.v1.sampler.sampler_kwargs.poll_interval"] == "0.05"
         assert all(len(s.why) > 8 for s in settings) and len({s.key for s in settings}) == len(settings)
+    tail = _verl(peers.WORKLOADS["tail"])  # 16 rows of 16 + 1024 positions: about dsrl's 16,384 tokens
+    assert tail["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == "16"
+    assert tail["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"] == "32"
+    assert "actor_rollout_ref.actor.ppo_max_token_len_per_gpu" not in tail
     assert _verl(peers.WORKLOADS["step"], poll=2.0)["+trainer.v1.sampler.sampler_kwargs.poll_interval"] == "2.0"
     for size, hidden, layers, inter, on in (("1.5b", 1536, 28, 8960, "false"), ("7b", 3584, 28, 18944, "true")):
         model = tmp_path / size

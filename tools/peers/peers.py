@@ -66,6 +66,7 @@ runs' logs go into one compressed archive per invocation (OUT/logs_*.tar.gz), fo
 
 import argparse
 import json
+import math
 import os
 import signal
 import socket
@@ -201,9 +202,10 @@ CHECKPOINTING_PARAMS = 5e9
 """verl's gradient checkpointing (its default) stays on for models past this size; below it, the activations of a
 micro-batch fit without it and the step is faster (dsrl's `auto` chose off at 1.5B and 3B)."""
 SMALL_GPU_GB = 100
-"""On GPUs of less memory (an H100's 80 GB) verl keeps its default checkpointing at every size: without it, its 1.5B
-update on the `tail` workload (micro-batches of 16,384 tokens, padded rows) ran out of an H100's memory, 76.4 GB
-allocated by PyTorch (eleventh session), where it fits an H200's 141 GB."""
+"""On GPUs of less memory (an H100's 80 GB) verl keeps its default checkpointing at every size: its 1.5B update on
+micro-batches of about 16k positions peaked at 83.7 GB without it on an H200 (the `step` workload, eighth session)."""
+PROMPT_LENGTH = 16
+"""verl's data.max_prompt_length, in tokens: the harness's prompts (the toy task's) are a few tokens long."""
 
 
 @dataclass(frozen=True)
@@ -304,7 +306,7 @@ def verl_settings(
     s = [
         Setting("algorithm.adv_estimator", "grpo", same), Setting("algorithm.use_kl_in_reward", False, same),
         Setting("data.train_files", data, same), Setting("data.val_files", data, run),
-        Setting("data.train_batch_size", w["prompts"], same), Setting("data.max_prompt_length", 16, same),
+        Setting("data.train_batch_size", w["prompts"], same), Setting("data.max_prompt_length", PROMPT_LENGTH, same),
         Setting("data.max_response_length", w["new_tokens"], same), Setting("data.seed", seed, same),
         Setting("data.shuffle", False, "the same prompts (and per-row lengths) in the same step on both sides"),
         Setting("data.filter_overlong_prompts", False, same), Setting("data.dataloader_num_workers", 0, run),
@@ -326,12 +328,7 @@ def verl_settings(
         Setting("actor_rollout_ref.actor.strategy", "fsdp2", "its tuning guide: FSDP2 over FSDP1 (the ref follows)"),
         Setting("actor_rollout_ref.model.use_fused_kernels", True,
                 "its fused log-prob/entropy kernels: without flash-attn its fallback loops over every token"),
-        Setting("actor_rollout_ref.actor.use_dynamic_bsz", True, "its tuning guide: micro-batches by tokens"),
-        Setting("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", w["tokens"],
-                "tokens a micro-batch, as dsrl's --trainer.max_tokens_per_micro_batch (its guide: at least 2x "
-                "prompt + response)"),
-        Setting("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", 2 * w["tokens"],
-                "its tuning guide: forward-only micro-batches 2x the update's"),
+        *micro_batches(w),
         Setting("actor_rollout_ref.model.use_remove_padding", False,
                 "its packing needs flash-attn, which has no wheel for the image's torch 2.11 (PyPI: source only)"),
         Setting("+actor_rollout_ref.model.override_config.attn_implementation", "sdpa",
@@ -396,6 +393,34 @@ def verl_settings(
     s = [x for x in s if x.key not in given]  # one value a key: hydra refuses a key given twice
     s += [Setting(k, v, "--verl-overrides") for k, v in given.items()]
     return list({x.key: x for x in s}.values())  # a pair's setting replaces the base's
+
+
+def micro_batches(w: dict) -> list[Setting]:
+    """verl's micro-batches: by tokens (its dynamic batch size, as its tuning guide says), except where the rows'
+    lengths vary (`tail`). Its dynamic batch size counts real tokens (the attention mask's sum), but without
+    remove-padding (no flash-attn here) its model runs on the padded rows: a micro-batch of 16,384 real tokens of
+    232-token rows held 70 rows of 1,040 positions, and its 1.5B update ran out of memory on an H100 and an H200
+    (eleventh session). There, a fixed number of rows holds the same positions as dsrl's token budget."""
+    if not w.get("tail", False):
+        return [
+            Setting("actor_rollout_ref.actor.use_dynamic_bsz", True, "its tuning guide: micro-batches by tokens"),
+            Setting("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", w["tokens"],
+                    "tokens a micro-batch, as dsrl's --trainer.max_tokens_per_micro_batch (its guide: at least 2x "
+                    "prompt + response)"),
+            Setting("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", 2 * w["tokens"],
+                    "its tuning guide: forward-only micro-batches 2x the update's"),
+        ]  # fmt: skip
+    rows = 2 ** round(math.log2(w["tokens"] / (PROMPT_LENGTH + w["new_tokens"])))  # (a power of 2 divides the batch)
+    why = (
+        f"rows of {PROMPT_LENGTH} + {w['new_tokens']} padded positions, {rows} a micro-batch: about dsrl's "
+        f"{w['tokens']} tokens; its dynamic batch size counts real tokens and ran out of memory on padded rows"
+    )
+    return [
+        Setting("actor_rollout_ref.actor.use_dynamic_bsz", False, why),
+        Setting("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", rows, why),
+        Setting("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", 2 * rows,
+                "its tuning guide: forward-only micro-batches 2x the update's"),
+    ]  # fmt: skip
 
 
 def verl_command(settings: list[Setting]) -> list[str]:

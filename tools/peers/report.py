@@ -378,6 +378,11 @@ def main() -> None:
     if any(run.get("pair") for run in record["runs"].values()):
         print(pair_table(record))
         print(settings_text(record))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # (the tables above are the record; the figures need matplotlib)
+        print(f"no figures in {out}: matplotlib is not installed (pip install matplotlib)")
+        return
     plot_phases(record, out / "phases.png")
     plot_curves(record, out / "curves.png")
 
