@@ -259,3 +259,21 @@ def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_f
     cfg.trainer.offload_optimizer = True  # 4 of the 16 bytes stay: weights and grads
     offload, why = decide_offload(cfg, engines)
     assert offload is None and f"trainers' states {states / 4 / 1e9:.1f} GB" in why and "ZeRO-Offload" in why
+
+
+def test_checkpointing_is_turned_on_by_the_name_the_gpu_pins_have():
+    """constraints-gpu.txt pins transformers 5.12.1 (SGLang's), which has no `activation_checkpointing_enable`
+    (5.13's name, which CPU runs use): calling that name alone made every dsrl train on the GPU image die at load."""
+    from dsrl.zero import engine
+
+    calls = []
+
+    class Transformers512:  # the old name only
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            calls.append(gradient_checkpointing_kwargs)
+
+    engine.checkpoint_layers(Transformers512(), {"use_reentrant": False})
+    assert calls == [{"use_reentrant": False}]
+    model = AutoModelForCausalLM.from_config(toy.build_model_config())
+    engine.checkpoint_layers(model)  # the new name, where it exists
+    assert model.is_activation_checkpointing
