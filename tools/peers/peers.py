@@ -398,9 +398,10 @@ def verl_settings(
 def micro_batches(w: dict) -> list[Setting]:
     """verl's micro-batches: by tokens (its dynamic batch size, as its tuning guide says), except where the rows'
     lengths vary (`tail`). Its dynamic batch size counts real tokens (the attention mask's sum), but without
-    remove-padding (no flash-attn here) its model runs on the padded rows: a micro-batch of 16,384 real tokens of
-    232-token rows held 70 rows of 1,040 positions, and its 1.5B update ran out of memory on an H100 and an H200
-    (eleventh session). There, a fixed number of rows holds the same positions as dsrl's token budget."""
+    remove-padding (no flash-attn here) its model runs on the padded rows: a micro-batch of 16,384 real tokens, rows
+    of about 242 (prompt and 232 new tokens on average), held about 68 rows of 1,040 positions, and its 1.5B update
+    ran out of memory on an H100 and an H200 (twelfth session). There, a fixed number of rows holds the same
+    positions as dsrl's token budget."""
     if not w.get("tail", False):
         return [
             Setting("actor_rollout_ref.actor.use_dynamic_bsz", True, "its tuning guide: micro-batches by tokens"),
@@ -542,11 +543,16 @@ def where(gpus: int = 1) -> dict[str, str]:
     return {"host": socket.gethostname(), "gpu": ",".join(uuids[:gpus])}
 
 
-def gpu_used_gb() -> float:
+def gpu_gb(field: str) -> list[float]:
+    """nvidia-smi's memory `field` (memory.used, memory.total: MiB) in GB, one per GPU ([] without nvidia-smi)."""
     try:
-        return sum(float(x) for x in gpu_query("memory.used").split()) * 2**20 / 1e9
+        return [float(x) * 2**20 / 1e9 for x in gpu_query(field).split()]
     except ValueError:
-        return 0.0
+        return []
+
+
+def gpu_used_gb() -> float:
+    return sum(gpu_gb("memory.used"))
 
 
 def host_used_gb() -> float:
@@ -664,9 +670,8 @@ def one_run(name: str, args, w: dict, model: Path, data: dict[str, Path], seed: 
     if framework == "verl":
         env = verl_env(env, args.verl_site, work)
         server = SERVER_0512 if own_stack(args.verl_site) else SERVER
-        gpu_gb = min((float(x) * 2**20 / 1e9 for x in gpu_query("memory.total").split()), default=141.0)
         settings = verl_settings(w, model, data["verl"], work, args.steps, seed, args.gpus, p, args.verl_poll,
-                                 args.verl_overrides, server, gpu_gb)  # fmt: skip
+                                 args.verl_overrides, server, min(gpu_gb("memory.total"), default=141.0))  # fmt: skip
         argv = verl_command(settings)
     else:
         argv = dsrl_command(w, model, data["dsrl"], work / "run", args.steps, seed, name, args.gpus, p)
