@@ -1,7 +1,8 @@
 """Every "auto" setting, decided here: its rule, what it measures, and the pass that decides them all once at a run's
-start (`resolve`, then `decide_offload` once the trainers exist), logged as one block (`log_decisions`); a piece built
-alone (a tool, a test, `dsrl eval`) gets the same answers. Decided later, where what they depend on first exists:
-model.gradient_checkpointing (each update: `zero.engine.AutoCheckpointing`), trainer.max_tokens_per_micro_batch (each
+start (`resolve`), logged as one block (`log_decisions`); a piece built alone (a tool, a test, `dsrl eval`) gets the
+same answers. Decided elsewhere, where what they depend on first exists: trainer.offload_states (the memory plan, once
+the trainers exist: `zero.memory.plan_memory`), model.gradient_checkpointing (each update:
+`zero.memory.AutoCheckpointing`), trainer.max_tokens_per_micro_batch (each
 batch: `zero.batches.micro_batches`), reward_model.input (its tokenizer: `rewards.models.sends_token_ids`),
 logging.resume (the latest checkpoint). Imports no torch: the CLI asks it before the launcher starts."""
 
@@ -12,7 +13,7 @@ from dataclasses import replace
 
 import psutil
 
-from dsrl.config import Config, RolloutConfig, SyncConfig, TrainerConfig, reward_beside_rollouts
+from dsrl.config import Config, RolloutConfig, SyncConfig, TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -99,14 +100,6 @@ def device_memory(cfg: Config) -> tuple[int, str]:
     return psutil.virtual_memory().total // int(os.environ.get("LOCAL_WORLD_SIZE", 1)), "this rank's share of RAM,"
 
 
-def state_bytes(cfg: Config, weights: int, trained: int) -> float:
-    """GPU bytes of an engine's states: its weights; the trained ones' grads and, unless ZeRO-Offload keeps them on
-    the host, their fp32 master copy and Adam's two moments."""
-    width = 2 if bf16(cfg) else 4
-    on_gpu = 1 - cfg.trainer.offload_optimizer_ratio if cfg.trainer.offload_optimizer else 1
-    return weights * width + trained * (width + on_gpu * (4 + 8))
-
-
 def replicated_base(cfg: Config, model_dir: str) -> tuple[bool, str]:
     """model.lora_base: whether LoRA's frozen base is held whole by every rank, outside ZeRO-3: no gathers, no
     per-layer hooks, only the adapters partitioned (faster: docs/benchmarks.md "LoRA against full"). auto: where the
@@ -122,58 +115,9 @@ def replicated_base(cfg: Config, model_dir: str) -> tuple[bool, str]:
     return replicated, f"model.lora_base {where} ({why})"
 
 
-def decide_offload(cfg: Config, engines: list) -> tuple[str | None, str | None]:
-    """trainer.offload_states, colocated on GPUs: what of the trainers' states leaves the GPU while the servers
-    generate (None: nothing; "moments": Adam's two moments; "all"), and why (None: not colocated on GPUs, nothing
-    to decide). auto keeps them when this rank's states (parameters, fp32 master copy, Adam's two moments,
-    gradients) plus what the servers take (mem_fraction_static of the GPU) and a margin for their activations fit
-    in the GPU's memory; else moves the moments alone when that is enough; else all. Moving them costs seconds per
-    step at 7B, so the least that fits moves."""
-    choice = cfg.trainer.offload_states
-    if cfg.rollout.placement != "colocate" or not use_cuda(cfg):
-        return None, None
-    moves = {"always": "all", "moments": "moments", "never": None}
-    if choice != "auto":
-        return moves[choice], f"trainer.offload_states {choice} (given)"
-    import torch
-
-    params = [p for engine in engines for p in engine.module.parameters()]
-    weights = sum(getattr(p, "ds_tensor", p).numel() for p in params)  # (this rank's ZeRO-3 partitions)
-    trained = sum(getattr(p, "ds_tensor", p).numel() for p in params if p.requires_grad)  # (LoRA: the adapters)
-    states, total = state_bytes(cfg, weights, trained), torch.cuda.mem_get_info()[1]
-    reward = cfg.reward_model.mem_fraction_static * total if reward_beside_rollouts(cfg) else 0  # the third tenant
-    servers = cfg.rollout.mem_fraction_static * total + reward
-    margin = 0.05 * total + (4 << 30)  # the servers' activations, CUDA graphs, the allocator's slack
-    keep = states + servers + margin < total
-    if not keep and cfg.rollout.max_staleness > 0:
-        raise MemoryError(
-            f"--rollout.max_staleness 1 (colocated): the servers generate beside the optimizer step, so the trainers' "
-            f"states stay on the GPU, and states {states / 1e9:.1f} GB + servers {servers / 1e9:.1f} GB "
-            f"(mem_fraction_static {cfg.rollout.mem_fraction_static:.2f}) + margin {margin / 1e9:.1f} GB exceed the "
-            f"GPU's {total / 1e9:.1f} GB: lower --rollout.mem_fraction_static, keep the optimizer on the host "
-            "(--trainer.offload_optimizer), or use --rollout.max_staleness 0"
-        )
-    why = (f"trainers' states {states / 1e9:.1f} GB + servers {servers / 1e9:.1f} GB (the reward model's "
-           f"{reward / 1e9:.1f}) + margin {margin / 1e9:.1f} GB {'fit in' if keep else 'exceed'} the GPU's "
-           f"{total / 1e9:.1f} GB")  # fmt: skip
-    if cfg.trainer.offload_optimizer:  # DeepSpeed moves states between phases for FusedAdam only, not CPU Adam
-        hint = "" if keep else ": raise --trainer.offload_optimizer_ratio or lower mem_fraction_static"
-        return None, f"trainer.offload_states never, with ZeRO-Offload ({why}{hint})"
-    if keep:
-        return None, f"trainer.offload_states never: the states stay on the GPU ({why})"
-    moments = 8 * trained  # (fp32 exp_avg and exp_avg_sq)
-    if states - moments + servers + margin < total:
-        return (
-            "moments",
-            f"trainer.offload_states moments: Adam's moments ({moments / 1e9:.1f} GB) leave the GPU "
-            f"while the servers generate, the rest stays ({why})",
-        )
-    return "all", f"trainer.offload_states always: the states leave the GPU while the servers generate ({why})"
-
-
 def resolve(cfg: Config, model_dir: str) -> tuple[Config, list[str]]:
     """The config with every auto that start-up decides decided (all but trainer.offload_states, which needs the
-    trainers: `decide_offload`), and a line per decision for `log_decisions`."""
+    trainers: `zero.memory.plan_memory`), and a line per decision for `log_decisions`."""
     t, r, cuda = cfg.trainer, cfg.rollout, use_cuda(cfg)
     trainer = replace(t, device="cuda" if cuda else "cpu", precision="bf16" if bf16(cfg) else "fp32",
                       pack_sequences=packs(cfg))  # fmt: skip

@@ -11,18 +11,26 @@
                     the allocator's cached blocks), the servers' KV cache comes back (the reward model's whole)
 
 A tenant of `servers` has `release(tags)` and `resume(tag)`; a new one is one more entry. Disaggregated nothing was
-released, so nothing wakes; `offload` (None, "moments" or "all") is decided at start-up (`dsrl.auto.decide_offload`).
+released, so nothing wakes; `offload` (None, "moments" or "all") is decided at start-up (the memory plan,
+`dsrl.zero.memory`). Every rank measures what the servers on its GPU released, and a wake its GPU has no room for
+stops the run with the numbers, before the server is asked (SGLang dies of a wake that runs out of memory).
 """
 
+import logging
 from contextlib import contextmanager
 
+import torch
 import torch.distributed as dist
 
+from dsrl.auto import use_cuda
 from dsrl.collectives import agreed
 from dsrl.config import Config
 from dsrl.metrics import Timer
 from dsrl.serving.client import RolloutClient, ServerError
 from dsrl.zero.engine import free_cached_memory, offload_states, reload_states
+from dsrl.zero.memory import GB, server_weight_bytes
+
+log = logging.getLogger(__name__)
 
 MEMORY_TAGS = ("weights", "kv_cache")
 
@@ -38,6 +46,11 @@ class ServerMemory:
         self.client.call_all("/release_memory_occupation", {"tags": list(tags)})
         self.released = {url: set(tags) for url in self.client.live_urls()}
 
+    def put_to_sleep(self, url: str, tags: tuple[str, ...]) -> None:
+        """A server about to join releases `tags` as the others did (called on a replacement's own thread: the
+        fleet's `prepare_join`); `joined` records it once it is a member."""
+        self.client.run(self.client.request(url, "/release_memory_occupation", {"tags": list(tags)}))
+
     def resume(self, tag: str) -> None:
         asleep = [url for url in self.client.live_urls() if tag in self.released.get(url, ())]
         if asleep:
@@ -47,8 +60,11 @@ class ServerMemory:
 
 
 class GpuLending:
-    def __init__(self, cfg: Config, client: RolloutClient, trainers: list, offload: str | None = None, reward=None):
-        """`trainers`: the engines with states (actor, critic); `reward` (rank 0): the reward model's servers."""
+    def __init__(
+        self, cfg: Config, client: RolloutClient, trainers: list, offload: str | None = None, reward=None, fleet=None
+    ):
+        """`trainers`: the engines with states (actor, critic); `reward` (rank 0): the reward model's servers;
+        `fleet` (rank 0): the rollout servers' (a replacement or a new server joins asleep, as the others are)."""
         self.trainers, self.offload = trainers, offload
         self.colocated = cfg.rollout.placement == "colocate"
         self.ahead = self.colocated and cfg.rollout.max_staleness > 0
@@ -60,12 +76,64 @@ class GpuLending:
         self.memory = ServerMemory(client)
         self.servers = [self.memory, *([reward] if reward is not None else [])] if dist.get_rank() == 0 else []
         """The tenants, in the order they go to sleep (they wake the other way round)."""
+        self.fleet = fleet if self.colocated and dist.get_rank() == 0 else None
+        if self.fleet is not None:
+            self.fleet.prepare_join = lambda url: self.memory.put_to_sleep(url, self.sleep_tags)
+        self.startup_timeout_s = cfg.rollout.startup_timeout_s
+        self.measured = self.colocated and use_cuda(cfg)
+        """Colocated on GPUs: every rank measures what the servers on its GPU release, and checks a wake has room."""
+        self.asleep = 0.0
+        """Bytes the servers released on this rank's GPU at the last `to_trainers`."""
+        self.sleeping: set[str] = set()
+        """The tags the servers released and have not taken back (the same on every rank)."""
+        self.weight_bytes = server_weight_bytes(cfg, trainers[0].module) if self.measured else 0.0
 
     def to_trainers(self) -> None:
-        """Colocated, once every rank has its samples: the servers give their memory to the trainers."""
+        """Colocated, once every rank has its samples: the servers give their memory to the trainers. A replacement
+        still starting holds its GPU's memory, and sizes its KV cache from what it finds free: the trainers wait."""
+        if self.fleet is not None and self.fleet.starting:
+            log.warning("waiting for %d replacement rollout server(s) to start: colocated, each must release its "
+                        "memory before the trainers take the GPU", len(self.fleet.starting))  # fmt: skip
+            self.fleet.await_replacements(self.startup_timeout_s)
+        before = self.free_bytes(barrier_after=True)  # (rank 0 releases every GPU's servers)
         for tenant in self.servers:
             tenant.release(self.sleep_tags)
+        self.asleep = self.free_bytes(barrier_before=True) - before if self.measured else 0.0
+        self.sleeping = set(self.sleep_tags)
         self.trainers_back()
+
+    def free_bytes(self, barrier_before: bool = False, barrier_after: bool = False) -> float:
+        """This rank's GPU's free bytes, measured between barriers where rank 0 releases servers on other GPUs."""
+        if not self.measured:
+            return 0.0
+        several = dist.get_world_size() > 1
+        if barrier_before and several:
+            dist.barrier()
+        free = torch.cuda.mem_get_info()[0]
+        if barrier_after and several:
+            dist.barrier()
+        return free
+
+    def check_room(self, tag: str) -> None:
+        """Before the servers take `tag` back: every rank's GPU has room for what they released there, else the run
+        stops with the numbers (SGLang's scheduler dies of a wake that runs out of memory, and takes its server)."""
+        if not self.measured or tag not in self.sleeping:  # (the same on every rank: `agreed` below is a collective)
+            return
+        self.sleeping.discard(tag)
+        weights = self.weight_bytes if "weights" in self.sleep_tags else 0.0
+        need = weights if tag == "weights" else max(0.0, self.asleep - weights)
+        if torch.cuda.mem_get_info()[0] < need:
+            free_cached_memory()
+        free, held = torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated()
+        with agreed(f"waking the rollout servers' {tag}", (MemoryError,)):
+            if free < need:
+                raise MemoryError(
+                    f"waking the rollout servers' {tag} needs {need / GB:.1f} GB on GPU {torch.cuda.current_device()} "
+                    f"(what they released there), and {free / GB:.1f} GB are free: this trainer rank holds "
+                    f"{held / GB:.1f} GB (the memory plan at start-up gives its sums). Lower "
+                    "--rollout.mem_fraction_static or --trainer.max_tokens_per_micro_batch, or let the trainers' "
+                    "states leave the GPU (--trainer.offload_states)"
+                )
 
     def wake_kv_cache(self) -> None:
         """One-step-off, after the update's last backward pass (every rank waits until the servers have it)."""
@@ -93,12 +161,16 @@ class GpuLending:
             self.wake("kv_cache")
 
     def wake(self, tag: str) -> None:
-        """The servers that released `tag` take it back, the last to sleep first."""
+        """The servers that released `tag` take it back, the last to sleep first, once there is room (`check_room`)."""
+        self.check_room(tag)
         for tenant in reversed(self.servers):
             tenant.resume(tag)
 
-    def fleet_changed(self, urls: list[str]) -> None:
-        self.memory.released = {url: tags for url, tags in self.memory.released.items() if url in urls}
+    def fleet_changed(self, urls: list[str], joined: list[str]) -> None:
+        """Colocated, who sleeps now: the members that did, and those that joined (asleep: `prepare_join`)."""
+        if self.colocated:
+            members = {url: tags for url, tags in self.memory.released.items() if url in urls}
+            self.memory.released = members | {url: set(self.sleep_tags) for url in joined}
 
     def offload_trainers(self, params: bool) -> None:  # (optimizer states; with `params` the parameters too)
         for engine in self.trainers:

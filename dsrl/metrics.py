@@ -75,16 +75,33 @@ def configure_logging(level: str) -> None:
 
 SUMMED = ("rollout/interrupted", "rollout/resumed", "rollout/restarted", "rollout/dropped_stale",
           "rollout/filtered", "reward/failed", "rollout/tokens_per_s")  # fmt: skip
-"""Per-rank counts (and rates) that add up over the ranks; every other metric is a per-rank mean, averaged."""
+"""Per-rank counts (and rates) that add up over the ranks; maxima (`_max`, memory peaks) and minima (`_min`) are the
+ranks' largest and smallest; every other metric is a per-rank mean, averaged."""
+
+PER_RANK = ("memory/update_peak_gb",)
+"""Also logged for each rank (`<key>/rank_<r>`): which rank's GPU is fullest."""
 
 
 def reduce_across_ranks(values: dict[str, float]) -> dict[str, float]:
-    """Each metric over trainer ranks: the sum for counters (`SUMMED`), else the mean (every rank must
-    pass the same keys)."""
+    """Each metric over trainer ranks (every rank must pass the same keys): the sum for counters (`SUMMED`), the
+    largest of maxima and peaks, the smallest of minima, else the mean; `PER_RANK` keys also per rank."""
     keys, world = sorted(values), dist.get_world_size()
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=reduce_device())
-    dist.all_reduce(t)
-    return {k: v if k in SUMMED else v / world for k, v in zip(keys, t.tolist())}
+    rows = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(rows, t)
+    out = {}
+    for k, ranks in zip(keys, torch.stack(rows).T.tolist()):
+        if k in SUMMED:
+            out[k] = sum(ranks)
+        elif k.endswith(("_max", "_peak_gb")):
+            out[k] = max(ranks)
+        elif k.endswith("_min"):
+            out[k] = min(ranks)
+        else:
+            out[k] = sum(ranks) / world
+        if k in PER_RANK and world > 1:
+            out |= {f"{k}/rank_{r}": v for r, v in enumerate(ranks)}
+    return out
 
 
 def gather_lists(values: list) -> list:

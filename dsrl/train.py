@@ -18,7 +18,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from dsrl import rundir
-from dsrl.auto import decide_offload, fleet_kind, log_decisions, lora_servers, resolve, rollout_engine, use_cuda
+from dsrl.auto import fleet_kind, log_decisions, lora_servers, resolve, rollout_engine, use_cuda
 from dsrl.collectives import agreed, all_ranks
 from dsrl.config import Config, parse_config, validate
 from dsrl.data import DatasetError, check_datasets, server_context
@@ -39,6 +39,7 @@ from dsrl.sync.weight_sync import WeightSync, make_transport
 from dsrl.zero.checkpoint import CheckpointError
 from dsrl.zero.engine import init_distributed, offload_states, prepare_model_dir
 from dsrl.zero.lora import target_modules
+from dsrl.zero.memory import plan_memory
 from dsrl.zero.trainer import Trainer
 
 log = logging.getLogger("dsrl")
@@ -155,8 +156,8 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     start_step, rank_state = trainer.resume(run_dir)
     if rank == 0:
         rundir.trim_trace(run_dir / "trained_prompts.jsonl", start_step)
-    offload, why = decide_offload(cfg, trainer.engines)  # do they lend the GPU to the servers?
-    log_decisions(decided + ([why] if why else []))
+    offload, plan = plan_memory(cfg, trainer.engines)  # do they lend the GPU to the servers?
+    log_decisions(decided + ([plan] if plan else []))
     for engine in trainer.engines if offload else []:  # before any server starts: it sizes its KV cache from the
         offload_states(engine, offload, params=False)  # memory it finds free
     if cfg.sync.lora == "adapter":
@@ -165,7 +166,7 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     reward_model = start_reward_model(cfg, tokenizer, client, run_dir, rank == 0)
     rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env), model=reward_model)
     rewarder.restore((rank_state or {}).get("rewarder"))
-    gpu = GpuLending(cfg, client, trainer.engines, offload, reward_model if rank == 0 else None)
+    gpu = GpuLending(cfg, client, trainer.engines, offload, reward_model if rank == 0 else None, fleet)
     transport = make_transport(cfg.sync, client, run_dir, "nccl" if use_cuda(cfg) else "gloo", cfg.rollout.tp_size)
     rollouts = schedule(client, cfg, dataset, rewarder, rank, world, runner, rank_state, start_step)
     return Run(

@@ -3,6 +3,7 @@
 import asyncio
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -223,9 +224,11 @@ def test_higher_priority_requests_are_scheduled_first(toy_weights, tmp_path):
         fleet.stop()
 
 
-def test_fleet_sees_a_dead_server_by_its_process_and_restarts_it(toy_weights, tmp_path):
-    """The trainer finds dead servers it started by their process (no HTTP round trip per sync): a
-    killed server shows in `exited()`, and `replace` brings up one that answers at a new address."""
+def test_fleet_sees_a_dead_server_by_its_process_and_replaces_it_in_the_background(toy_weights, tmp_path):
+    """The trainer finds dead servers it started by their process (no HTTP round trip per sync): a killed server
+    shows in `exited()`; `heal` sets it aside at once, with no wait for its replacement (the update goes on with the
+    survivor), and the replacement joins at the first `heal` after it answers, at a new address, with the number
+    (and so the GPUs) of the server it replaced."""
     fleet = start_fleet(RolloutConfig(num_servers=2), str(toy_weights), tmp_path, 0, "embedded")
     try:
         assert fleet.exited() == set()
@@ -235,11 +238,17 @@ def test_fleet_sees_a_dead_server_by_its_process_and_restarts_it(toy_weights, tm
         while victim not in fleet.exited() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert fleet.exited() == {victim}
-        urls = fleet.replace(fleet.exited())
-        assert urls[1] == survivor and urls[0] != victim and fleet.exited() == set()
+        change = fleet.heal(fleet.exited())
+        assert change.urls == [survivor] and change.joined == [] and change.numbers == [1]
+        assert len(fleet.starting) == 1, "heal returned before the replacement answered"
+        fleet.await_replacements(timeout_s=120)
+        change = fleet.heal(set())
+        urls = change.urls
+        assert urls[0] == survivor and urls[1] != victim and change.joined == [urls[1]] and change.numbers == [1, 0]
+        assert fleet.exited() == set() and (fleet.deaths, fleet.restarts) == (1, 1)
         client = RolloutClient(urls, timeout_s=60)
         try:
-            client.run(client.request(urls[0], "/model_info", method="GET"))  # raises if it does not answer
+            client.run(client.request(urls[1], "/model_info", method="GET"))  # raises if it does not answer
             assert len(gen(client, {"max_new_tokens": 3, "ignore_eos": True})["output_ids"]) == 3
         finally:
             client.close()
@@ -314,3 +323,34 @@ def test_group_routing_keeps_a_prompts_samples_on_one_server(toy_weights, tmp_pa
     by_group = [set(servers[g * 4 : (g + 1) * 4]) for g in range(4)]
     assert all(len(s) == 1 for s in by_group), by_group
     assert set.union(*by_group) == set(fleet.urls), "the groups all went to one server"
+
+
+def test_a_request_on_a_connection_the_server_closes_is_sent_again_not_taken_for_a_dead_server():
+    """SGLang's uvicorn closes a keep-alive connection idle for 5 s; a request sent on it as it closes is never read
+    (aiohttp: ServerDisconnectedError). The client sends it again on a new connection, whatever its path, and does not
+    mark the server down: taken for dead, a live server was set aside and killed (issue 60's "-9 exits")."""
+    closed = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        if not closed:  # the first connection closes unanswered, as a server closing an idle one does
+            closed.append(True)
+        else:
+            body = b'{"ok": true}'
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 12\r\n\r\n" + body)
+            await writer.drain()
+        writer.close()
+
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(asyncio.start_server(serve, "127.0.0.1", 0))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    client = RolloutClient([url], timeout_s=10)
+    try:
+        assert client.run(client.request(url, "/update_weights_from_tensor", {"x": 1})) == {"ok": True}
+        assert closed and client.down == []
+    finally:
+        client.close()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)

@@ -131,9 +131,11 @@ def test_servers_that_leave_or_die_lose_no_prompt_and_train_none_twice(ray_run):
 def test_the_weight_update_group_is_rebuilt_only_when_membership_changes(ray_run):
     _, log, _ = ray_run
     formed = re.findall(r"weight-update group dsrl_weight_update_\d+: trainer \+ (\d+) server ranks", log)
-    # at the start (3 servers), after the join (4), the leave (3), the restart of the killed one (3)
-    changes = re.findall(r".*(?:weight-update group|joined the fleet|leaves the fleet|is down|weight sync).*", log)
-    assert formed == ["3", "4", "3", "3"], "\n".join(changes)
+    # at the start (3 servers), after the join (4), the leave (3), the death (2: the update goes on without it), and
+    # its replacement's join (3) when it started before the run's end (it starts in the background)
+    changes = re.findall(r".*(?:weight-update group|joined the fleet|leaves the fleet|is down|restarted at).*", log)
+    assert formed in (["3", "4", "3", "2"], ["3", "4", "3", "2", "3"]), "\n".join(changes)
+    assert (len(formed) == 5) == ("restarted at" in log), "\n".join(changes)
 
 
 def test_training_against_external_servers_that_go_down_and_come_back(tmp_path):

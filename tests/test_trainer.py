@@ -2,8 +2,12 @@
 to the computation it replaced (right-padded rows, the full fp32 log-softmax): values and gradients equal
 to fp32 rounding. The ZeRO-3 gradient over two ranks with unequal micro-batch counts is in test_sync.py."""
 
+import json
 import math
+import os
 import random
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -194,24 +198,24 @@ def test_gradient_checkpointing_auto_turns_on_for_an_update_whose_micro_batch_wo
 
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    from dsrl.zero import engine
+    from dsrl.zero import engine, memory
     from dsrl.zero.batches import largest_micro_batch
 
     config = toy.build_model_config()
     config.update({"hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "vocab_size": 151936})
-    assert 3.09e9 * 16 + engine.activation_bytes(config, 8192, False) == pytest.approx(95.3e9, rel=0.03)
-    assert engine.activation_bytes(config, 8192, True) < engine.activation_bytes(config, 8192, False) / 4
+    assert 3.09e9 * 16 + memory.activation_bytes(config, 8192, False) == pytest.approx(95.3e9, rel=0.03)
+    assert memory.activation_bytes(config, 8192, True) < memory.activation_bytes(config, 8192, False) / 4
     for tokens, peak in [(12288, 99.7e9), (16384, 115.5e9)]:  # liger-kernel's layers keep less
-        assert 3.09e9 * 16 + engine.activation_bytes(config, tokens, False, liger=True) == pytest.approx(peak, rel=0.03)
+        assert 3.09e9 * 16 + memory.activation_bytes(config, tokens, False, liger=True) == pytest.approx(peak, rel=0.03)
 
     model = AutoModelForCausalLM.from_config(toy.build_model_config())
     engine.checkpoint_layers(model)
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     total, states = 10 << 30, 1e6
-    auto = engine.AutoCheckpointing(model.config, states, total, "the GPU's")
-    fixed = engine.activation_bytes(model.config, 0, False)  # (the log-probs' chunks)
-    fits = int((total * 0.95 - (4 << 30) - states - fixed) // (engine.activation_bytes(model.config, 1, False) - fixed))
-    with caplog.at_level(logging.INFO, logger="dsrl.zero.engine"):
+    auto = memory.AutoCheckpointing(model.config, states, total, "the GPU's")
+    fixed = memory.activation_bytes(model.config, 0, False)  # (the log-probs' chunks)
+    fits = int((total * 0.95 - (4 << 30) - states - fixed) // (memory.activation_bytes(model.config, 1, False) - fixed))
+    with caplog.at_level(logging.INFO, logger="dsrl.zero.memory"):
         auto.apply(model, largest_micro_batch("auto", 8, fits // 16))  # short samples this step
         assert not any(layer.gradient_checkpointing for layer in layers)
         auto.apply(model, largest_micro_batch("auto", 8, fits // 4))  # a long one: 2x what fits
@@ -228,8 +232,8 @@ def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_f
     to turn."""
     from accelerate import init_empty_weights
 
-    from dsrl.auto import decide_offload
     from dsrl.config import Config, DataConfig, ModelConfig
+    from dsrl.zero.memory import plan_memory
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(toy.build_model_config()).to(torch.bfloat16)
@@ -242,22 +246,22 @@ def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_f
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, total))
 
     gpu(int(((4 << 30) + states * 1.01) / 0.45))  # servers 50%, margin 5% + 4 GiB: the states just fit
-    assert decide_offload(cfg, engines)[0] is None
+    assert plan_memory(cfg, engines)[0] is None
     gpu(int(((4 << 30) + states * 0.99) / 0.45))  # half of them (the moments) off the GPU is enough
-    offload, why = decide_offload(cfg, engines)
+    offload, why = plan_memory(cfg, engines)
     assert offload == "moments" and f"Adam's moments ({states / 2 / 1e9:.1f} GB) leave the GPU" in why
     gpu(int(((4 << 30) + states * 0.49) / 0.45))  # not even half fits beside the servers
-    offload, why = decide_offload(cfg, engines)
+    offload, why = plan_memory(cfg, engines)
     assert offload == "all" and f"trainers' states {states / 1e9:.1f} GB" in why and "leave the GPU" in why
     cfg.trainer.offload_states = "moments"  # given: as given, whatever fits
-    assert decide_offload(cfg, engines)[0] == "moments"
+    assert plan_memory(cfg, engines)[0] == "moments"
     cfg.trainer.offload_states = "auto"
     cfg.rollout.max_staleness = 1  # one-step-off: the states cannot leave while the optimizer steps
     with pytest.raises(MemoryError, match=r"--rollout.max_staleness 1 \(colocated\).*lower --rollout.mem_fr"):
-        decide_offload(cfg, engines)
+        plan_memory(cfg, engines)
     cfg.rollout.max_staleness = 0
     cfg.trainer.offload_optimizer = True  # 4 of the 16 bytes stay: weights and grads
-    offload, why = decide_offload(cfg, engines)
+    offload, why = plan_memory(cfg, engines)
     assert offload is None and f"trainers' states {states / 4 / 1e9:.1f} GB" in why and "ZeRO-Offload" in why
 
 
@@ -277,3 +281,30 @@ def test_checkpointing_is_turned_on_by_the_name_the_gpu_pins_have():
     model = AutoModelForCausalLM.from_config(toy.build_model_config())
     engine.checkpoint_layers(model)  # the new name, where it exists
     assert model.is_activation_checkpointing
+
+
+REDUCE_ON_TWO_RANKS = """
+import json, os, torch.distributed as dist
+from dsrl.metrics import reduce_across_ranks
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=rank, world_size=2)
+values = {"response/length_max": [1024, 576][rank], "response/length_min": [3, 64][rank],
+          "reward/mean": [0.2, 0.4][rank], "rollout/filtered": [1, 2][rank],
+          "memory/update_peak_gb": [40.0, 44.0][rank]}
+print(json.dumps(reduce_across_ranks(values)))
+"""
+
+
+def test_metrics_over_ranks_keep_maxima_minima_and_each_ranks_peak():
+    """Two gloo ranks: a maximum is the ranks' largest (4 ranks averaged a 1,024-token longest response to 576), a
+    minimum the smallest, a counter the sum, the rest the mean; the update's memory peak also per rank."""
+    from dsrl.serving.servers import free_port
+
+    env = dict(os.environ, PORT=str(free_port()), PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, "-c", REDUCE_ON_TWO_RANKS], env=env | {"RANK": str(r)}, text=True,
+                              stdout=subprocess.PIPE) for r in (0, 1)]  # fmt: skip
+    outs = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert outs[0] == outs[1] == {
+        "response/length_max": 1024, "response/length_min": 3, "reward/mean": pytest.approx(0.3), "rollout/filtered": 3,
+        "memory/update_peak_gb": 44.0, "memory/update_peak_gb/rank_0": 40.0, "memory/update_peak_gb/rank_1": 44.0,
+    }  # fmt: skip

@@ -27,6 +27,8 @@
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup split_hang placements           # 4 GPUs: every placement, one
 #                         line each (issue 52; PLACEMENTS="dis2x2 off2x2|colo4" picks them, in waves; ray2x2 needs
 #                         .gpu/ray_site.tar.xz). 8 GPUs (issue 54): PLACEMENTS="colo8|colo8_tp2|dis4x4|async4x4_partial"
+#   source .gpu/setup.sh; MODELS=1.5b SOAK_RUNS="colo1:1 colo1_kill:1:kill5" bash tools/gpu_run.sh setup update_memory soak
+#                         # 1 GPU: nothing dies under the tail workload, a kill -9 costs one step (issue 60; tools/soak.py)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py;
 #                                                         ASYNC_EXTRA="--rollout.max_concurrency 768" passes flags on)
 # Pure-Python wheels the image lacks travel in .whl/ (carried; `setup` installs them into /tmp/site): peft, and
@@ -450,6 +452,31 @@ print('verl stack: verl', verl.__version__, 'sglang', sglang.__version__, 'trans
         pkill -9 -f "sglang|dsrl\.(train|cli)|deepspeed\.launcher" 2>/dev/null; sleep 2  # a failed run's leftovers
       done
       ;;
+    update_memory)  # 1 GPU: the update's peak and what it keeps per micro-batch at 64 and 256 samples (issue 60)
+      stage update_memory ${UM_LIMIT:-240} python3 tools/update_memory.py --model /tmp/models/${UM_MODEL:-1.5b} \
+        --samples ${UM_SAMPLES:-64 256 64}
+      grep -a "^samples\|^  alive" "$OUT/update_memory.log" | tee -a "$SUMMARY"
+      ;;
+    soak)  # `dsrl train` on the tail workload for SOAK_STEPS steps, one line per run (issue 60; tools/soak.py). SOAK_RUNS:
+      # NAME:GPUS[:split][:killK][:stepsN] each, e.g. "colo1:1 colo2_kill:2:kill5:steps14 async2:2:split"; SOAK_EXTRA: flags for every
+      # run (after the workload's), SOAK_EXTRA_<NAME> one run's; SOAK_LIMIT: seconds a run
+      for spec in ${SOAK_RUNS:-colo1:1}; do
+        IFS=: read -r name gpus opt1 opt2 opt3 <<< "$spec"
+        flags=(--gpus "$gpus" --steps "${SOAK_STEPS:-50}" --limit "${SOAK_LIMIT:-500}")
+        for o in $opt1 $opt2 $opt3; do
+          case $o in split) flags+=(--split) ;; kill*) flags+=(--kill-at "${o#kill}" --kill-server 0) ;;
+            steps*) flags+=(--steps "${o#steps}") ;; esac
+        done
+        extra_var="SOAK_EXTRA_$name"
+        stage "soak_$name" $((${SOAK_LIMIT:-500} + 60)) python3 tools/soak.py --model /tmp/models/${SOAK_MODEL:-1.5b} \
+          --name "$name" --out "$OUT" "${flags[@]}" -- ${SOAK_EXTRA:-} ${!extra_var:-}
+        grep -a -A4 "^soak $name" "$OUT/soak_$name.log" | tee -a "$SUMMARY"
+        grep -a "Error\|error:" "$OUT/run_$name.log" | tail -3 | cut -c1-300 | tee -a "$SUMMARY"
+        mkdir -p "$OUT/soak_servers"; for f in /tmp/soak/$name/run/logs/*server_*.log; do
+          [ -f "$f" ] && tail -c 300000 "$f" > "$OUT/soak_servers/${name}_$(basename "$f")"; done
+        pkill -9 -f "sglang|dsrl\.(train|cli)|deepspeed\.launcher" 2>/dev/null; sleep 2
+      done
+      ;;
     *) note "unknown stage $s" ;;
   esac
 done
@@ -461,5 +488,6 @@ for d in /tmp/runs/*/logs /tmp/bench_async/*/logs; do
 done
 # few files come back from $OUT: the stage logs and server logs travel as one archive
 mv "$OUT"/*.log "$LOGS"/ 2>/dev/null
+[ -d "$OUT/soak_servers" ] && mv "$OUT/soak_servers" "$LOGS"/
 tar czf "$OUT/logs.tar.gz" -C "$LOGS" . && rm -rf "$LOGS"
 echo; echo "=== summary"; cat "$SUMMARY"

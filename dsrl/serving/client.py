@@ -32,6 +32,9 @@ IDEMPOTENT = {
     "/get_weights_by_name",
     "/abort_request",
 }
+KEEPALIVE_S = 2.0
+"""Seconds an idle connection to a server is kept for reuse: under the servers' own (uvicorn's, SGLang's: 5 s; the
+embedded engine's likewise), so that a request seldom goes out on a connection the server is closing."""
 ABORTED_BEFORE_SENT = {"type": "abort", "message": "aborted while waiting for a concurrency slot; never sent"}
 
 
@@ -91,7 +94,7 @@ class RolloutClient:
     async def _on_loop(self, n: int) -> tuple[asyncio.Semaphore, aiohttp.ClientSession]:
         """What belongs to the client's event loop: the concurrency limit and the HTTP session."""
         timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=30)
-        connector = aiohttp.TCPConnector(limit=0)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
         return asyncio.Semaphore(n), aiohttp.ClientSession(timeout=timeout, connector=connector, headers=self.headers)
 
     # -- running coroutines from synchronous code ---------------------------------------------------
@@ -120,7 +123,8 @@ class RolloutClient:
             payload = {**payload, "lora_path": self.adapter.name}
         attempts = self.retries + 1 if path in IDEMPOTENT else 1
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, sock_connect=30)
-        for attempt in range(attempts):
+        attempt, resent = 0, False
+        while True:
             try:
                 async with self.session.request(
                     method, url + path, json=payload if method != "GET" else None, timeout=timeout
@@ -132,10 +136,17 @@ class RolloutClient:
                         raise ServerError(url, path, _error_message(body))
                     return body
             except (aiohttp.ClientConnectionError, ConnectionError) as e:
-                if attempt + 1 == attempts:
+                # A server closes a keep-alive connection it found idle (SGLang's uvicorn after 5 s): a request sent
+                # on it as it closes is never read. Sent again at once on a new connection, whatever its path: taken
+                # for a dead server, a live one was set aside and killed (issue 60's "-9 exits").
+                if isinstance(e, aiohttp.ServerDisconnectedError) and not resent:
+                    resent = True
+                    continue
+                attempt += 1
+                if attempt >= attempts:
                     message = f"connection failed: {e!r}; is the server running?"
                     raise ServerError(url, path, message, down=True) from e
-                await asyncio.sleep(0.5 * 2**attempt)
+                await asyncio.sleep(0.5 * 2 ** (attempt - 1))
             except TimeoutError as e:
                 raise ServerError(url, path, f"no answer within {timeout.total:.0f}s", down=True) from e
 

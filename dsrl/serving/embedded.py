@@ -791,7 +791,9 @@ def main(argv: list[str] | None = None) -> None:
     log.info("embedded engine for %s on http://%s:%d (pid %d)", args.model_path, args.host, args.port, os.getpid())
     if os.environ.get("DSRL_PARENT_PID"):
         threading.Thread(target=_exit_with_parent, args=(int(os.environ["DSRL_PARENT_PID"]),), daemon=True).start()
-    web.run_app(build_app(engine, args.api_key), host=args.host, port=args.port, print=None, access_log=None)
+    # Idle connections closed after 5 s, as SGLang's uvicorn does: the client's reuse of them is tested here too
+    app = build_app(engine, args.api_key)
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, keepalive_timeout=5)
 
 
 def _exit_with_parent(parent: int) -> None:

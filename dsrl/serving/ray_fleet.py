@@ -179,16 +179,35 @@ class RayFleet(Fleet):
                 dead.add(url)
         return dead
 
-    def replace(self, dead: set[str]) -> list[str]:
-        for i, url in enumerate(list(self.urls)):
-            if url not in dead:
-                continue
-            number, group, bundle = self.slots[i]
-            ray.kill(self.actors[i], no_restart=True)
-            log.warning("rollout server %d at %s is down: starting a new actor in its placement bundle", number, url)
-            self.actors[i] = self._actor(number, group, bundle)
-            self.urls[i] = self._start([self.actors[i]], [number])[0]
-        return list(self.urls)
+    @property
+    def startup_timeout_s(self) -> float:
+        return self.cfg.startup_timeout_s
+
+    def numbers(self) -> list[int]:
+        return [number for number, _, _ in self.slots]
+
+    def set_aside(self, url: str) -> tuple[int, PlacementGroup, int]:
+        i = self.urls.index(url)
+        self.urls.pop(i)
+        slot = self.slots.pop(i)
+        ray.kill(self.actors.pop(i), no_restart=True)
+        log.warning("rollout server %d at %s is down: starting a new actor in its placement bundle", slot[0], url)
+        return slot
+
+    def start_replacement(self, slot: tuple[int, PlacementGroup, int]) -> tuple[int, object]:
+        return slot[0], self._actor(*slot)
+
+    def await_started(self, handle: tuple[int, object]) -> str:
+        number, actor = handle
+        return self._start([actor], [number])[0]
+
+    def adopt(self, slot: tuple[int, PlacementGroup, int], handle: tuple[int, object], url: str) -> None:
+        self.actors.append(handle[1])
+        self.slots.append(slot)
+        self.urls.append(url)
+
+    def discard(self, handle: tuple[int, object]) -> None:
+        ray.kill(handle[1], no_restart=True)
 
     def detach(self, url: str) -> None:
         i = self.urls.index(url)
@@ -202,7 +221,7 @@ class RayFleet(Fleet):
             _stop(actor)
 
     def stop(self) -> None:
-        for actor in self.actors + list(self.detached.values()):
+        for actor in self.actors + list(self.detached.values()) + [actor for _, actor in self.starting]:
             _stop(actor)
         for group in self.groups:
             remove_placement_group(group)

@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from dsrl.config import ConfigError, RolloutConfig, write_private
 from dsrl.rundir import PROGRESS_S, die_with_parent, member_fds
@@ -171,6 +172,8 @@ class Membership:
     """New or restarted servers: they get the weights before any request (`RolloutClient.set_urls(held=...)`)."""
     leaving: list[str]
     """Servers asked to leave: their requests are aborted (and resubmitted elsewhere), then they are stopped."""
+    numbers: list[int]
+    """Each server's number, in `urls`' order: colocated, server n sits on the GPUs from n x tp_size."""
 
 
 class Fleet(ABC):
@@ -180,6 +183,11 @@ class Fleet(ABC):
     that joins (restarted, added) receives the weights before its first request, and the transport
     rebuilds its group only when something changed. Joins and leaves asked for while the run is live
     (`dsrl fleet add/remove`, dsrl/serving/control.py) wait in `requests` until then.
+
+    A server that died is set aside at once and the update goes on with the others; its replacement starts
+    in the background (`restart_later`) and joins at the first update after it answers, as any join does.
+    A fleet that can restart servers implements the four steps of a restart: `set_aside`, `start_replacement`
+    (on the calling thread), `await_started` (on a thread of its own), `adopt`.
     """
 
     urls: list[str]
@@ -188,9 +196,38 @@ class Fleet(ABC):
         """Servers known to be down without asking them over HTTP; None: ask them (external servers)."""
         return None
 
-    @abstractmethod
+    def set_aside(self, url: str) -> Any:
+        """Take a dead server out of the fleet; returns its slot (what its replacement takes), None: none starts."""
+        raise NotImplementedError(f"{type(self).__name__} cannot restart servers")
+
+    def start_replacement(self, slot: Any) -> Any:
+        """Start a server in `slot` without waiting for it; returns its handle. Runs on the thread that holds the
+        fleet: the kernel ends a server whose starting thread ended (`spawn`)."""
+        raise NotImplementedError
+
+    def await_started(self, handle: Any) -> str:
+        """Wait until the server of `handle` answers (on a thread of its own); returns its URL."""
+        raise NotImplementedError
+
+    def adopt(self, slot: Any, handle: Any, url: str) -> None:
+        """A replacement that answers becomes a member."""
+        raise NotImplementedError
+
+    def discard(self, handle: Any) -> None:
+        """Stop a replacement that will not join (it failed to start, or the run ends)."""
+
+    def numbers(self) -> list[int]:
+        """Each server's number, in `urls`' order."""
+        return list(range(len(self.urls)))
+
     def replace(self, dead: set[str]) -> list[str]:
-        """Restart (or drop) the dead servers; returns the URLs now."""
+        """Restart the dead servers and wait for them (the reward model's: a score waits for them anyway)."""
+        for url in [u for u in self.urls if u in dead]:
+            slot = self.set_aside(url)
+            if slot is not None:
+                handle = self.start_replacement(slot)
+                self.adopt(slot, handle, self.await_started(handle))
+        return list(self.urls)
 
     def add(self, count: int = 0, url: str | None = None) -> list[str]:
         """Start `count` more servers, or take the running server at `url`; returns the new URLs."""
@@ -209,28 +246,86 @@ class Fleet(ABC):
 
     def __post_init__(self) -> None:
         self.requests: list[dict] = []
-        """{"id", "add": count | url} or {"id", "remove": url}, queued by the control endpoint (another thread)."""
+        """{"id", "add": count | url} or {"id", "remove": url}, queued by the control endpoint (another thread);
+        {"started": (slot, handle, url)} or {"failed": (slot, handle)}, queued by a replacement's thread."""
         self.outcomes: dict[str, str] = {}
         """Request id -> "done", or why it failed (a server that would not start fails its request, not the run)."""
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
+        self.starting: list = []
+        """Handles of the replacements starting in the background."""
+        self.prepare_join: Callable[[str], None] | None = None
+        """Called with a replacement's URL once it answers, before it joins (colocated: it releases its memory)."""
+        self.deaths = self.restarts = 0
+        """Servers found dead, and replacements that joined, since the run started (`fleet/` metrics)."""
+
+    def restart_later(self, url: str) -> None:
+        """Set the dead server at `url` aside and start its replacement, which joins at the first `heal` after it
+        answers; one that fails to start is started again at the next `heal`."""
+        slot = self.set_aside(url)
+        if slot is not None:
+            self._start_in_background(slot)
+
+    def _start_in_background(self, slot: Any) -> None:
+        handle = self.start_replacement(slot)
+        self.starting.append(handle)
+        threading.Thread(target=self._await_replacement, args=(slot, handle), daemon=True, name="replace").start()
+
+    def _await_replacement(self, slot: Any, handle: Any) -> None:
+        try:
+            url = self.await_started(handle)
+            if self.prepare_join is not None:
+                self.prepare_join(url)
+            outcome = {"started": (slot, handle, url)}
+        except Exception as e:  # noqa: BLE001 -- reported; the next update starts it again
+            log.error("a replacement rollout server did not start (%s); starting another at the next update", e)
+            outcome = {"failed": (slot, handle)}
+        with self.lock:
+            self.requests.append(outcome)
+            self.lock.notify_all()
+
+    def await_replacements(self, timeout_s: float) -> None:
+        """Block until every replacement that is starting answered (and took `prepare_join`) or failed."""
+
+        def settled() -> bool:
+            return sum("started" in r or "failed" in r for r in self.requests) >= len(self.starting)
+
+        with self.lock:
+            self.lock.wait_for(settled, timeout_s)
 
     def heal(self, dead: set[str]) -> Membership | None:
-        """Apply every change since the last call: dead servers restarted or dropped, queued joins and
-        leaves. Returns the new membership, or None when nothing changed."""
+        """Apply every change since the last call: dead servers set aside (their replacements started), started
+        replacements joined, queued joins and leaves. Returns the new membership, or None when nothing changed."""
+        before = list(self.urls)
+        for url in [u for u in self.urls if u in dead]:
+            self.deaths += 1
+            self.restart_later(url)
+        if not self.urls and self.starting:  # nothing left to generate with: wait for the first replacement
+            log.warning("no rollout server is up: waiting for a replacement to start")
+            with self.lock:
+                self.lock.wait_for(lambda: any("started" in r for r in self.requests), 2 * self.startup_timeout_s)
         with self.lock:
             requests, self.requests = self.requests, []
-        before = list(self.urls)
-        if dead:
-            self.replace(dead)
         leaving = [r["remove"] for r in requests if "remove" in r and r["remove"] in self.urls]
         for url in leaving:
             log.info("rollout server %s leaves the fleet (asked to)", url)
             self.detach(url)
         for r in requests:
             outcome = "done"
+            if "started" in r or "failed" in r:
+                slot, handle, *url = r.get("started") or r["failed"]
+                self.starting.remove(handle)
+                if url:
+                    self.adopt(slot, handle, url[0])
+                    self.restarts += 1
+                    log.info("rollout server %s restarted at %s: it joins with this update's weights", slot, url[0])
+                else:
+                    self.discard(handle)
+                    self._start_in_background(slot)
             if "add" in r:
                 try:
                     added = self.add(url=r["add"]) if isinstance(r["add"], str) else self.add(count=int(r["add"]))
+                    for url in added if self.prepare_join is not None else []:
+                        self.prepare_join(url)
                     log.info("rollout servers joined the fleet: %s", ", ".join(added))
                 except Exception as e:  # noqa: BLE001 -- a join that fails is reported, the run goes on
                     log.error("rollout servers could not join the fleet (%s): %s", r["add"], e)
@@ -241,7 +336,7 @@ class Fleet(ABC):
             return None
         if not self.urls:
             raise RuntimeError(f"no rollout server left: {sorted(dead)} are down, {leaving} left")
-        return Membership(list(self.urls), [u for u in self.urls if u not in before], leaving)
+        return Membership(list(self.urls), [u for u in self.urls if u not in before], leaving, self.numbers())
 
     def __enter__(self) -> "Fleet":
         return self
@@ -262,7 +357,7 @@ class ServerFleet(Fleet):
     """Servers that left, until `stop_server`."""
 
     def stop(self) -> None:
-        for server in self.processes + self.detached:
+        for server in self.processes + self.detached + self.starting:
             server.stop()
 
     def exited(self) -> set[str]:
@@ -270,17 +365,29 @@ class ServerFleet(Fleet):
         this needs no round trip: behind a busy server's request queue one took ~20 ms per sync."""
         return {server.url for server in self.processes if server.proc.poll() is not None}
 
-    def replace(self, dead: set[str]) -> list[str]:
-        for i, url in enumerate(list(self.urls)):
-            if url not in dead:
-                continue
-            old = self.processes[i]
-            old.stop(grace_s=5)
-            log.warning("rollout server %s is down (exit code %s): restarting it", url, old.proc.poll())
-            self.processes[i] = self.launch(self.index(old))
-            self.wait_started(i)
-            log.info("rollout server %d restarted at %s", self.index(old), self.urls[i])
-        return list(self.urls)
+    def numbers(self) -> list[int]:
+        return [self.index(p) for p in self.processes]
+
+    def set_aside(self, url: str) -> int:
+        old = self.processes.pop(self.urls.index(url))
+        self.urls.remove(url)
+        log.warning("rollout server %s is down (exit code %s): starting its replacement", url, old.proc.poll())
+        old.stop(grace_s=0)  # (one that hangs rather than exited: its GPU is needed)
+        return self.index(old)
+
+    def start_replacement(self, slot: int) -> ServerProcess:
+        return self.launch(slot)
+
+    def await_started(self, handle: ServerProcess) -> str:
+        wait_healthy(handle, self.startup_timeout_s)
+        return handle.url
+
+    def adopt(self, slot: int, handle: ServerProcess, url: str) -> None:
+        self.processes.append(handle)
+        self.urls.append(url)
+
+    def discard(self, handle: ServerProcess) -> None:
+        handle.stop(grace_s=5)
 
     def add(self, count: int = 0, url: str | None = None) -> list[str]:
         if url is not None:
@@ -333,12 +440,10 @@ class ExternalFleet(Fleet):
     lost: list[str] = field(default_factory=list)
     startup_timeout_s: float = 300.0
 
-    def replace(self, dead: set[str]) -> list[str]:
-        for url in [u for u in self.urls if u in dead]:
-            log.warning("external rollout server %s is down: set aside until it answers again", url)
-            self.urls.remove(url)
-            self.lost.append(url)
-        return list(self.urls)
+    def set_aside(self, url: str) -> None:
+        log.warning("external rollout server %s is down: set aside until it answers again", url)
+        self.urls.remove(url)
+        self.lost.append(url)
 
     def heal(self, dead: set[str]) -> Membership | None:
         back = [url for url in self.lost if url not in dead and answers(url)]

@@ -62,5 +62,6 @@ class Transport(ABC):
     def release(self) -> None:
         """Free what the transport keeps between updates (colocated: the server needs the memory)."""
 
-    def reset(self) -> None:
-        """The fleet changed (a server restarted, joined or left): rebuild per-fleet state before the next send."""
+    def reset(self, numbers: list[int]) -> None:
+        """The fleet changed (a server restarted, joined or left): rebuild per-fleet state before the next send.
+        `numbers`: each server's number, in the client's order."""

@@ -122,7 +122,7 @@ class BroadcastTransport(Transport):
             raise SyncError(f"weight update to version {weight_version} failed: {failure}") from failure
         return sent
 
-    def reset(self) -> None:
+    def reset(self, numbers: list[int]) -> None:
         self.group = None
 
     def _deadline(self, what: str):

@@ -42,6 +42,8 @@ class IpcTransport(Transport):
         super().__init__(cfg, client, root)
         self.tp_size = tp_size
         self.gatherer: FlatGatherer | None = None
+        self.numbers: list[int] | None = None
+        """Each server's number, in the client's order (None: 0, 1, ...): server n sits on the GPUs from n x tp."""
         # SGLang's unpickler only accepts its own metadata class, and CUDA handles must carry the
         # device UUID (its patched reductions) so the server finds the right GPU.
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
@@ -119,11 +121,15 @@ class IpcTransport(Transport):
             self.gatherer.release()
         torch.cuda.ipc_collect()  # buffers the server has let go of
 
+    def reset(self, numbers: list[int]) -> None:
+        self.numbers = numbers
+
     def _post(self, path: str, handles: list[str], body: dict) -> Future:
         """`body` to every server with its own handles: server s covers GPUs [s * tp, (s + 1) * tp), and
-        trainer rank g sits on GPU g."""
+        trainer rank g sits on GPU g (a replacement keeps the number, and the GPUs, of the server it replaced)."""
         tp, urls = self.tp_size, self.client.urls
-        bodies = [{**body, "serialized_named_tensors": handles[s * tp : (s + 1) * tp]} for s in range(len(urls))]
+        numbers = self.numbers or range(len(urls))
+        bodies = [{**body, "serialized_named_tensors": handles[s * tp : (s + 1) * tp]} for s in numbers]
 
         async def post_all():
             calls = [self.client.request(url, path, b, timeout_s=self.cfg.timeout_s) for url, b in zip(urls, bodies)]

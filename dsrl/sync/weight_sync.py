@@ -1,9 +1,11 @@
 """The weight update, with one owner: `WeightSync.update(version)` runs the whole sequence, in order.
 
-    heal       servers that died are restarted (or set aside, if external), servers asked to join
-               or leave do (`dsrl fleet add/remove`); the transport's per-fleet state (the
-               broadcast group) is rebuilt only when membership changed, and a joining server
-               takes no request before this update has given it the weights
+    heal       servers that died are set aside, and the update goes on with the others (their
+               replacements start in the background and join at the first update after they
+               answer); servers asked to join or leave do (`dsrl fleet add/remove`); the
+               transport's per-fleet state (the broadcast group) is rebuilt only when membership
+               changed, and a joining server takes no request before this update has given it
+               the weights
     lend       colocated: the GPU goes to the update (`GpuLending.for_update`: the trainers'
                optimizer states leave it, the servers take their weights' memory back)
     pause      interrupt pause: the servers pause, their requests stay on them through the update
@@ -118,6 +120,8 @@ class WeightSync:
         if reference is not None:
             self._probe(*reference)
         metrics |= {"sync/bytes": sent, "sync/seconds": seconds, "sync/gb_per_s": sent / max(seconds, 1e-9) / 1e9}
+        if self.rank0:  # (since the run started)
+            metrics |= {"fleet/server_deaths": self.fleet.deaths, "fleet/restarts": self.fleet.restarts}
         profile = self.adapters.profile if self.adapters is not None else self.transport.profile
         parts = {f"timing/sync_{part}": seconds for part, seconds in profile.items()}
         return metrics | timer.metrics("timing/sync_") | parts
@@ -155,24 +159,31 @@ class WeightSync:
         down = [self.client.down] if world == 1 else [None] * world  # (object collectives cost 0.7 ms on 1 GPU)
         if world > 1:
             dist.all_gather_object(down, self.client.down)
-        change = [None]
+        decided: list = [None, []]  # (rank 0's) the fleet's change, and the servers reported down that answer
         if self.rank0:
             exited = self.fleet.exited()
             if exited is None:  # external servers: ask them
                 exited = {url for url in self.client.urls if not self.client.responds(url)}
-            change = [self.fleet.heal({url for urls in down for url in urls} | exited)]
-            for url in change[0].leaving if change[0] else []:
+            # A request that failed is no proof of death: a server that answers stays (killing it was the "-9 exit")
+            reported = {url for urls in down for url in urls} - exited
+            answering = [url for url in reported if self.client.responds(url)]
+            for url in answering:
+                log.warning("rollout server %s answers again after a failed request: it stays in the fleet", url)
+            decided = [self.fleet.heal(reported - set(answering) | exited), answering]
+            for url in decided[0].leaving if decided[0] else []:
                 self.client.run(self.client.abort_server(url))
         if world > 1:
-            dist.broadcast_object_list(change, src=0)
-        if change[0] is not None:
-            self.client.set_urls(change[0].urls, held=change[0].joined)
-            self.transport.reset()
+            dist.broadcast_object_list(decided, src=0)
+        change, answering = decided
+        self.client.down = [url for url in self.client.down if url not in answering]
+        if change is not None:
+            self.client.set_urls(change.urls, held=change.joined)
+            self.transport.reset(change.numbers)
             if self.adapters is not None:
                 self.adapters.reset()
-            self.gpu.fleet_changed(change[0].urls)
+            self.gpu.fleet_changed(change.urls, change.joined)
         if self.rank0:
-            for url in change[0].leaving if change[0] else []:
+            for url in change.leaving if change else []:
                 self.fleet.stop_server(url)
 
     def _find_dead_servers(self, version: int, error: Exception) -> None:

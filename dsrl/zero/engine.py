@@ -5,10 +5,8 @@ import math
 import os
 import sys
 from contextlib import redirect_stdout
-from dataclasses import dataclass
 from io import StringIO
 from pathlib import Path
-from typing import Any
 
 import deepspeed
 import psutil
@@ -17,15 +15,14 @@ import torch.distributed as dist
 from torch.utils.cpp_extension import _get_build_directory
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
-from transformers.modeling_layers import GradientCheckpointingLayer
 
-from dsrl.auto import bf16, count_params, device_memory, packs, replicated_base, state_bytes, use_cuda
+from dsrl.auto import bf16, count_params, device_memory, packs, replicated_base, use_cuda
 from dsrl.config import Config, ModelConfig, critic_on_actor_base
 from dsrl.rundir import report_writes
 from dsrl.zero import varlen
-from dsrl.zero.actor import LOGPROB_CHUNK
 from dsrl.zero.critic import PolicyAndValue
 from dsrl.zero.lora import add_adapters, add_in_place, lora_config
+from dsrl.zero.memory import AutoCheckpointing, awake_server_bytes, trainers_state_bytes
 
 log = logging.getLogger(__name__)
 
@@ -341,86 +338,3 @@ def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
         )
     log.info("ZeRO-Offload: %.1f GB of optimizer states on the host (%.0f%%), %.1f GB available",
              whole * ratio / 1e9, 100 * ratio, memory.available / 1e9)  # fmt: skip
-
-
-ACTIVATION_BYTES = 11
-"""Bytes a decoder layer keeps for its backward pass per token and per unit of its width (hidden + intermediate
-size), bf16, without checkpointing. Fitted on one H200, 3B packed at 8192 tokens, update peak 95.3 GB = states 49.4
-+ logits 4.0 (`activation_bytes`) + 41.8 (and, before the log-probs' gradient went over the logits in 512-position
-chunks, 103.2 GB with 11.2 GB of logits: the same 11 bytes)."""
-
-LIGER_ACTIVATION_BYTES = 8
-"""The same with liger-kernel's fused RMSNorm, SwiGLU and RoPE (--model.liger_kernel), which keep less. Fitted on one
-H200, 3B packed: update peaks 99.7 GB at 12,288 tokens and 115.5 GB at 16,384 (tools/bench_trainer.py), 84.3 GB at
-8,256 tokens in the realistic step: 7.8, 7.7 and 7.9 bytes."""
-
-
-def activation_bytes(config, tokens: int, checkpointing: bool, width: int = 2, liger: bool = False) -> float:
-    """What a forward and backward pass of `tokens` tokens keeps on the device beyond the states: every layer's
-    activations, or with checkpointing each layer's input and one layer's activations at a time; the logits (their
-    gradient is written over them) and the log-probs' fp32 chunks (about five of LOGPROB_CHUNK positions at once).
-    `width`: bytes per value (2 in bf16, 4 in fp32); `liger`: the layers run liger-kernel's fused kernels."""
-    per_width = LIGER_ACTIVATION_BYTES if liger else ACTIVATION_BYTES
-    layer, layers = per_width * (config.hidden_size + config.intermediate_size), config.num_hidden_layers
-    kept = layers * 2 * config.hidden_size + layer if checkpointing else layers * layer
-    return tokens * (kept * width / 2 + config.vocab_size * width) + 5 * LOGPROB_CHUNK * config.vocab_size * 4
-
-
-def trainers_state_bytes(cfg: Config, model: torch.nn.Module, critic: bool) -> float:
-    """GPU bytes of every trainer engine's states, counted from the one being built: its own, the reference model's
-    weights (KL without LoRA), and a critic as large as the actor (gae without LoRA)."""
-    weights = sum(getattr(p, "ds_tensor", p).numel() for p in model.parameters())  # (this rank's ZeRO-3 partitions)
-    states = state_bytes(cfg, weights, trained=0 if cfg.model.lora_rank > 0 and not critic else weights)
-    if cfg.algorithm.kl_coef > 0 and cfg.model.lora_rank == 0:
-        states += state_bytes(cfg, weights, trained=0)
-    if cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg):
-        states *= 2
-    return states
-
-
-def awake_server_bytes(cfg: Config, model: torch.nn.Module) -> float:
-    """GPU bytes the colocated servers keep through an update: their weights, when they generate ahead (one-step-off;
-    else they release them). Counted as this GPU's share of a server's bf16 copy of `model`."""
-    if cfg.rollout.placement != "colocate" or cfg.rollout.max_staleness == 0 or not use_cuda(cfg):
-        return 0.0
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) * 2 / cfg.rollout.tp_size
-
-
-@dataclass
-class AutoCheckpointing:
-    """--model.gradient_checkpointing auto: before each update, the decoder layers' checkpointing is turned on when
-    the trainers' states (with the servers' weights kept awake, `awake_server_bytes`) and the update's largest
-    micro-batch's activations (`activation_bytes`) would not fit the device (`device_memory`) with a margin, and off
-    when they fit. Decided per update because only then is the largest
-    micro-batch known (the budget, or micro_batch_size x the batch's longest sample): the config's bound, its
-    longest possible prompt and response, would checkpoint runs whose prompts are short. Changes are logged."""
-
-    config: Any
-    """The model's config (its widths, depth and vocabulary)."""
-    states: float
-    total: float
-    where: str
-    """The device's memory and its name (`device_memory`)."""
-    width: int = 2
-    """Bytes per activation value."""
-    liger: bool = False
-    """The layers run liger-kernel's fused kernels (`LIGER_ACTIVATION_BYTES`)."""
-    on: bool | None = None
-
-    def apply(self, model: torch.nn.Module, tokens: int) -> None:
-        margin = 0.05 * self.total + (4 << 30)  # the sleeping servers' remains, the allocator's slack
-        acts = activation_bytes(self.config, tokens, checkpointing=False, width=self.width, liger=self.liger)
-        on = self.states + acts + margin > self.total
-        if on == self.on:
-            return
-        self.switch(model, on)
-        self.on = on
-        log.info("gradient checkpointing %s: states %.1f GB + activations of %d tokens %.1f GB + margin %.1f GB %s "
-                 "%s %.1f GB (--model.gradient_checkpointing auto)", "on" if on else "off", self.states / 1e9, tokens,
-                 acts / 1e9, margin / 1e9, "exceed" if on else "fit in", self.where, self.total / 1e9)  # fmt: skip
-
-    def switch(self, model: torch.nn.Module, on: bool) -> None:
-        """The decoder layers' checkpointing on or off (transformers reads each layer's flag at every call)."""
-        for module in model.modules():
-            if isinstance(module, GradientCheckpointingLayer):
-                module.gradient_checkpointing = on

@@ -1,0 +1,204 @@
+"""The memory plan: who holds what on a trainer's device, decided in one place and logged once at start-up.
+
+Colocated on a GPU, the trainers and the rollout servers take turns (`dsrl.lending`):
+
+    servers generate     the trainers' states that stay (all, or less Adam's moments, or none: `offload`)
+                         + the servers' static share (mem_fraction_static: weights and KV cache) + margin
+    trainers update      the trainers' states + the activations of the largest micro-batch (its tokens, not the
+                         batch's: nothing of a micro-batch outlives it) + what the sleeping servers keep + margin
+
+`plan_memory` decides trainer.offload_states (auto: the least that lets the servers fit) and states both sums
+for the batch configured (its longest prompt and response); `AutoCheckpointing` decides the layers' checkpointing
+per update, from that update's largest micro-batch. The margin, for the servers' activations, CUDA graphs and the
+allocator's slack, is `margin` for both. A wake that would not fit is refused before it is asked for
+(`dsrl.lending.GpuLending`), with the numbers, rather than leave a server to die of it.
+"""
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dsrl.auto import bf16, device_memory, use_cuda
+from dsrl.config import Config, critic_on_actor_base, reward_beside_rollouts
+from dsrl.zero.actor import LOGPROB_CHUNK
+from dsrl.zero.batches import largest_micro_batch
+
+log = logging.getLogger(__name__)
+
+GB = 1e9
+
+
+def margin(total: float) -> float:
+    """What a device keeps free beyond the plan's sums: the servers' activations and CUDA graphs, the allocator's
+    slack, the sleeping servers' remains (5% of the device and 4 GiB)."""
+    return 0.05 * total + (4 << 30)
+
+
+def state_bytes(cfg: Config, weights: int, trained: int) -> float:
+    """Bytes of an engine's states on the device: its weights; the trained ones' grads and, unless ZeRO-Offload keeps
+    them on the host, their fp32 master copy and Adam's two moments."""
+    width = 2 if bf16(cfg) else 4
+    on_gpu = 1 - cfg.trainer.offload_optimizer_ratio if cfg.trainer.offload_optimizer else 1
+    return weights * width + trained * (width + on_gpu * (4 + 8))
+
+
+ACTIVATION_BYTES = 11
+"""Bytes a decoder layer keeps for its backward pass per token and per unit of its width (hidden + intermediate
+size), bf16, without checkpointing. Fitted on one H200, 3B packed at 8192 tokens, update peak 95.3 GB = states 49.4
++ logits 4.0 (`activation_bytes`) + 41.8 (and, before the log-probs' gradient went over the logits in 512-position
+chunks, 103.2 GB with 11.2 GB of logits: the same 11 bytes)."""
+
+LIGER_ACTIVATION_BYTES = 8
+"""The same with liger-kernel's fused RMSNorm, SwiGLU and RoPE (--model.liger_kernel), which keep less. Fitted on one
+H200, 3B packed: update peaks 99.7 GB at 12,288 tokens and 115.5 GB at 16,384 (tools/bench_trainer.py), 84.3 GB at
+8,256 tokens in the realistic step: 7.8, 7.7 and 7.9 bytes."""
+
+
+def activation_bytes(config, tokens: int, checkpointing: bool, width: int = 2, liger: bool = False) -> float:
+    """What a forward and backward pass of `tokens` tokens keeps on the device beyond the states: every layer's
+    activations, or with checkpointing each layer's input and one layer's activations at a time; the logits (their
+    gradient is written over them) and the log-probs' fp32 chunks (about five of LOGPROB_CHUNK positions at once).
+    `width`: bytes per value (2 in bf16, 4 in fp32); `liger`: the layers run liger-kernel's fused kernels."""
+    per_width = LIGER_ACTIVATION_BYTES if liger else ACTIVATION_BYTES
+    layer, layers = per_width * (config.hidden_size + config.intermediate_size), config.num_hidden_layers
+    kept = layers * 2 * config.hidden_size + layer if checkpointing else layers * layer
+    return tokens * (kept * width / 2 + config.vocab_size * width) + 5 * LOGPROB_CHUNK * config.vocab_size * 4
+
+
+def trainers_state_bytes(cfg: Config, model: torch.nn.Module, critic: bool) -> float:
+    """Device bytes of every trainer engine's states, counted from the one being built: its own, the reference model's
+    weights (KL without LoRA), and a critic as large as the actor (gae without LoRA)."""
+    weights = sum(getattr(p, "ds_tensor", p).numel() for p in model.parameters())  # (this rank's ZeRO-3 partitions)
+    states = state_bytes(cfg, weights, trained=0 if cfg.model.lora_rank > 0 and not critic else weights)
+    if cfg.algorithm.kl_coef > 0 and cfg.model.lora_rank == 0:
+        states += state_bytes(cfg, weights, trained=0)
+    if cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg):
+        states *= 2
+    return states
+
+
+def server_weight_bytes(cfg: Config, model: torch.nn.Module) -> float:
+    """This GPU's share of a colocated server's bf16 copy of `model`."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) * 2 / cfg.rollout.tp_size
+
+
+def awake_server_bytes(cfg: Config, model: torch.nn.Module) -> float:
+    """Device bytes the colocated servers keep through an update: their weights, when they generate ahead (one-step-off;
+    else they release them)."""
+    if cfg.rollout.placement != "colocate" or cfg.rollout.max_staleness == 0 or not use_cuda(cfg):
+        return 0.0
+    return server_weight_bytes(cfg, model)
+
+
+@dataclass
+class AutoCheckpointing:
+    """--model.gradient_checkpointing auto: before each update, the decoder layers' checkpointing is turned on when
+    the trainers' states (with the servers' weights kept awake, `awake_server_bytes`) and the update's largest
+    micro-batch's activations (`activation_bytes`) would not fit the device (`device_memory`) with the `margin`,
+    and off when they fit. Decided per update because only then is the largest micro-batch known (the budget, or
+    micro_batch_size x the batch's longest sample): the config's bound, its longest possible prompt and response,
+    would checkpoint runs whose prompts are short. Changes are logged."""
+
+    config: Any
+    """The model's config (its widths, depth and vocabulary)."""
+    states: float
+    total: float
+    where: str
+    """The device's memory and its name (`device_memory`)."""
+    width: int = 2
+    """Bytes per activation value."""
+    liger: bool = False
+    """The layers run liger-kernel's fused kernels (`LIGER_ACTIVATION_BYTES`)."""
+    on: bool | None = None
+
+    def needs(self, tokens: int) -> tuple[bool, float]:
+        """Whether a micro-batch of `tokens` needs checkpointing, and its activations' bytes then."""
+        acts = activation_bytes(self.config, tokens, checkpointing=False, width=self.width, liger=self.liger)
+        if self.states + acts + margin(self.total) <= self.total:
+            return False, acts
+        return True, activation_bytes(self.config, tokens, checkpointing=True, width=self.width, liger=self.liger)
+
+    def apply(self, model: torch.nn.Module, tokens: int) -> None:
+        on = self.needs(tokens)[0]
+        if on == self.on:
+            return
+        self.switch(model, on)
+        self.on = on
+        acts = activation_bytes(self.config, tokens, checkpointing=False, width=self.width, liger=self.liger)
+        spare, verdict = margin(self.total), "exceed" if on else "fit in"
+        log.info("gradient checkpointing %s: states %.1f GB + activations of %d tokens %.1f GB + margin %.1f GB %s "
+                 "%s %.1f GB (--model.gradient_checkpointing auto)", "on" if on else "off", self.states / GB, tokens,
+                 acts / GB, spare / GB, verdict, self.where, self.total / GB)  # fmt: skip
+
+    def switch(self, model: torch.nn.Module, on: bool) -> None:
+        """The decoder layers' checkpointing on or off (transformers reads each layer's flag at every call)."""
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        for module in model.modules():
+            if isinstance(module, GradientCheckpointingLayer):
+                module.gradient_checkpointing = on
+
+
+def update_peak(cfg: Config, engine) -> tuple[float, int, bool]:
+    """The update's peak for the batch configured: this rank's states and the activations of the largest micro-batch
+    its longest prompt and response can make (bytes, its tokens, whether the layers are checkpointed for it)."""
+    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    t = cfg.trainer
+    tokens = largest_micro_batch(t.max_tokens_per_micro_batch, t.micro_batch_size, longest)
+    auto = getattr(engine, "auto_checkpointing", None)
+    if auto is not None:
+        on, acts = auto.needs(tokens)
+        return auto.states + acts, tokens, on
+    on = cfg.model.gradient_checkpointing is True
+    states = trainers_state_bytes(cfg, engine.module, critic=False)
+    return states + activation_bytes(engine.module.config, tokens, on, 2 if bf16(cfg) else 4), tokens, on
+
+
+def plan_memory(cfg: Config, engines: list) -> tuple[str | None, str | None]:
+    """trainer.offload_states, colocated on GPUs: what of the trainers' states leaves the GPU while the servers
+    generate (None: nothing; "moments": Adam's two moments; "all"), and the plan's line for the log (None: not
+    colocated on GPUs, nothing to plan). auto keeps them when this rank's states (parameters, fp32 master copy,
+    Adam's two moments, gradients) plus the servers' share and the margin fit in the GPU's memory; else moves the
+    moments alone when that is enough; else all. Moving them costs seconds per step at 7B, so the least that fits
+    moves. The line states the update's peak beside it (`update_peak`)."""
+    choice = cfg.trainer.offload_states
+    if cfg.rollout.placement != "colocate" or not use_cuda(cfg):
+        return None, None
+    params = [p for engine in engines for p in engine.module.parameters()]
+    weights = sum(getattr(p, "ds_tensor", p).numel() for p in params)  # (this rank's ZeRO-3 partitions)
+    trained = sum(getattr(p, "ds_tensor", p).numel() for p in params if p.requires_grad)  # (LoRA: the adapters)
+    states, (total, _) = state_bytes(cfg, weights, trained), device_memory(cfg)
+    reward = cfg.reward_model.mem_fraction_static * total if reward_beside_rollouts(cfg) else 0  # the third tenant
+    servers, spare = cfg.rollout.mem_fraction_static * total + reward, margin(total)
+    keep = states + servers + spare < total
+    if not keep and cfg.rollout.max_staleness > 0:
+        raise MemoryError(
+            f"--rollout.max_staleness 1 (colocated): the servers generate beside the optimizer step, so the trainers' "
+            f"states stay on the GPU, and states {states / GB:.1f} GB + servers {servers / GB:.1f} GB "
+            f"(mem_fraction_static {cfg.rollout.mem_fraction_static:.2f}) + margin {spare / GB:.1f} GB exceed the "
+            f"GPU's {total / GB:.1f} GB: lower --rollout.mem_fraction_static, keep the optimizer on the host "
+            "(--trainer.offload_optimizer), or use --rollout.max_staleness 0"
+        )
+    peak, tokens, checkpointed = update_peak(cfg, engines[0])
+    why = (f"generating: trainers' states {states / GB:.1f} GB + servers {servers / GB:.1f} GB (the reward model's "
+           f"{reward / GB:.1f}) + margin {spare / GB:.1f} GB {'fit in' if keep else 'exceed'} the GPU's "
+           f"{total / GB:.1f} GB; updating: at most {peak / GB:.1f} GB (states and a micro-batch of {tokens} tokens, "
+           f"layers {'checkpointed' if checkpointed else 'not checkpointed'})")  # fmt: skip
+    moments = 8 * trained  # (fp32 exp_avg and exp_avg_sq)
+    if choice != "auto":
+        offload = {"always": "all", "moments": "moments", "never": None}[choice]
+        return offload, f"memory plan: trainer.offload_states {choice} (given); {why}"
+    if cfg.trainer.offload_optimizer:  # DeepSpeed moves states between phases for FusedAdam only, not CPU Adam
+        hint = "" if keep else ": raise --trainer.offload_optimizer_ratio or lower mem_fraction_static"
+        return None, f"memory plan: trainer.offload_states never, with ZeRO-Offload ({why}{hint})"
+    if keep:
+        return None, f"memory plan: trainer.offload_states never, the states stay on the GPU ({why})"
+    if states - moments + servers + spare < total:
+        return "moments", (f"memory plan: trainer.offload_states moments, Adam's moments ({moments / GB:.1f} GB) "
+                           f"leave the GPU while the servers generate, the rest stays ({why})")  # fmt: skip
+    return (
+        "all",
+        f"memory plan: trainer.offload_states always, the states leave the GPU while the servers generate ({why})",
+    )
