@@ -289,6 +289,7 @@ def evaluate(argv: list[str]) -> int:
     """`dsrl eval`: the train flags (a run's config.yaml works) with --eval.path set; --checkpoint DIR
     scores a training checkpoint (exported to <run_dir>/hf_<step> first), else --model.path's weights."""
     parser = build_parser("dsrl eval")
+    parser.description = evaluate.__doc__.replace("`dsrl eval`: ", "Score a model: ")
     parser.add_argument("--checkpoint", type=str | None, default=None, help="A checkpoint directory to score.")
     ns = parser.parse_args(argv)
     cfg = to_config(parser, ns)

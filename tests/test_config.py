@@ -32,6 +32,38 @@ def test_help_comes_from_field_docstrings(capsys):
         build_parser().parse_args(["--help"])
     out = capsys.readouterr().out
     assert "--rollout.n_samples" in out and "GRPO group size" in out
+    assert "Config(" not in out and "trainer - DeepSpeed ZeRO-3 training:" in out  # no dataclass signature
+    assert len(out.split("\n\n")[0].splitlines()) == 1, "a usage line, not every flag (147 lines)"
+
+
+TOY_YAML = ["--config", "configs/toy_cpu.yaml"]
+
+
+@pytest.mark.parametrize(
+    "argv,named,meant",
+    [
+        ([*TOY_YAML, "--trainer.total_step", "5"], "--trainer.total_step 5", "--trainer.total_steps"),
+        (["--config", "TYPO.yaml"], "'trainer' does not accept option 'total_step'", "trainer.total_steps"),
+        (["--config", "configs/toy_cpu.yml"], "configs/toy_cpu.yml", "configs/toy_cpu.yaml"),
+        ([*TOY_YAML, "--total_steps=5"], "--total_steps=5", "--trainer.total_steps"),
+        (["configs/toy_cpu.yaml"], "unrecognized arguments: configs/toy_cpu.yaml", "--config configs/toy_cpu.yaml"),
+    ],
+    ids=["flag", "yaml_key", "config_path", "flag_without_group", "config_without_flag"],
+)
+def test_a_typo_gets_two_lines_naming_it_and_the_name_meant(argv, named, meant, capsys, tmp_path, monkeypatch):
+    """`dsrl train` with a misspelt flag, YAML key or --config path: the error and "did you mean", not jsonargparse's
+    usage block (145 lines) above them."""
+    from dsrl.cli import main
+
+    monkeypatch.chdir(ROOT)
+    typo = tmp_path / "TYPO.yaml"  # toy_cpu.yaml with `total_step: 200` under `trainer:`
+    typo.write_text((ROOT / "configs/toy_cpu.yaml").read_text().replace("total_steps:", "total_step:"))
+    with pytest.raises(SystemExit) as info:
+        main(["train", *(str(typo) if a == "TYPO.yaml" else a for a in argv)])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("dsrl train: error: ") and named in lines[0], lines
+    assert lines[1] == f"dsrl train: did you mean {meant}?", lines
 
 
 def test_unknown_key_is_named(capsys, tmp_path):
