@@ -164,6 +164,27 @@ def test_launcher_keeps_the_trainer_on_the_visible_gpus():
     assert cmd[2] == "deepspeed.launcher.runner" and cmd[-2:] == ["--num_gpus", "2"]
 
 
+def test_cpu_ranks_run_torchs_avx2_kernels_on_an_x86_cpu_with_avx512_too():
+    """The toy run's numbers are the same on AVX-512 and AVX2 machines only while torch runs its AVX2 kernels on both
+    (README): the pin `dsrl train` gives its ranks, honoured by torch; a user's own choice stays."""
+    import os
+    import subprocess
+    import sys
+
+    from dsrl.cli import pin_cpu_kernels
+
+    env: dict[str, str] = {}
+    pin_cpu_kernels(env)
+    if not env:
+        pytest.skip("not an x86 CPU with AVX2")
+    code = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
+    assert run.stdout.strip() == "AVX2", run.stdout + run.stderr
+    own = {"ATEN_CPU_CAPABILITY": "default"}
+    pin_cpu_kernels(own)
+    assert own == {"ATEN_CPU_CAPABILITY": "default"}
+
+
 def test_pause_retract_starts_sglang_without_the_prefix_cache_unless_told():
     """A retracted request is prefilled again after the update; a prefix cached under the old weights
     would make that prefill reuse old KV. The user's own server_args win."""
