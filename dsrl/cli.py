@@ -140,6 +140,7 @@ def launch(cfg, run_dir: Path, cuda: bool) -> int:
     else:
         # gloo ranks on CPU; one thread each (measured: 3x faster on a small box than the default)
         env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+        pin_cpu_kernels(env)
     cmd = launcher_command(cfg.trainer, cuda, env, free_port())
     cmd += ["--module", "--no_local_rank", "dsrl.train", "--config", str(config_path)]
     say(f"{' '.join(cmd)}\ndsrl train: the ranks speak once torch, DeepSpeed and transformers are imported (10-70 s)")
@@ -162,6 +163,15 @@ def launch(cfg, run_dir: Path, cuda: bool) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         kill_group(proc)  # nothing of the run outlives this command
+
+
+def pin_cpu_kernels(env) -> None:
+    """torch's AVX2 kernels in the processes started with `env`, on an x86 CPU with AVX-512 too: the two round
+    differently, sampling grows it, and the toy run's numbers parted at step 27 (README); with the pin, an AVX-512
+    machine printed the figures another VM's run had (a user's own ATEN_CPU_CAPABILITY stays)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file() and "avx2" in cpuinfo.read_text().split():
+        env.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 
 
 def supervise(proc: subprocess.Popen, run_dir: Path, signals: list[int], stop_timeout_s: float) -> int:
@@ -289,6 +299,7 @@ def evaluate(argv: list[str]) -> int:
     """`dsrl eval`: the train flags (a run's config.yaml works) with --eval.path set; --checkpoint DIR
     scores a training checkpoint (exported to <run_dir>/hf_<step> first), else --model.path's weights."""
     parser = build_parser("dsrl eval")
+    parser.description = evaluate.__doc__.replace("`dsrl eval`: ", "Score a model: ")
     parser.add_argument("--checkpoint", type=str | None, default=None, help="A checkpoint directory to score.")
     ns = parser.parse_args(argv)
     cfg = to_config(parser, ns)
@@ -361,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     if command in ("eval", "export") and not cuda_available():  # DeepSpeed would warn that it found no GPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        pin_cpu_kernels(os.environ)  # for the servers `dsrl eval` starts: the kernels of `dsrl train`'s
     if command == "serve":
         from dsrl.serving.embedded import main as serve
 

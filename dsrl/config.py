@@ -7,13 +7,15 @@ together, each naming the flag, the value and what is allowed.
 
 import json
 import os
+import re
 import sys
 from dataclasses import asdict, dataclass, field, fields, replace
+from difflib import get_close_matches
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
-from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_parsing_settings
+from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter, Namespace, set_parsing_settings
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
@@ -820,13 +822,71 @@ def reward_rollout(cfg: Config, used: float = 0.0) -> RolloutConfig:
                    mem_fraction_static=share, server_args=args | m.server_args)  # fmt: skip
 
 
-def build_parser(prog: str = "dsrl train") -> ArgumentParser:
+class Parser(ArgumentParser):
+    """jsonargparse's parser, whose errors are read at a glance: the error, then the setting meant where one has a
+    close name, without the usage block (145 lines) jsonargparse prints above them."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:  # a caller that handles the error (jsonargparse's inner parsers)
+            super().error(message, ex)
+        hint = self.meant(message)
+        print(f"{self.prog}: error: {message}" + (f"\n{self.prog}: {hint}" if hint else ""), file=sys.stderr)
+        sys.exit(2)
+
+    def meant(self, message: str) -> str | None:
+        """The "did you mean" for a name this parser does not know: a flag, a YAML key or a --config file."""
+        if m := re.search(r"File does not exist: '(.+)'", message):
+            path = Path(m[1])
+            near = get_close_matches(path.name, [p.name for p in path.parent.glob("*")], 1)
+            return f"did you mean {os.path.relpath(path.parent / near[0])}?" if near else None
+        if m := re.match(r"unrecognized arguments: (.*)", message):
+            words = m[1].split()
+            bad = [w.split("=")[0][2:] for w in words if w.startswith("--")]
+            if not bad and words[0].endswith((".yaml", ".yml")):  # `dsrl train my.yaml`
+                return f"did you mean --config {words[0]}?"
+            dashes = "--"
+        elif m := re.search(r"Group '(\S+)' does not accept option '(\S+)'|Option '(\S+)' is not accepted", message):
+            bad, dashes = [m[3] or f"{m[1]}.{m[2]}"], ""  # a YAML key
+        else:
+            return None
+        names = [o[2:] for a in self._actions for o in a.option_strings if o.startswith("--")]
+        meant = [dashes + n for n in (close_name(b, names) for b in bad) if n]
+        return f"did you mean {' and '.join(meant)}?" if meant else f"`{self.prog} --help` lists every setting"
+
+
+def close_name(bad: str, names: list[str]) -> str:
+    """The known name closest to `bad`, by the part after the group (the group's prefix, shared by all of its
+    settings, would make any of them look close): in its own group first, then in any; "" if none is close."""
+    group, _, leaf = bad.rpartition(".")
+    for same_group in (True, False):
+        leaves = {n.rpartition(".")[2]: n for n in reversed(names) if not same_group or n.rpartition(".")[0] == group}
+        if near := get_close_matches(leaf, leaves, 1):
+            return leaves[near[0]]
+    return ""
+
+
+class HelpFormatter(DefaultHelpFormatter):
+    """Each flag's help on the lines under it, as wide as the terminal (beside the flag it had 54 columns of 80)."""
+
+    def __init__(self, prog: str, **kwargs):
+        super().__init__(prog, max_help_position=6, **kwargs)
+
+
+def build_parser(prog: str = "dsrl train") -> Parser:
     # No abbreviations: a misspelt flag (--rollout.num_server) is an error, not a guess (jsonargparse 5 agrees)
-    parser = ArgumentParser(
-        prog=prog, description="Train an LLM policy with RL on DeepSpeed ZeRO-3 and SGLang.", allow_abbrev=False
+    parser = Parser(
+        prog=prog,
+        usage="%(prog)s [--config FILE] [--GROUP.SETTING VALUE ...]",
+        description="Train an LLM policy with RL on DeepSpeed ZeRO-3 and SGLang. Every setting below is a flag "
+        "(--trainer.lr 1e-5) and a key of a --config YAML file (trainer: {lr: 1e-5}); flags override the file "
+        "before them. The groups: " + ", ".join(f.name for f in fields(Config) if f.name != "seed") + ".",
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML config file; later flags override it.")
-    parser.add_class_arguments(Config, None)
+    parser.add_class_arguments(Config, None, as_group=False)  # as a group, its title was its dataclass signature
+    for name, group in parser.groups.items():
+        group.title = f"{name} - {group.title}"
     return parser
 
 

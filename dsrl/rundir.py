@@ -438,18 +438,21 @@ PROGRESS_S = 10.0
 def report_writes(path: Path | None, what: str, published: Path | None = None, every_s: float = PROGRESS_S):
     """While the block writes under `path` (None: nothing to report here): every `every_s` a line with the bytes
     written so far and the rate, and one at the end with those `published` there (on success), so that a checkpoint
-    or an export of GBs is never silent."""
+    or an export of GBs is never silent. A torch JIT build in `path` (its build.ninja) says its steps instead."""
     if path is None:
         yield
         return
     start, done = time.monotonic(), threading.Event()
 
     def report(where: Path, so_far: str = "") -> None:
+        if (where / "build.ninja").is_file():  # a build writes its bytes at the end: its steps move before
+            log.info("%s: %.0f s, %s", what, time.monotonic() - start, ninja_steps(where))
+            return
         try:
             size, seconds = sum(f.stat().st_size for f in where.rglob("*") if f.is_file()), time.monotonic() - start
         except OSError:  # a file renamed as it was counted: said the next time
             return
-        if size == 0:  # (a build writes its objects at the end)
+        if size == 0:
             log.info("%s: nothing written yet, %.0f s on", what, seconds)
             return
         amount = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
@@ -467,6 +470,24 @@ def report_writes(path: Path | None, what: str, published: Path | None = None, e
         done.set()
         thread.join()
     report(published or path)
+
+
+def ninja_steps(build: Path) -> str:
+    """How far the ninja build in `build` got: its steps done (those in .ninja_log, which ninja appends to as each
+    ends: its own `[k/n]` lines are piped away by torch) and those under way (their inputs built)."""
+    steps = {}  # output: (rule, inputs), from build.ninja's `build OUT: RULE IN...` lines
+    for line in (build / "build.ninja").read_text().splitlines():
+        if line.startswith("build "):
+            out, _, rule_inputs = line.removeprefix("build ").partition(": ")
+            steps[out] = rule_inputs.split()
+    logged = (build / ".ninja_log").read_text().splitlines() if (build / ".ninja_log").is_file() else []
+    done = {f[3] for f in (line.split("\t") for line in logged) if len(f) > 3} & steps.keys()
+    doing = [
+        f"linking {out}" if rule == "link" else f"compiling {Path(inputs[0]).name}"
+        for out, (rule, *inputs) in steps.items()
+        if out not in done and all(i in done for i in inputs if i in steps)
+    ]
+    return f"{len(done)} of {len(steps)} steps done" + (f", under way: {', '.join(doing)}" if doing else "")
 
 
 # -- writes that fail ----------------------------------------------------------------------------

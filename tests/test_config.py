@@ -32,6 +32,38 @@ def test_help_comes_from_field_docstrings(capsys):
         build_parser().parse_args(["--help"])
     out = capsys.readouterr().out
     assert "--rollout.n_samples" in out and "GRPO group size" in out
+    assert "Config(" not in out and "trainer - DeepSpeed ZeRO-3 training:" in out  # no dataclass signature
+    assert len(out.split("\n\n")[0].splitlines()) == 1, "a usage line, not every flag (147 lines)"
+
+
+TOY_YAML = ["--config", "configs/toy_cpu.yaml"]
+
+
+@pytest.mark.parametrize(
+    "argv,named,meant",
+    [
+        ([*TOY_YAML, "--trainer.total_step", "5"], "--trainer.total_step 5", "--trainer.total_steps"),
+        (["--config", "TYPO.yaml"], "'trainer' does not accept option 'total_step'", "trainer.total_steps"),
+        (["--config", "configs/toy_cpu.yml"], "configs/toy_cpu.yml", "configs/toy_cpu.yaml"),
+        ([*TOY_YAML, "--total_steps=5"], "--total_steps=5", "--trainer.total_steps"),
+        (["configs/toy_cpu.yaml"], "unrecognized arguments: configs/toy_cpu.yaml", "--config configs/toy_cpu.yaml"),
+    ],
+    ids=["flag", "yaml_key", "config_path", "flag_without_group", "config_without_flag"],
+)
+def test_a_typo_gets_two_lines_naming_it_and_the_name_meant(argv, named, meant, capsys, tmp_path, monkeypatch):
+    """`dsrl train` with a misspelt flag, YAML key or --config path: the error and "did you mean", not jsonargparse's
+    usage block (145 lines) above them."""
+    from dsrl.cli import main
+
+    monkeypatch.chdir(ROOT)
+    typo = tmp_path / "TYPO.yaml"  # toy_cpu.yaml with `total_step: 200` under `trainer:`
+    typo.write_text((ROOT / "configs/toy_cpu.yaml").read_text().replace("total_steps:", "total_step:"))
+    with pytest.raises(SystemExit) as info:
+        main(["train", *(str(typo) if a == "TYPO.yaml" else a for a in argv)])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("dsrl train: error: ") and named in lines[0], lines
+    assert lines[1] == f"dsrl train: did you mean {meant}?", lines
 
 
 def test_unknown_key_is_named(capsys, tmp_path):
@@ -130,6 +162,27 @@ def test_launcher_keeps_the_trainer_on_the_visible_gpus():
     assert json.loads(base64.urlsafe_b64decode(world)) == {"localhost": [1]} and "CUDA_VISIBLE_DEVICES" not in env
     cmd = launcher_command(TrainerConfig(num_ranks=2, hostfile="hosts"), True, {}, 29500)  # the runner: other nodes
     assert cmd[2] == "deepspeed.launcher.runner" and cmd[-2:] == ["--num_gpus", "2"]
+
+
+def test_cpu_ranks_run_torchs_avx2_kernels_on_an_x86_cpu_with_avx512_too():
+    """The toy run's numbers are the same on AVX-512 and AVX2 machines only while torch runs its AVX2 kernels on both
+    (README): the pin `dsrl train` gives its ranks, honoured by torch; a user's own choice stays."""
+    import os
+    import subprocess
+    import sys
+
+    from dsrl.cli import pin_cpu_kernels
+
+    env: dict[str, str] = {}
+    pin_cpu_kernels(env)
+    if not env:
+        pytest.skip("not an x86 CPU with AVX2")
+    code = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
+    assert run.stdout.strip() == "AVX2", run.stdout + run.stderr
+    own = {"ATEN_CPU_CAPABILITY": "default"}
+    pin_cpu_kernels(own)
+    assert own == {"ATEN_CPU_CAPABILITY": "default"}
 
 
 def test_pause_retract_starts_sglang_without_the_prefix_cache_unless_told():

@@ -45,3 +45,42 @@ def test_a_long_write_says_the_bytes_written_so_far_and_at_the_end_the_total(tmp
                 time.sleep(0.05)
     assert "checkpoint step_8: 3.1 MB written so far in " in caplog.text, caplog.text
     assert caplog.messages[-1].startswith("checkpoint step_8: 3.1 MB written in "), caplog.text
+
+
+BUILD_NINJA = """rule compile
+  command = $cxx -MMD -MF $out.d $cflags -c $in -o $out $post_cflags
+rule link
+  command = $cxx $in $ldflags -o $out
+
+build shm_interface.o: compile /site-packages/deepspeed/ops/csrc/cpu/comm/shm_interface.cpp
+build shm.o: compile /site-packages/deepspeed/ops/csrc/cpu/comm/shm.cpp
+
+build deepspeed_shm_comm.so: link shm_interface.o shm.o
+
+default deepspeed_shm_comm.so
+"""
+
+
+def test_an_op_build_says_its_seconds_and_steps_as_ninja_ends_each(tmp_path, caplog):
+    """torch's JIT build of DeepSpeed's comm op (build.ninja as torch writes it, .ninja_log as ninja appends to it):
+    its objects come at the end of a minute, so bytes written looked stuck at 0.0 MB; its steps move."""
+    (tmp_path / "build.ninja").write_text(BUILD_NINJA)
+    with caplog.at_level(logging.INFO, logger="dsrl.rundir"):
+        with report_writes(tmp_path, "the comm op's build", every_s=0.05):
+            deadline = time.monotonic() + 30
+            while "under way" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+            (tmp_path / ".ninja_log").write_text("# ninja log v7\n0\t75764\t17957364\tshm_interface.o\t5c685a9e\n")
+            while "1 of 3" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with open(tmp_path / ".ninja_log", "a") as log:
+                log.write("7\t76162\t17957364\tshm.o\t2f80d4cd\n")
+            while "2 of 3" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with open(tmp_path / ".ninja_log", "a") as log:
+                log.write("76162\t76475\t17957365\tdeepspeed_shm_comm.so\td18a283e\n")
+    said = [m.split(" s, ", 1)[1] for m in caplog.messages if m.startswith("the comm op's build: ")]
+    assert said[0] == "0 of 3 steps done, under way: compiling shm_interface.cpp, compiling shm.cpp", said
+    assert "1 of 3 steps done, under way: compiling shm.cpp" in said, said
+    assert "2 of 3 steps done, under way: linking deepspeed_shm_comm.so" in said, said
+    assert said[-1] == "3 of 3 steps done", said
