@@ -308,3 +308,56 @@ def test_metrics_over_ranks_keep_maxima_minima_and_each_ranks_peak():
         "response/length_max": 1024, "response/length_min": 3, "reward/mean": pytest.approx(0.3), "rollout/filtered": 3,
         "memory/update_peak_gb": 44.0, "memory/update_peak_gb/rank_0": 40.0, "memory/update_peak_gb/rank_1": 44.0,
     }  # fmt: skip
+
+
+def test_a_wake_the_gpu_has_no_room_for_stops_the_run_with_the_numbers_before_the_server_is_asked(monkeypatch):
+    """Colocated on a GPU (a fake one: its free memory, and a server as a tenant that frees and takes it back as
+    SGLang's memory saver does), every rank measures what the servers released on its GPU; when the trainer then
+    holds so much that the KV cache would not fit, the wake fails with the numbers and the server is never asked
+    (SGLang's scheduler dies of such a wake, and its server with it). With room, it wakes."""
+    import torch.distributed as dist
+    from accelerate import init_empty_weights
+
+    from dsrl.config import Config, DataConfig, ModelConfig
+    from dsrl.lending import GpuLending
+    from dsrl.serving.servers import free_port
+
+    gpu = {"free": 40e9}
+
+    class SleepingServer:  # (fake: SGLang on a GPU) releases 50 GB, 3 of them its weights
+        woken: list[str] = []
+
+        def release(self, tags):
+            gpu["free"] += 50e9
+
+        def resume(self, tag):
+            gpu["free"] -= 3e9 if tag == "weights" else 47e9
+            self.woken.append(tag)
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (gpu["free"], 141e9))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 141e9 - gpu["free"])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (free_cached_memory: nothing to free)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(toy.build_model_config())
+    cfg = Config(model=ModelConfig(path="unused"), data=DataConfig(train_path="unused.jsonl"))
+    cfg.rollout.placement, cfg.trainer.device = "colocate", "cuda"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        lending = GpuLending(cfg, client=None, trainers=[SimpleNamespace(module=model)])
+        server = SleepingServer()
+        lending.servers = [server]
+        lending.weight_bytes = 3e9
+        lending.to_trainers()
+        assert lending.asleep == 50e9
+        gpu["free"] -= 60e9  # the update's activations, kept
+        lending.wake("weights")
+        with pytest.raises(MemoryError, match=r"the rollout servers' kv_cache needs 47.0 GB on GPU 0 .* 27.0 GB are"):
+            lending.wake("kv_cache")
+        assert server.woken == ["weights"], "the server was asked to wake with no room"
+        lending.to_trainers()
+        lending.wake("weights")
+        lending.wake("kv_cache")  # (the trainer let go of its activations)
+        assert server.woken == ["weights", "weights", "kv_cache"]
+    finally:
+        dist.destroy_process_group()
