@@ -78,8 +78,8 @@ SUMMED = ("rollout/interrupted", "rollout/resumed", "rollout/restarted", "rollou
 """Per-rank counts (and rates) that add up over the ranks; maxima (`_max`, memory peaks) and minima (`_min`) are the
 ranks' largest and smallest; every other metric is a per-rank mean, averaged."""
 
-PER_RANK = ("memory/update_peak_gb",)
-"""Also logged for each rank (`<key>/rank_<r>`): which rank's GPU is fullest."""
+PER_RANK = ("memory/update_peak_gb", "timing/generate", "timing/generate_wait", "timing/release")
+"""Also logged for each rank (`<key>/rank_<r>`): which rank's GPU is fullest, which rank's generation lags."""
 
 
 def reduce_across_ranks(values: dict[str, float]) -> dict[str, float]:

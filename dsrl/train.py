@@ -66,8 +66,9 @@ def train(cfg: Config, watch: OwnerWatch | None = None) -> dict[str, float]:
                 with timer("generate"):
                     batch = run.rollouts.collect(step)
                 if run.gpu.colocated:
-                    with timer("release"):  # a probe that failed stops the run before it trains on the batch
-                        run.weights.await_probe()
+                    with timer("generate_wait"):  # the slowest rank's generation (and the last sync's probe: one that
+                        run.weights.await_probe()  # failed stops the run before it trains on the batch)
+                    with timer("release"):
                         run.gpu.to_trainers()
                 with timer("logprobs"):
                     finite = run.trainer.logprobs(batch.samples, step)

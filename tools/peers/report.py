@@ -23,10 +23,11 @@ PHASES = ("generate", "old log-probs", "reference", "update", "weight sync")
 """The phases of one synchronous colocated GRPO step; the rest of the step is `other`."""
 
 TIMERS = {
-    # verl's `gen` ends with its servers put to sleep (sleep_replicas), so dsrl's `release` counts with generate.
+    # verl's `gen` ends with its servers put to sleep (sleep_replicas), so dsrl's `release` counts with generate
+    # (and `generate_wait`, a rank's wait for the slowest rank's generation, split off `release` on 2026-11-27).
     "verl": {"generate": ("gen",), "old log-probs": ("old_log_prob",), "reference": ("ref",),
              "update": ("update_actor",), "weight sync": ("update_weights",)},
-    "dsrl": {"generate": ("generate", "release"), "old log-probs": ("logprobs",), "reference": (),
+    "dsrl": {"generate": ("generate", "generate_wait", "release"), "old log-probs": ("logprobs",), "reference": (),
              "update": ("update",), "weight sync": ("sync",)},
 }  # fmt: skip
 """Each framework's timers (its metric names less the prefix) that make up each phase."""
