@@ -265,6 +265,31 @@ def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_f
     assert offload is None and f"trainers' states {states / 4 / 1e9:.1f} GB" in why and "ZeRO-Offload" in why
 
 
+def test_the_memory_plans_update_peak_is_set_by_the_micro_batch_not_the_batch():
+    """The plan's update peak for 64 samples a rank and for 256 (4 ranks x 128 prompts x 8, issue 60's run): the same,
+    the states and one micro-batch of the token budget (measured on one H200 at 1.5B: 82.11 and 82.23 GB,
+    tools/update_memory.py); without a budget, micro_batch_size rows of the longest sample."""
+    from accelerate import init_empty_weights
+
+    from dsrl.config import Config, DataConfig, ModelConfig
+    from dsrl.zero.memory import activation_bytes, trainers_state_bytes, update_peak
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(toy.build_model_config())
+    engine = SimpleNamespace(module=model)
+    cfg = Config(model=ModelConfig(path="unused", gradient_checkpointing=False), data=DataConfig(train_path="u.jsonl"))
+    cfg.trainer.max_tokens_per_micro_batch, cfg.rollout.n_samples = 16384, 8
+    peaks = []
+    for prompts in (32, 128):  # 64 and 256 samples a rank on 4 ranks
+        cfg.rollout.prompts_per_step = prompts
+        peaks.append(update_peak(cfg, engine))
+    states = trainers_state_bytes(cfg, model, critic=False)
+    assert peaks[0] == peaks[1] == (states + activation_bytes(model.config, 16384, False, width=4), 16384, False)
+    cfg.trainer.max_tokens_per_micro_batch, cfg.trainer.micro_batch_size = None, 4
+    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    assert update_peak(cfg, engine)[1] == 4 * longest
+
+
 def test_checkpointing_is_turned_on_by_the_name_the_gpu_pins_have():
     """constraints-gpu.txt pins transformers 5.12.1 (SGLang's), which has no `activation_checkpointing_enable`
     (5.13's name, which CPU runs use): calling that name alone made every dsrl train on the GPU image die at load."""
