@@ -299,8 +299,8 @@ class SyncConfig:
     probe_tolerance: float | None = None
     """Largest mean |logprob difference| a probe accepts; default 0.05 (bf16 kernels differ by ~1e-2; a random-init
     7B on an H200 reads 0.050, and 0.055 with --model.liger_kernel, whose kernels are not SGLang's: raise it there),
-    and 0.2 with --rollout.precision fp8, which allows FP8's rounding (the CPU toy, FP8 emulated, read at most 0.083
-    over 200 steps of training; GPU figures: docs/benchmarks.md, "FP8 rollout")."""
+    and 0.3 with --rollout.precision fp8, which allows FP8's rounding (the CPU toy, its FP8 emulated, read at most
+    0.083 and 0.105 over two 200-step runs, growing as it trained; the GPU's: docs/benchmarks.md, "FP8 rollout")."""
     timeout_s: float = 300.0
     """Seconds a weight-update group set-up or one bucket's transfer may take; one that does not fail by then is
     tried again after the fleet is healed. A wait stuck past it in NCCL ends the run, every process of it, with a
@@ -548,7 +548,7 @@ class ConfigError(ValueError):
         super().__init__(f"{len(errors)} config error{plural}:\n" + "\n".join(f"  {e}" for e in errors))
 
 
-PROBE_TOLERANCE = {"bf16": 0.05, "fp8": 0.2}
+PROBE_TOLERANCE = {"bf16": 0.05, "fp8": 0.3}
 """`sync.probe_tolerance`'s default for each --rollout.precision."""
 
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")

@@ -456,9 +456,14 @@ print('verl stack: verl', verl.__version__, 'sglang', sglang.__version__, 'trans
       # the generate phase, the sync's bytes and seconds (sync/seconds: send to version check), the mismatch and the
       # FP8 run's probe at its first and last sync (tools/peers/peers.py FP8_FLAGS). 1.5B: both runs in one call. 7B:
       # FP8_MODEL=7b FP8_RUNS="dsrl-moments dsrl-moments-fp8", or one run a call on the held machine (the records
-      # gather in /tmp/fp8_peers/<model>/peers.json, and each call prints every run there).
+      # gather in /tmp/fp8_peers/<model>/peers.json, and each call prints every run there). SGLang's block-FP8 GEMM on
+      # Hopper is DeepGEMM's, JIT-compiled at a server's first start on a machine (SGLang warns of 10-20 min; fast
+      # warm-up compiles fewer shapes) into /tmp/jitcache, whose archive comes back: carry it to skip that; FP8_DEEPGEMM=0
+      # runs Triton's block-FP8 GEMM instead (not yet run on a GPU: see docs/benchmarks.md, "FP8 rollout")
       M=${FP8_MODEL:-1.5b}; mkdir -p /tmp/fp8_peers/$M
-      stage fp8_$M ${FP8_LIMIT:-500} python3 tools/peers/peers.py --model /tmp/models/$M --workload tail \
+      FP8_ENV=(env SGLANG_DG_CACHE_DIR=/tmp/jitcache/deep_gemm SGLANG_JIT_DEEPGEMM_FAST_WARMUP=1
+               SGLANG_ENABLE_JIT_DEEPGEMM=${FP8_DEEPGEMM:-1})
+      stage fp8_$M ${FP8_LIMIT:-500} "${FP8_ENV[@]}" python3 tools/peers/peers.py --model /tmp/models/$M --workload tail \
         --runs ${FP8_RUNS:-dsrl dsrl-fp8} --steps ${FP8_STEPS:-4} --limits ${FP8_RUN_LIMIT:-230} --out /tmp/fp8_peers/$M \
         --budget $((${FP8_LIMIT:-500} - 20))
       cp /tmp/fp8_peers/$M/peers.json "$OUT/fp8_${M}_peers.json" 2>/dev/null
@@ -487,7 +492,8 @@ intermediate_size=256, num_key_value_heads=4); json.dump(c, open('/tmp/models/to
       for seed in ${FP8_TOY_SEEDS:-0}; do for prec in bf16 fp8; do
         rm -rf /tmp/runs/fp8_toy_${prec}_s$seed
         extra=(); [ $prec = fp8 ] && extra=(--sync.probe_tolerance null)  # (toy_gpu.yaml's 0.01 is bf16's)
-        stage fp8_toy_${prec}_s$seed ${FP8_TOY_LIMIT:-240} python3 -m dsrl.cli train --config configs/toy_gpu.yaml \
+        stage fp8_toy_${prec}_s$seed ${FP8_TOY_LIMIT:-240} env SGLANG_DG_CACHE_DIR=/tmp/jitcache/deep_gemm \
+          SGLANG_JIT_DEEPGEMM_FAST_WARMUP=1 python3 -m dsrl.cli train --config configs/toy_gpu.yaml \
           --model.path /tmp/models/toy128 --rollout.precision $prec --seed $seed --trainer.total_steps ${FP8_TOY_STEPS:-80} \
           --logging.tensorboard $TB --logging.run_dir /tmp/runs/fp8_toy_${prec}_s$seed "${extra[@]}"
         grep -a "\[dsrl\] step" "$OUT/fp8_toy_${prec}_s$seed.log" | sed -n '1p;$p' | sed 's/.*\[dsrl\]//' | tee -a "$SUMMARY"
