@@ -162,7 +162,7 @@ class Engine:
         weights = any(Path(model_path).glob("*.safetensors")) or any(Path(model_path).glob("*.bin"))
         if weights and not self.fp8:
             self.model = auto.from_pretrained(model_path, dtype=torch.float32)
-        else:  # a config-only directory: random weights until the trainer's first sync
+        else:  # a config-only directory: random weights until the trainer's first sync (FP8: loaded at the end)
             self.model = auto.from_config(config, dtype=torch.float32)
         self.model.eval()
         self.params = dict(self.model.named_parameters())
