@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import psutil
 
-from dsrl.config import Config, RolloutConfig, SyncConfig, TrainerConfig
+from dsrl.config import PROBE_TOLERANCE, Config, RolloutConfig, SyncConfig, TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +61,19 @@ def old_from_update(cfg: Config) -> bool:
 
 
 def resolve_sync(cfg: Config) -> SyncConfig:
-    """sync.type (auto = ipc when colocated on GPUs, else broadcast) and sync.lora (auto = the adapter alone where
-    dsrl starts the servers and they read its files, merged over CUDA IPC: docs/benchmarks.md "LoRA")."""
+    """sync.type (auto = ipc when colocated on GPUs, else broadcast), sync.lora (auto = the adapter alone where
+    dsrl starts the servers and they read its files, merged over CUDA IPC or to FP8 servers: docs/benchmarks.md
+    "LoRA") and sync.probe_tolerance (its default for --rollout.precision)."""
     s = cfg.sync
+    if s.probe_tolerance is None:
+        s = replace(s, probe_tolerance=PROBE_TOLERANCE[cfg.rollout.precision])
     if s.type == "auto":
         s = replace(s, type="ipc" if cfg.rollout.placement == "colocate" and use_cuda(cfg) else "broadcast")
     if s.lora == "auto":
         external = fleet_kind(cfg.rollout) == "external"  # started by someone else: dsrl cannot enable LoRA
         remote = s.type == "broadcast" and (bool(cfg.trainer.hostfile) or fleet_kind(cfg.rollout) == "ray")
         adapter = cfg.model.lora_rank > 0 and s.type != "ipc" and not external and not remote
+        adapter = adapter and cfg.rollout.precision != "fp8"
         s = replace(s, lora="adapter" if adapter else "merged")
     return s
 
@@ -132,6 +136,13 @@ def resolve(cfg: Config, model_dir: str) -> tuple[Config, list[str]]:
     if t.old_logprobs == "auto":
         own = "from the update's own forward pass" if old_from_update(cfg) else "recomputed before the update"
         lines.append(f"trainer.old_logprobs {own} (one optimizer step a batch: {old_from_update(cfg)})")
+    a, fp8 = cfg.algorithm, r.precision == "fp8"
+    if a.off_policy == "auto":  # FP8 rollouts are off-policy by construction; the correction weights PPO's loss
+        out = replace(out, algorithm=replace(a, off_policy="tis" if fp8 and a.policy_loss == "ppo" else "none"))
+        lines.append(f"algorithm.off_policy {out.algorithm.off_policy} (rollout.precision {r.precision})")
+    if fp8 and cfg.sync.probe_tolerance is None and cfg.sync.verify == "probe":
+        lines.append(f"sync.probe_tolerance {out.sync.probe_tolerance}: allows FP8's rounding (servers FP8, trainer "
+                     f"{trainer.precision})")  # fmt: skip
     if cfg.model.lora_rank > 0:
         replicated, why = replicated_base(out, model_dir)
         out = replace(out, model=replace(cfg.model, lora_base="replicated" if replicated else "partitioned"))

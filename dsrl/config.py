@@ -107,6 +107,15 @@ class RolloutConfig:
     """Keyword arguments of the environment class, e.g. {difficulty: 2}."""
     engine: Literal["auto", "embedded", "sglang"] = "auto"
     """Rollout engine dsrl starts when `server_urls` is empty: auto = SGLang on GPU, the embedded engine on CPU."""
+    precision: Literal["bf16", "fp8"] = "bf16"
+    """The servers' weights. bf16: as the trainer holds them (bf16 on GPUs, fp32 on CPU). fp8: every linear layer of
+    the decoder (attention and MLP projections; not embeddings, norms or the output head) in block-wise FP8, a float32
+    scale per 128 x 128 block, as DeepSeek's and SGLang's FP8 checkpoints: the servers start from such a copy of the
+    model (<run_dir>/fp8_model), each weight update quantizes its buckets on the trainer's devices and sends half the
+    bytes of bf16, SGLang runs FP8 GEMMs (activations quantized per token, in groups of 128), and the embedded engine
+    rounds weights and activations the same way. The trainer keeps its precision, so the rollouts are off-policy:
+    `algorithm.off_policy` auto corrects them, and the probe's default tolerance allows FP8's rounding. External
+    servers (`server_urls`) must have been started from such a checkpoint."""
     server_urls: list[str] = field(default_factory=list)
     """URLs of running SGLang servers to use instead of starting any (e.g. http://10.0.0.5:30000)."""
     fleet: Literal["auto", "local", "ray", "external"] = "auto"
@@ -289,9 +298,11 @@ class SyncConfig:
     verify_every: int = 1
     """Verify every N syncs (the first and the last always): the probe's forward and requests cost more than a
     small model's sync (timing/sync_verify)."""
-    probe_tolerance: float = 0.05
-    """Largest mean |logprob difference| a probe accepts (bf16 kernels differ by ~1e-2; a random-init 7B on an
-    H200 reads 0.050, and 0.055 with --model.liger_kernel, whose kernels are not SGLang's: raise it there)."""
+    probe_tolerance: float | None = None
+    """Largest mean |logprob difference| a probe accepts; default 0.05 (bf16 kernels differ by ~1e-2; a random-init
+    7B on an H200 reads 0.050, and 0.055 with --model.liger_kernel, whose kernels are not SGLang's: raise it there),
+    and 0.3 with --rollout.precision fp8, which allows FP8's rounding (the CPU toy, its FP8 emulated, read at most
+    0.083 and 0.105 over two 200-step runs, growing as it trained; the GPU's: docs/benchmarks.md, "FP8 rollout")."""
     timeout_s: float = 300.0
     """Seconds a weight-update group set-up or one bucket's transfer may take; one that does not fail by then is
     tried again after the fleet is healed. A wait stuck past it in NCCL ends the run, every process of it, with a
@@ -356,10 +367,12 @@ class AlgorithmConfig:
     """Adaptive KL: the controller's horizon in steps (larger: slower)."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus; entropy is always logged."""
-    off_policy: Literal["none", "decoupled", "tis"] = "none"
+    off_policy: Literal["auto", "none", "decoupled", "tis"] = "auto"
     """Correction for samples the engine drew from older or slightly different weights: decoupled PPO
     (weight by trainer/engine probability ratio, drop tokens above is_cap; Hilton et al. 2022,
-    arXiv:2110.00641) or truncated importance sampling (the same ratio clamped at is_cap; Yao et al. 2025)."""
+    arXiv:2110.00641) or truncated importance sampling (the same ratio clamped at is_cap; Yao et al. 2025).
+    auto: tis with --rollout.precision fp8 (FP8 rollouts are off-policy by construction) and the ppo policy loss,
+    else none."""
     is_cap: float = 2.0
     """Cap C of the importance weight exp(trainer logprob - engine logprob)."""
     overlong_buffer: int = 0
@@ -537,6 +550,9 @@ class ConfigError(ValueError):
         super().__init__(f"{len(errors)} config error{plural}:\n" + "\n".join(f"  {e}" for e in errors))
 
 
+PROBE_TOLERANCE = {"bf16": 0.05, "fp8": 0.3}
+"""`sync.probe_tolerance`'s default for each --rollout.precision."""
+
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
 """Advantage estimators whose baseline is the prompt's group: they need n_samples >= 2."""
 
@@ -664,7 +680,7 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     check(a.kl_horizon >= 1, "algorithm.kl_horizon", a.kl_horizon, "must be >= 1")
     check(0 < a.gamma <= 1, "algorithm.gamma", a.gamma, "must be in (0, 1]")
     check(0 <= a.lam <= 1, "algorithm.lam", a.lam, "must be in [0, 1]")
-    check(a.off_policy == "none" or a.policy_loss == "ppo", "algorithm.off_policy", a.off_policy,
+    check(a.off_policy in ("auto", "none") or a.policy_loss == "ppo", "algorithm.off_policy", a.off_policy,
           "the off-policy corrections weight PPO's per-token loss: use --algorithm.policy_loss ppo")  # fmt: skip
     check(0 <= a.overlong_buffer < r.max_new_tokens, "algorithm.overlong_buffer", a.overlong_buffer,
           f"must be in [0, rollout.max_new_tokens={r.max_new_tokens})")  # fmt: skip
@@ -699,7 +715,12 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     validate_reward_model(cfg, check, check_paths)
     check(s.bucket_bytes > 0, "sync.bucket_bytes", s.bucket_bytes, "must be > 0")
     check(s.timeout_s > 0, "sync.timeout_s", s.timeout_s, "must be > 0")
-    check(s.probe_tolerance > 0, "sync.probe_tolerance", s.probe_tolerance, "must be > 0")
+    check(s.probe_tolerance is None or s.probe_tolerance > 0, "sync.probe_tolerance", s.probe_tolerance, "must be > 0")
+    if r.precision == "fp8":
+        check(s.verify != "weights", "sync.verify", s.verify, "FP8 servers hold rounded weights, never equal to the "
+              "trainer's: use probe (its tolerance allows FP8) with --rollout.precision fp8")  # fmt: skip
+        check(s.lora != "adapter", "sync.lora", s.lora, "an adapter served on its own over SGLang's FP8 layers is "
+              "not supported: use merged (or auto) with --rollout.precision fp8 (merged weights in FP8)")  # fmt: skip
     check(s.verify_every >= 1, "sync.verify_every", s.verify_every, "must be >= 1")
     check(e.every >= 0, "eval.every", e.every, "must be >= 0 (0: only at the end)")
     check(e.n_samples >= 1, "eval.n_samples", e.n_samples, "must be >= 1")

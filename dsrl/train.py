@@ -23,6 +23,7 @@ from dsrl.collectives import agreed, all_ranks
 from dsrl.config import Config, parse_config, validate
 from dsrl.data import DatasetError, check_datasets, server_context
 from dsrl.evaluate import Evaluator
+from dsrl.fp8 import servers_model_dir
 from dsrl.lending import GpuLending
 from dsrl.metrics import MetricsWriter, Timer, configure_logging, gather_lists, reduce_across_ranks, summary_line
 from dsrl.rewards.models import start_reward_model
@@ -163,12 +164,13 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
         offload_states(engine, offload, params=False)  # memory it finds free
     if cfg.sync.lora == "adapter":
         cfg = lora_servers(cfg, target_modules(trainer.actor.module))
-    fleet, client = start_rollout_servers(cfg, model_dir, run_dir)
+    fleet, client = start_rollout_servers(cfg, servers_model_dir(cfg, model_dir, run_dir), run_dir)
     reward_model = start_reward_model(cfg, tokenizer, client, run_dir, rank == 0)
     rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env), model=reward_model)
     rewarder.restore((rank_state or {}).get("rewarder"))
     gpu = GpuLending(cfg, client, trainer.engines, offload, reward_model if rank == 0 else None, fleet)
-    transport = make_transport(cfg.sync, client, run_dir, "nccl" if use_cuda(cfg) else "gloo", cfg.rollout.tp_size)
+    backend, fp8 = "nccl" if use_cuda(cfg) else "gloo", cfg.rollout.precision == "fp8"
+    transport = make_transport(cfg.sync, client, run_dir, backend, cfg.rollout.tp_size, fp8)
     rollouts = schedule(client, cfg, dataset, rewarder, rank, world, runner, rank_state, start_step)
     return Run(
         cfg=cfg, rank=rank, world=world, run_dir=run_dir, tokenizer=tokenizer, trainer=trainer, fleet=fleet,

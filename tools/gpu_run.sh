@@ -29,6 +29,8 @@
 #                         .gpu/ray_site.tar.xz). 8 GPUs (issue 54): PLACEMENTS="colo8|colo8_tp2|dis4x4|async4x4_partial"
 #   source .gpu/setup.sh; MODELS=1.5b SOAK_RUNS="colo1:1 colo1_kill:1:kill5" bash tools/gpu_run.sh setup update_memory soak
 #                         # 1 GPU: nothing dies under the tail workload, a kill -9 costs one step (issue 60; tools/soak.py)
+#   source .gpu/setup.sh; MODELS=1.5b bash tools/gpu_run.sh setup fp8 fp8_toy     # 1 GPU (issue 64: FP8 rollout
+#                         against bf16 on the tail workload, and on the GPU toy; FP8_MODEL=7b with FP8_RUNS: see the stage)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py;
 #                                                         ASYNC_EXTRA="--rollout.max_concurrency 768" passes flags on)
 # Pure-Python wheels the image lacks travel in .whl/ (carried; `setup` installs them into /tmp/site): peft, and
@@ -476,6 +478,55 @@ print('verl stack: verl', verl.__version__, 'sglang', sglang.__version__, 'trans
           [ -f "$f" ] && tail -c 300000 "$f" > "$OUT/soak_servers/${name}_$(basename "$f")"; done
         pkill -9 -f "sglang|dsrl\.(train|cli)|deepspeed\.launcher" 2>/dev/null; sleep 2
       done
+      ;;
+    fp8)  # 1 GPU (issue 64): FP8 rollout against bf16 on peers' `tail` workload, same model and GPU, back to back:
+      # the generate phase, the sync's bytes and seconds (sync/seconds: send to version check), the mismatch and the
+      # FP8 run's probe at its first and last sync (tools/peers/peers.py FP8_FLAGS). 1.5B: both runs in one call. 7B:
+      # FP8_MODEL=7b FP8_RUNS="dsrl-moments dsrl-moments-fp8", or one run a call on the held machine (the records
+      # gather in /tmp/fp8_peers/<model>/peers.json, and each call prints every run there). SGLang's block-FP8 GEMM on
+      # Hopper is DeepGEMM's, JIT-compiled at a server's first start on a machine (SGLang warns of 10-20 min; fast
+      # warm-up compiles fewer shapes) into /tmp/jitcache, whose archive comes back: carry it to skip that; FP8_DEEPGEMM=0
+      # runs Triton's block-FP8 GEMM instead (not yet run on a GPU: see docs/benchmarks.md, "FP8 rollout")
+      M=${FP8_MODEL:-1.5b}; mkdir -p /tmp/fp8_peers/$M
+      FP8_ENV=(env SGLANG_DG_CACHE_DIR=/tmp/jitcache/deep_gemm SGLANG_JIT_DEEPGEMM_FAST_WARMUP=1
+               SGLANG_ENABLE_JIT_DEEPGEMM=${FP8_DEEPGEMM:-1})
+      stage fp8_$M ${FP8_LIMIT:-500} "${FP8_ENV[@]}" python3 tools/peers/peers.py --model /tmp/models/$M --workload tail \
+        --runs ${FP8_RUNS:-dsrl dsrl-fp8} --steps ${FP8_STEPS:-4} --limits ${FP8_RUN_LIMIT:-230} --out /tmp/fp8_peers/$M \
+        --budget $((${FP8_LIMIT:-500} - 20))
+      cp /tmp/fp8_peers/$M/peers.json "$OUT/fp8_${M}_peers.json" 2>/dev/null
+      python3 - /tmp/fp8_peers/$M/peers.json <<'PY' 2>&1 | tee -a "$SUMMARY"
+import json, sys
+for name, run in json.load(open(sys.argv[1]))["runs"].items():
+    steps = run.get("steps", [])
+    later = steps[1:] or steps
+    def mean(key):
+        values = [s[key] for s in later if key in s]
+        return sum(values) / len(values) if values else float("nan")
+    probe = [s["sync/probe_logprob_diff"] for s in steps if "sync/probe_logprob_diff" in s]
+    print(f"{name}: {len(later)} steps | generate {mean('timing/generate'):.2f} s of {mean('timing/step'):.2f} s | "
+          f"sync {mean('sync/bytes') / 1e9:.2f} GB in {mean('sync/seconds'):.3f} s (timing/sync "
+          f"{mean('timing/sync'):.3f} s) | mismatch {mean('mismatch/logprob_abs_diff'):.4f} | probe {probe} | "
+          f"reward {mean('reward/mean'):.3f} | rc {run.get('rc')}")
+PY
+      ;;
+    fp8_toy)  # 1 GPU (issue 64): the GPU toy, bf16 against FP8 rollout, FP8_TOY_SEEDS (2 runs ~130 s each a seed).
+      # SGLang's FP8 layers split weights into 128-row blocks: the toy at hidden 128 and 4 KV heads (q, k, v 128 rows
+      # each), both precisions on it
+      mkdir -p /tmp/models/toy128 && cp examples/toy/model/tokenizer* /tmp/models/toy128/
+      python3 -c "import json; c = json.load(open('examples/toy/model/config.json')); c.update(hidden_size=128, \
+intermediate_size=256, num_key_value_heads=4); json.dump(c, open('/tmp/models/toy128/config.json', 'w'))"
+      TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
+      for seed in ${FP8_TOY_SEEDS:-0}; do for prec in bf16 fp8; do
+        rm -rf /tmp/runs/fp8_toy_${prec}_s$seed
+        extra=(); [ $prec = fp8 ] && extra=(--sync.probe_tolerance null)  # (toy_gpu.yaml's 0.01 is bf16's)
+        stage fp8_toy_${prec}_s$seed ${FP8_TOY_LIMIT:-240} env SGLANG_DG_CACHE_DIR=/tmp/jitcache/deep_gemm \
+          SGLANG_JIT_DEEPGEMM_FAST_WARMUP=1 python3 -m dsrl.cli train --config configs/toy_gpu.yaml \
+          --model.path /tmp/models/toy128 --rollout.precision $prec --seed $seed --trainer.total_steps ${FP8_TOY_STEPS:-80} \
+          --logging.tensorboard $TB --logging.run_dir /tmp/runs/fp8_toy_${prec}_s$seed "${extra[@]}"
+        grep -a "\[dsrl\] step" "$OUT/fp8_toy_${prec}_s$seed.log" | sed -n '1p;$p' | sed 's/.*\[dsrl\]//' | tee -a "$SUMMARY"
+        grep -a "Error" "$OUT/fp8_toy_${prec}_s$seed.log" | tail -3 | tee -a "$SUMMARY"
+        grep -a "final metrics" "$OUT/fp8_toy_${prec}_s$seed.log" | grep -o '"sync/bytes": [0-9.e-]*\|"sync/probe_logprob_diff": [0-9.e-]*\|"mismatch/logprob_abs_diff": [0-9.e-]*\|"reward/mean": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
+      done; done
       ;;
     *) note "unknown stage $s" ;;
   esac

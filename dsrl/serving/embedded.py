@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from aiohttp import web
 from safetensors.torch import load_file
 
+from dsrl.fp8 import FP8, SCALE, dequantize, is_quantized, round_trip_activations
 from dsrl.serving.embedded_args import parse_args
 
 log = logging.getLogger("dsrl.embedded")
@@ -151,15 +152,24 @@ class Engine:
 
         self.model_path, self.is_embedding, self.weights_backup = model_path, is_embedding, weights_backup
         config = AutoConfig.from_pretrained(model_path)
+        # An FP8 checkpoint (`dsrl.fp8`: --rollout.precision fp8) is served as SGLang serves it, emulated: its weights
+        # dequantized on arrival, each linear layer's input rounded through FP8 (transformers' FP8 path needs a GPU)
+        self.fp8 = getattr(config, "quantization_config", None) is not None
+        if self.fp8:
+            del config.quantization_config
         torch.manual_seed(seed)
         auto = AutoModelForSequenceClassification if is_embedding else AutoModelForCausalLM  # (a reward model)
-        if any(Path(model_path).glob("*.safetensors")) or any(Path(model_path).glob("*.bin")):
+        weights = any(Path(model_path).glob("*.safetensors")) or any(Path(model_path).glob("*.bin"))
+        if weights and not self.fp8:
             self.model = auto.from_pretrained(model_path, dtype=torch.float32)
-        else:  # a config-only directory: random weights until the trainer's first sync
+        else:  # a config-only directory: random weights until the trainer's first sync (FP8: loaded at the end)
             self.model = auto.from_config(config, dtype=torch.float32)
         self.model.eval()
         self.params = dict(self.model.named_parameters())
         self.storage, self.offsets = _flatten_parameters(self.model)
+        for name, module in self.model.named_modules() if self.fp8 else []:
+            if isinstance(module, torch.nn.Linear) and is_quantized(f"{name}.weight", module.weight):
+                module.register_forward_pre_hook(lambda module, args: (round_trip_activations(args[0]), *args[1:]))
         self.adapters = Adapters(self.model, *lora) if lora is not None else None
         """--enable-lora: (max rank, target layer names)."""
         self.context_len = getattr(config, "max_position_embeddings", 1 << 30)
@@ -185,6 +195,8 @@ class Engine:
         self.recv_lock = threading.Lock()
         self.free_buffers: dict[int, list[torch.Tensor]] = {}
         self.stopped = False
+        if weights and self.fp8:
+            self.update_from_disk(model_path)
         self.thread = threading.Thread(target=self._loop, name="embedded-scheduler", daemon=True)
         self.thread.start()
 
@@ -397,11 +409,18 @@ class Engine:
             raise BadRequest("weights are released; call /resume_memory_occupation with tags [weights] first")
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        scales = {name: tensor for name, tensor in named_tensors if name.endswith(SCALE)}
         with self.model_lock, torch.no_grad():
-            for name, tensor in named_tensors:
+            for name, tensor in (item for item in named_tensors if item[0] not in scales):
                 param = self.params.get(name)
                 if param is None:
                     raise BadRequest(f"unknown parameter {name!r}")
+                if self.fp8 and is_quantized(name, param):
+                    if tensor.dtype != FP8 or name + SCALE not in scales:
+                        raise BadRequest(f"{name!r} is an FP8 layer: send it in float8_e4m3fn beside its {name}{SCALE}")
+                    tensor = dequantize(tensor, scales[name + SCALE])
+                elif tensor.dtype == FP8:
+                    raise BadRequest(f"{name!r} in FP8: not an FP8 layer of the model at {self.model_path}")
                 if param.shape != tensor.shape:
                     raise BadRequest(f"parameter {name!r} has shape {list(param.shape)}, got {list(tensor.shape)}")
                 param.copy_(tensor)

@@ -33,6 +33,8 @@ class Transport(ABC):
         """`root`: where files for the servers go (--sync.disk_dir, default <run_dir>/weights)."""
         self.merge = cfg.lora != "adapter"
         """A LoRA model's adapters merged into the weights `send` sends (else the base alone)."""
+        self.fp8 = False
+        """FP8 servers (--rollout.precision fp8): the linear weights go quantized, each beside its scale."""
         self.rank0 = dist.get_rank() == 0
         """Only trainer rank 0 sends requests to the servers; the other ranks take part in the gathers."""
         self.profile: dict[str, float] = {}

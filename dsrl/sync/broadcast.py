@@ -82,7 +82,7 @@ class BroadcastTransport(Transport):
 
     def send(self, module: torch.nn.Module, weight_version: int, flush_cache: bool) -> int:
         if self.gatherer is None or self.gatherer.bucket_bytes != self.cfg.bucket_bytes:
-            self.gatherer = FlatGatherer(module, self.cfg.bucket_bytes, merge=self.merge)
+            self.gatherer = FlatGatherer(module, self.cfg.bucket_bytes, merge=self.merge, fp8=self.fp8)
         if not self.rank0:
             for _ in self.gatherer:  # join each bucket's gather onto rank 0
                 pass

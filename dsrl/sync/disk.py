@@ -32,7 +32,7 @@ class DiskTransport(Transport):
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         sent, index = 0, {}
-        for i, bucket in enumerate(gathered_buckets(module, self.cfg.bucket_bytes, self.merge)):
+        for i, bucket in enumerate(gathered_buckets(module, self.cfg.bucket_bytes, self.merge, self.fp8)):
             file = f"model-{i:05d}.safetensors"
             tensors = {name: t.detach().contiguous().cpu() for name, t in bucket}
             save_file(tensors, tmp / file, metadata={"format": "pt"})

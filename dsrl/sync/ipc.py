@@ -78,7 +78,7 @@ class IpcTransport(Transport):
         # whole vs 39 ms in 1 GB buckets).
         bucket_bytes = self.cfg.bucket_bytes if world > 1 else 1 << 62
         if self.gatherer is None or self.gatherer.bucket_bytes != bucket_bytes:
-            self.gatherer = FlatGatherer(module, bucket_bytes, to_all=True, merge=self.merge)
+            self.gatherer = FlatGatherer(module, bucket_bytes, to_all=True, merge=self.merge, fp8=self.fp8)
         sent, pending, clock = 0, None, Timer()
         for bucket in clock.each(self.gatherer, "gather"):
             with clock("handles"):

@@ -62,10 +62,16 @@ def probe_reference(engine, vocab_size: int) -> tuple[list[list[int]], torch.Ten
 
 
 async def probe_servers(
-    client: RolloutClient, ids: list[list[int]], reference: torch.Tensor, tolerance: float, flush: bool = True
+    client: RolloutClient,
+    ids: list[list[int]],
+    reference: torch.Tensor,
+    tolerance: float,
+    flush: bool = True,
+    fp8: bool = False,
 ) -> float:
     """Compare each server's logprobs of the probe tokens with the trainer's; return the worst mean |diff|. On the
-    client's loop: the trainer may go on while it runs (`client.submit`).
+    client's loop: the trainer may go on while it runs (`client.submit`). `fp8`: the servers run FP8 layers, and
+    `tolerance` allows their rounding.
 
     Prompt logprobs come from /generate with logprob_start_len=0, after /flush_cache. SGLang matches
     no cached prefix past logprob_start_len anyway (`Req._compute_max_prefix_len`), so `flush` False
@@ -87,9 +93,10 @@ async def probe_servers(
         got = torch.tensor([[lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs])
         diff = (got - reference).abs()
         if diff.mean() > tolerance:
+            allows = ", which allows FP8's rounding (--rollout.precision fp8)" if fp8 else ""
             raise SyncError(
                 f"{url}: logprobs of the probe tokens differ from the trainer's by {diff.mean():.3g} on average "
-                f"(max {diff.max():.3g}, --sync.probe_tolerance {tolerance}): the server holds other weights"
+                f"(max {diff.max():.3g}, --sync.probe_tolerance {tolerance}{allows}): the server holds other weights"
             )
         worst = max(worst, diff.mean().item())
     return worst

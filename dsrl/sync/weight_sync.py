@@ -214,7 +214,8 @@ class WeightSync:
         their memory (SGLang dies generating asleep); disaggregated, the next update does."""
         if self.rank0:
             tolerance = self.cfg.sync.probe_tolerance
-            self.probe = self.client.submit(_timed(probe_servers(self.client, ids, reference, tolerance, flush=False)))
+            probe = probe_servers(self.client, ids, reference, tolerance, flush=False, fp8=self.transport.fp8)
+            self.probe = self.client.submit(_timed(probe))
 
 
 async def _timed(work: Awaitable[float]) -> tuple[float, float]:
@@ -223,19 +224,24 @@ async def _timed(work: Awaitable[float]) -> tuple[float, float]:
     return await work, time.perf_counter() - start
 
 
-def make_transport(cfg: SyncConfig, client: RolloutClient, run_dir: Path, backend: str, tp_size: int = 1) -> Transport:
-    """The transport named by --sync.type ('auto' must be resolved by the caller)."""
+def make_transport(
+    cfg: SyncConfig, client: RolloutClient, run_dir: Path, backend: str, tp_size: int = 1, fp8: bool = False
+) -> Transport:
+    """The transport named by --sync.type ('auto' must be resolved by the caller); `fp8`: for FP8 servers."""
     root = Path(cfg.disk_dir or run_dir / "weights")
     if cfg.type == "ipc":
         from dsrl.sync.ipc import IpcTransport
 
-        return IpcTransport(cfg, client, root, tp_size)
-    if cfg.type == "broadcast":
+        transport = IpcTransport(cfg, client, root, tp_size)
+    elif cfg.type == "broadcast":
         from dsrl.sync.broadcast import BroadcastTransport
 
-        return BroadcastTransport(cfg, client, root, backend)
-    if cfg.type == "disk":
+        transport = BroadcastTransport(cfg, client, root, backend)
+    elif cfg.type == "disk":
         from dsrl.sync.disk import DiskTransport
 
-        return DiskTransport(cfg, client, root)
-    raise ValueError(f"--sync.type={cfg.type!r}: expected ipc, broadcast or disk")
+        transport = DiskTransport(cfg, client, root)
+    else:
+        raise ValueError(f"--sync.type={cfg.type!r}: expected ipc, broadcast or disk")
+    transport.fp8 = fp8
+    return transport

@@ -146,7 +146,7 @@ def micro_batch_loss(
         old = per_token(mb, "old_logprobs")
     agg = (a.loss_agg, num_tokens, num_seqs)
     weights = None
-    if a.policy_loss == "ppo" and a.off_policy != "none":
+    if a.policy_loss == "ppo" and a.off_policy not in ("none", "auto"):  # (auto: none unless `dsrl.auto` decided)
         behaviour = per_token(mb, "engine_logprobs")
         weights = importance_weights(old, behaviour, a.off_policy, a.is_cap)
     ppo = {"is_weights": weights, "clip_ratio_c": a.clip_ratio_c} if a.policy_loss == "ppo" else {}

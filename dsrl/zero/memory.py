@@ -80,8 +80,10 @@ def trainers_state_bytes(cfg: Config, model: torch.nn.Module, critic: bool) -> f
 
 
 def server_weight_bytes(cfg: Config, model: torch.nn.Module) -> float:
-    """This GPU's share of a colocated server's bf16 copy of `model`."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) * 2 / cfg.rollout.tp_size
+    """This GPU's share of a colocated server's copy of `model`: bf16, or about a byte a weight with --rollout.precision
+    fp8 (its linear layers' weights; the embeddings and norms stay bf16)."""
+    width = 1 if cfg.rollout.precision == "fp8" else 2
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) * width / cfg.rollout.tp_size
 
 
 def awake_server_bytes(cfg: Config, model: torch.nn.Module) -> float:

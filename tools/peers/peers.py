@@ -428,6 +428,11 @@ def verl_command(settings: list[Setting]) -> list[str]:
     return [sys.executable, "-m", "verl.trainer.main_ppo", *(f"{s.key}={_hydra(s.value)}" for s in settings)]
 
 
+FP8_FLAGS = {"--rollout.precision": "fp8", "--sync.verify": "probe", "--sync.verify_every": 1000,
+             "--sync.probe_tolerance": 10}  # fmt: skip
+"""FP8 rollout, its probe measured at the first and the last sync (outside the steady steps' generate phase) and never
+refusing: these runs measure what the default tolerance should be on a GPU."""
+
 DSRL_VARIANTS = {
     "dsrl": ("best", {}),
     "dsrl-padded": ("padded rows", {"--trainer.pack_sequences": "false"}),
@@ -443,13 +448,25 @@ DSRL_VARIANTS = {
             "--model.gradient_checkpointing": "true",
         },
     ),
+    "dsrl-fp8": ("FP8 rollout", FP8_FLAGS),
+    "dsrl-moments-fp8": (
+        "synchronous, Adam on the GPU, FP8 rollout",
+        {
+            "--rollout.max_staleness": 0,
+            "--trainer.offload_optimizer": "false",
+            "--trainer.offload_states": "moments",
+            "--model.gradient_checkpointing": "true",
+            **FP8_FLAGS,
+        },
+    ),
 }
 """dsrl's runs, each a mode (the table's column) and the flags that differ from its defaults: padded rows, like
 verl's here (flash-attn, which verl's remove-padding needs, has no wheel for this torch); the old log-probs in a pass
 of their own before the update, as verl computes them; synchronous (the 7B workload's dsrl is one-step-off), as
 verl's trainer is; synchronous with Adam stepping on the GPU, its two moments alone on the host while the servers
 generate (`--trainer.offload_states moments`), as verl's optimizer offload does (7B on one H200; gradient
-checkpointing on, as verl's)."""
+checkpointing on, as verl's). The `-fp8` runs serve FP8 rollouts (issue 64; `algorithm.off_policy` left to auto, which
+turns TIS on), beside `dsrl` and `dsrl-moments` on the same GPU (tools/gpu_run.sh `fp8`)."""
 
 
 def dsrl_command(w: dict, model: Path, data: Path, run_dir: Path, steps: int, seed: int, name: str = "dsrl",

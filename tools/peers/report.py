@@ -35,7 +35,9 @@ TIMERS = {
 PREFIX = {"verl": "timing_s/", "dsrl": "timing/"}
 REWARD = {"verl": "critic/score/mean", "dsrl": "reward/mean"}
 LENGTH = {"verl": "response_length/mean", "dsrl": "response/length_mean"}
-KEEP = re.compile(r"^(timing_s/|timing/|perf/|memory/|critic/score/|reward/mean|response_length/mean|response/length)")
+KEEP = re.compile(
+    r"^(timing_s/|timing/|perf/|memory/|critic/score/|reward/mean|response_length/mean|response/length|sync/|mismatch/)"
+)
 """The per-step metrics a run's record keeps."""
 
 WORKLOADS = {
