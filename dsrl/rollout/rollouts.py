@@ -97,11 +97,11 @@ def rollout_metrics(samples: list[Sample], trainer_version: int) -> dict[str, fl
 def logprob_mismatch(samples: list[Sample]) -> dict[str, float]:
     """How far the engine's sampling logprobs are from the trainer's recomputed ones, over the model's tokens
     (none when the step was skipped before the update gave them: `old_from_update`)."""
-    if any("old_logprobs" not in s.extras for s in samples):
+    if any(s.old_logprobs is None for s in samples):
         return {}
     model = torch.cat([torch.tensor(s.mask(), dtype=torch.bool) for s in samples])
     engine = torch.cat([torch.tensor(s.engine_logprobs) for s in samples])[model]
-    trainer = torch.cat([s.extras["old_logprobs"] for s in samples])[model]
+    trainer = torch.cat([s.old_logprobs for s in samples])[model]
     diff = engine - trainer
     return {
         "mismatch/logprob_abs_diff": diff.abs().mean().item(),

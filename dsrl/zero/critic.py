@@ -28,7 +28,6 @@ from dsrl.zero.actor import (
     micro_batch_loss,
     per_token,
     run_updates,
-    stash_engine_logprobs,
     trainer_micro_batches,
 )
 from dsrl.zero.batches import MicroBatch
@@ -117,7 +116,7 @@ def forward_values(engine, mb: MicroBatch) -> torch.Tensor:
 
 @torch.no_grad()
 def compute_values(engine, samples: list[Sample], cfg: Config, pad_id: int) -> None:
-    """Each sample's values of its response positions, under extras["values"]."""
+    """Each sample's values of its response positions, as its `values`."""
     for chunk in trainer_micro_batches(samples, cfg, cfg.critic.micro_batch_size):
         mb = MicroBatch.build(chunk, pad_id, engine.device, packs(cfg))
         keep_per_sample(forward_values(engine, mb), chunk, "values")
@@ -125,7 +124,7 @@ def compute_values(engine, samples: list[Sample], cfg: Config, pad_id: int) -> N
 
 def critic_loss(engine, mb: MicroBatch, cfg: Config, num_tokens: float, num_seqs: float):
     """The value loss of one micro-batch as its share of the mini-batch's, its metrics and its mask: the values
-    regressed on the GAE returns (extras["returns"]), with PPO's value clipping."""
+    regressed on the GAE `returns`, with PPO's value clipping."""
     mask = mb.mask
     values = forward_values(engine, mb)
     old = per_token(mb, "values")
@@ -156,7 +155,6 @@ def update_actor_and_critic(
     two adapters share no parameter, so each gets the gradient of its own loss and Adam's steps are its own; they
     are clipped together (trainer.grad_clip on the joint norm, reported as actor/grad_norm). `beside`: as
     `run_updates`."""
-    stash_engine_logprobs(samples)
 
     def loss(mb: MicroBatch, num_tokens: float, num_seqs: float):
         total, stats, mask = critic_loss(engine, mb, cfg, num_tokens, num_seqs)

@@ -70,7 +70,7 @@ class Trainer:
                 compute_logprobs(self.ref, samples, "ref_logprobs", cfg, pad_id)
         if self.critic is not None or has_values(self.actor):
             compute_values(self.critic or self.actor, samples, cfg, pad_id)
-        values = [s.extras[k] for s in samples for k in ("old_logprobs", "ref_logprobs", "values") if k in s.extras]
+        values = [v for s in samples for v in (s.old_logprobs, s.ref_logprobs, s.values) if v is not None]
         return all_ranks(all(torch.isfinite(v).all() for v in values))
 
     def update(self, samples: list[Sample], step: int, finite: bool, beside=None) -> dict[str, float]:
@@ -80,7 +80,7 @@ class Trainer:
         no actor starts nothing)."""
         cfg, pad_id, kl = self.cfg, self.pad_id, self.kl.value
         stats = compute_advantages(samples, cfg, kl) if finite else {}
-        advantages = [s.extras["advantages"] for s in samples] if finite else []
+        advantages = [s.advantages for s in samples] if finite else []
         if finite and all_ranks(all(torch.isfinite(a).all() for a in advantages)):
             actor = self.trains_actor(step)
             if has_values(self.actor):
@@ -107,8 +107,8 @@ class Trainer:
         if self.ref is None:
             return {}
         model = torch.cat([torch.tensor(s.mask(), dtype=torch.bool) for s in samples])
-        old = torch.cat([s.extras["old_logprobs"] for s in samples])
-        kl = (old - torch.cat([s.extras["ref_logprobs"] for s in samples]))[model].mean().item()
+        old = torch.cat([s.old_logprobs for s in samples])
+        kl = (old - torch.cat([s.ref_logprobs for s in samples]))[model].mean().item()
         coef = self.kl.value
         self.kl.update(reduce_across_ranks({"kl": kl})["kl"])
         return {"kl/coef": coef, "kl/old_ref_k1": kl}
