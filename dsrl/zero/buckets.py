@@ -12,6 +12,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from dsrl.moe import expert_tensors, split_experts
 from dsrl.zero.lora import ServedWeights
 
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -51,7 +52,8 @@ def plan_buckets(named_params: list[tuple[str, torch.nn.Parameter]], bucket_byte
 
 def gathered_buckets(module: torch.nn.Module, bucket_bytes: int, merge: bool = True) -> Iterator[NamedTensors]:
     """Yield [(name, full tensor), ...] per bucket of the served weights (`ServedWeights`: a LoRA model's
-    base, its adapters merged unless `merge` is False), in their order."""
+    base, its adapters merged unless `merge` is False), in their order, fused experts one tensor each
+    (`dsrl.moe.expert_tensors`)."""
     served = ServedWeights(module, merge)
     named = served.named
     with served.gathered_adapters():
@@ -65,7 +67,7 @@ def gathered_buckets(module: torch.nn.Module, bucket_bytes: int, merge: bool = T
                         tensor = tensor.clone()
                         served.merge_into(name, tensor)
                     out.append((name, tensor))
-                yield out
+                yield list(split_experts(out))
 
 
 @dataclass
@@ -229,11 +231,13 @@ class FlatGatherer:
         for i, bucket in enumerate(self.plan):
             self._finish(works, i)
             works = self._post_transfers(i + 1) if i + 1 < len(self.plan) else []
-            params = [self.named[j] for j in bucket]
+            # (as the servers load them: fused experts one tensor each, the same bytes)
+            pieces = [(piece, shape, p.dtype) for name, p in (self.named[j] for j in bucket)
+                      for piece, shape in expert_tensors(name, full_shape(p))]  # fmt: skip
             yield FlatBucket(
-                names=[name for name, _ in params],
-                dtypes=[str(p.dtype).removeprefix("torch.") for _, p in params],
-                shapes=[list(full_shape(p)) for _, p in params],
+                names=[name for name, _, _ in pieces],
+                dtypes=[str(dtype).removeprefix("torch.") for _, _, dtype in pieces],
+                shapes=[shape for _, shape, _ in pieces],
                 flat=self._flat(i),
                 last=i + 1 == len(self.plan),
             )

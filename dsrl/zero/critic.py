@@ -23,6 +23,7 @@ from dsrl.algorithms import value_loss
 from dsrl.auto import packs
 from dsrl.config import Config
 from dsrl.data import Sample
+from dsrl.moe import replay_inputs
 from dsrl.zero.actor import (
     keep_per_sample,
     micro_batch_loss,
@@ -110,7 +111,8 @@ def has_values(engine) -> bool:
 
 def forward_values(engine, mb: MicroBatch) -> torch.Tensor:
     """Response-aligned [samples, longest response] values (the scalar head at the positions before each token)."""
-    values = engine(**mb.model_inputs(), **({"values": True} if has_values(engine) else {})).logits[..., 0]
+    inputs = mb.model_inputs() | replay_inputs(engine, mb) | ({"values": True} if has_values(engine) else {})
+    values = engine(**inputs).logits[..., 0]
     return mb.response_aligned(mb.at_keep(values).float())
 
 

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from transformers.integrations import HfDeepSpeedConfig
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from dsrl import moe
 from dsrl.auto import bf16, count_params, device_memory, packs, replicated_base, state_bytes, use_cuda
 from dsrl.config import Config, ModelConfig, critic_on_actor_base
 from dsrl.rundir import report_writes
@@ -132,6 +133,7 @@ def load_engine(
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     model.config.use_cache = False
+    moe.prepare(model, cfg)  # (a mixture of experts: its blocks ZeRO-3 leaves, routing replay)
     choice = cfg.model.gradient_checkpointing
     auto = train and choice == "auto"  # decided per update (`AutoCheckpointing`)
     checkpointing = train and (choice is True or auto)
