@@ -70,11 +70,11 @@ def split_experts(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
     """`named` with each fused expert tensor as `expert_tensors`' per-expert views of it (it is contiguous)."""
     for name, tensor in named:
         pieces = expert_tensors(name, tensor.shape)
-        size = tensor.numel() // len(pieces)
-        for i, (piece, shape) in enumerate(pieces):
-            yield (
-                (name, tensor) if len(pieces) == 1 else (piece, tensor.view(-1)[i * size : (i + 1) * size].view(shape))
-            )
+        if len(pieces) == 1:
+            yield name, tensor
+            continue
+        flat, size = tensor.view(-1), tensor.numel() // len(pieces)
+        yield from ((piece, flat[i * size : (i + 1) * size].view(shape)) for i, (piece, shape) in enumerate(pieces))
 
 
 class RoutingReplay:
@@ -123,12 +123,10 @@ class RoutingReplay:
         offset = 0  # where a packed row's sequence starts
         for i, s in enumerate(mb.samples):
             length = len(s.prompt.prompt_ids) + len(s.response_ids)
-            routed = None if s.routed_experts is None else s.routed_experts.view(-1, self.layers, self.top_k)
-            if routed is not None and len(routed) > length:
-                raise ValueError(
-                    f"routed experts of {len(routed)} tokens for a sequence of {length} (row {s.prompt.index})"
-                )
-            if routed is not None:
+            if s.routed_experts is not None:
+                routed = s.routed_experts.view(-1, self.layers, self.top_k)
+                if len(routed) > length:
+                    raise ValueError(f"row {s.prompt.index}: routed experts of {len(routed)} tokens, {length} tokens")
                 row, start = (0, offset) if mb.packed else (i, 0)
                 out[row, start : start + len(routed)] = routed
             offset += length
@@ -142,8 +140,9 @@ class RoutingReplay:
 
 
 def prepare(model: torch.nn.Module, cfg: Config) -> None:
-    """Each MoE block a ZeRO-3 leaf module (its experts gathered at once: a rank whose tokens skip an expert still
-    takes part in its gather), and routing replay (`model.routing_replay`) when it is on."""
+    """Each MoE block a ZeRO-3 leaf module, its experts gathered together (experts held as modules of their own would
+    be gathered as each is called: ranks whose tokens reach different ones would hang), and routing replay
+    (`model.routing_replay`) when it is on."""
     blocks = moe_blocks(model)
     if not blocks:
         return

@@ -89,26 +89,30 @@ def test_replay_aligns_each_samples_routing_with_its_tokens(moe_dir, monkeypatch
 
 def test_the_embedded_engine_returns_each_tokens_routed_experts(moe_dir):
     """`return_routed_experts`: base64 int32 [prompt + output - 1, layers, top k], the routing of a plain forward of the
-    whole sequence; per-expert names load into the fused experts, in place; a request for them is refused by a
-    server without --enable-return-routed-experts."""
+    whole sequence, for requests of several lengths stepped together; per-expert names load into the fused experts,
+    in place; a request for them is refused by a server without --enable-return-routed-experts."""
     from dsrl.serving.embedded import BadRequest, Engine
 
     engine = Engine(str(moe_dir), return_routed_experts=True)
-    prompt = [5, 11, 6, 12]
+    prompts = [[5, 11, 6, 12], [7, 12], [2, 3, 4, 5, 12]]
 
-    async def generate(routed: bool):
-        req = engine.make_request(prompt, {"max_new_tokens": 5}, "r", asyncio.get_running_loop(), None, routed)
-        engine.submit(req)
-        return await req.done
+    async def generate(routed: list[bool]):
+        loop = asyncio.get_running_loop()
+        reqs = [engine.make_request(p, {"max_new_tokens": 5}, f"r{i}", loop, None, r) for i, (p, r) in
+                enumerate(zip(prompts, routed))]  # fmt: skip
+        for req in reqs:
+            engine.submit(req)
+        return await asyncio.gather(*(req.done for req in reqs))
 
     try:
-        out = asyncio.run(generate(True))
-        assert "routed_experts" not in asyncio.run(generate(False))["meta_info"]
-        ids = prompt + out["output_ids"]
-        raw = base64.b64decode(out["meta_info"]["routed_experts"])
-        routed = torch.frombuffer(bytearray(raw), dtype=torch.int32).view(-1, LAYERS, TOP_K)
-        assert routed.shape[0] == len(ids) - 1
-        assert torch.equal(routed, own_routing(engine.model, ids)[:-1])
+        outs = asyncio.run(generate([True, False, True]))
+        assert "routed_experts" not in outs[1]["meta_info"]
+        for prompt, out in zip(prompts[::2], outs[::2]):
+            ids = prompt + out["output_ids"]
+            raw = base64.b64decode(out["meta_info"]["routed_experts"])
+            routed = torch.frombuffer(bytearray(raw), dtype=torch.int32).view(-1, LAYERS, TOP_K)
+            assert routed.shape[0] == len(ids) - 1
+            assert torch.equal(routed, own_routing(engine.model, ids)[:-1])
         new = torch.randn(64, 64)
         name = "model.layers.2.mlp.experts.6.up_proj.weight"
         assert engine._storage_slice([name], [torch.float32], [new.numel() * 4]) is not None  # received in place
@@ -117,7 +121,7 @@ def test_the_embedded_engine_returns_each_tokens_routed_experts(moe_dir):
     finally:
         engine.stop()
     with pytest.raises(BadRequest, match="--enable-return-routed-experts"):
-        Engine(str(moe_dir)).make_request(prompt, {}, "r", None, None, True)
+        Engine(str(moe_dir)).make_request(prompts[0], {}, "r", None, None, True)
 
 
 def test_routing_replay_is_on_for_a_mixture_of_experts_and_an_error_on_a_dense_model():

@@ -84,7 +84,7 @@ class RolloutClient:
         be served by the bare base, and its tokens are of the adapter's version (`adapter_version` in a reply)."""
         self.adapter_requests: Counter[str] = Counter()  # /generate requests in flight per adapter name
         self.return_routed_experts = False
-        """Every /generate asks for the routed experts of its tokens (a mixture of experts' routing replay)."""
+        """Every `generate` asks for the routed experts of its tokens (a mixture of experts' routing replay)."""
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-client", daemon=True)
         self.thread.start()
@@ -120,8 +120,6 @@ class RolloutClient:
         """One call to one server; JSON replies are decoded, others returned as text."""
         if path == "/generate" and self.adapter is not None and "lora_path" not in payload:
             payload = {**payload, "lora_path": self.adapter.name}
-        if path == "/generate" and self.return_routed_experts:
-            payload = {**payload, "return_routed_experts": True}
         attempts = self.retries + 1 if path in IDEMPOTENT else 1
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, sock_connect=30)
         for attempt in range(attempts):
@@ -158,6 +156,8 @@ class RolloutClient:
         finally:
             self.waiting.discard(rid)
         adapter = self.adapter
+        if self.return_routed_experts:  # (the policy's requests; not a judge's, on servers of its own)
+            payload = {**payload, "return_routed_experts": True}
         if adapter is not None:
             payload = {**payload, "lora_path": adapter.name}
             self.adapter_requests[adapter.name] += 1
