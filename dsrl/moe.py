@@ -106,9 +106,10 @@ class RoutingReplay:
             weights = torch.softmax(logits.float(), -1).gather(-1, chosen)
             if getattr(router, "norm_topk_prob", False):
                 weights = weights / weights.sum(-1, keepdim=True)
-            differs = (chosen[:, :, None] != own[:, None, :]).all(-1)
-            self.differed += int(differs[there].sum())
-            self.decisions += int(there.sum()) * self.top_k
+            if torch.is_grad_enabled():  # the update's passes: not the reference's (with LoRA, the same model)
+                differs = (chosen[:, :, None] != own[:, None, :]).all(-1)
+                self.differed += int(differs[there].sum())
+                self.decisions += int(there.sum()) * self.top_k
             return logits, weights.to(logits.dtype), chosen
 
         return hook
@@ -133,10 +134,11 @@ class RoutingReplay:
         return out.view(-1, self.layers, self.top_k).to(mb.input_ids.device)
 
     def metrics(self) -> dict[str, float]:
-        """The share of replayed experts the trainer's own router would not have chosen, since the last call."""
-        frac = self.differed / max(self.decisions, 1)
+        """The share of replayed experts the trainer's own routers would not have chosen in the update's forward
+        passes since the last call."""
+        out = {"moe/routing_mismatch_frac": self.differed / self.decisions} if self.decisions else {}
         self.decisions = self.differed = 0
-        return {"moe/routing_mismatch_frac": frac}
+        return out
 
 
 def prepare(model: torch.nn.Module, cfg: Config) -> None:

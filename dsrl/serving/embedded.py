@@ -109,7 +109,7 @@ class Adapters:
             if lora is None:
                 return out
             a, b, scale = lora
-            return out + F.linear(F.linear(args[0].to(a.dtype), a), b) * scale
+            return out + (F.linear(F.linear(args[0].to(a.dtype), a), b) * scale).to(out.dtype)  # (--dtype)
 
         return add_adapter
 

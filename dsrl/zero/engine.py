@@ -228,7 +228,7 @@ def add_lora(model: torch.nn.Module, m: ModelConfig, critic: bool, checkpointing
     """The actor's adapters; with a `critic` (gae) the critic's adapter and value head beside them, on the one base."""
     if not critic:
         return add_adapters(model, m)
-    model = PolicyAndValue(model, lora_config(m))
+    model = PolicyAndValue(model, lora_config(m, model))
     if checkpointing:  # recomputed layers run under the adapter of their forward
         kwargs = {"use_reentrant": False, "context_fn": model.replay_adapter}
         checkpoint_layers(model.get_base_model(), kwargs)
