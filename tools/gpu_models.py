@@ -103,7 +103,8 @@ def build_chat(out: Path, size: str) -> Path:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("root", type=Path, help="the models go to ROOT/<size>")
-    p.add_argument("sizes", nargs="+", help=f"of {', '.join(SHAPES)}, each with -chat or -rm if wanted; or moe-<layers>")
+    sizes = f"of {', '.join(SHAPES)}, each with -chat or -rm if wanted; or moe-<layers>"
+    p.add_argument("sizes", nargs="+", help=sizes)
     args = p.parse_args()
     for size in args.sizes:
         print(build(args.root / size, size), flush=True)
