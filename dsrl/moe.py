@@ -7,12 +7,15 @@ trainer's forward passes (log-probs and update) every router then takes those ex
 its softmax still weighs them (renormalised over the top k where the model does), so the router keeps its
 gradient. The experts that differ between the two are counted (`moe/routing_mismatch_frac`)."""
 
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
 import torch
 
 from dsrl.config import Config
+
+log = logging.getLogger(__name__)
 
 
 def is_moe(config) -> bool:
@@ -87,6 +90,7 @@ class RoutingReplay:
         self.routed: torch.Tensor | None = None
         """[positions, layers, top k] of the forward running (-1: no replay there); None: nothing replayed."""
         self.decisions = self.differed = 0
+        self.warned = False
         model.base_model.register_forward_pre_hook(self.take, with_kwargs=True)
         for layer, block in blocks:
             block.gate.register_forward_hook(self.replay(layer))
@@ -136,6 +140,10 @@ class RoutingReplay:
     def metrics(self) -> dict[str, float]:
         """The share of replayed experts the trainer's own routers would not have chosen in the update's forward
         passes since the last call."""
+        if not self.decisions and not self.warned:  # (SGLang without its flag answers, with no routed experts)
+            self.warned = True
+            log.warning("routing replay is on, but no sample of this update came with routed experts: serve the "
+                        "model with --enable-return-routed-experts, or --algorithm.routing_replay false")  # fmt: skip
         out = {"moe/routing_mismatch_frac": self.differed / self.decisions} if self.decisions else {}
         self.decisions = self.differed = 0
         return out

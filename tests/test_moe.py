@@ -90,8 +90,8 @@ def test_replay_aligns_each_samples_routing_with_its_tokens(moe_dir, monkeypatch
 def test_the_embedded_engine_returns_each_tokens_routed_experts(moe_dir):
     """`return_routed_experts`: base64 int32 [prompt + output - 1, layers, top k], the routing of a plain forward of the
     whole sequence, for requests of several lengths stepped together; per-expert names load into the fused experts,
-    in place; a request for them is refused by a server without --enable-return-routed-experts."""
-    from dsrl.serving.embedded import BadRequest, Engine
+    in place; a server without --enable-return-routed-experts returns none, as SGLang's."""
+    from dsrl.serving.embedded import Engine
 
     engine = Engine(str(moe_dir), return_routed_experts=True)
     prompts = [[5, 11, 6, 12], [7, 12], [2, 3, 4, 5, 12]]
@@ -120,8 +120,12 @@ def test_the_embedded_engine_returns_each_tokens_routed_experts(moe_dir):
         assert torch.equal(engine.model.model.layers[2].mlp.experts.gate_up_proj[6, 64:], new)
     finally:
         engine.stop()
-    with pytest.raises(BadRequest, match="--enable-return-routed-experts"):
-        Engine(str(moe_dir)).make_request(prompts[0], {}, "r", None, None, True)
+    plain, loop = Engine(str(moe_dir)), asyncio.new_event_loop()
+    try:
+        assert plain.make_request(prompts[0], {"max_new_tokens": 5}, "r", loop, None, True).routed is None
+    finally:
+        plain.stop()
+        loop.close()
 
 
 def test_routing_replay_is_on_for_a_mixture_of_experts_and_an_error_on_a_dense_model():

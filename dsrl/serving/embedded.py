@@ -334,9 +334,6 @@ class Engine:
     def make_request(
         self, input_ids: list[int], params: dict, rid: str, loop, lora: str | None = None, routed: bool = False
     ) -> Request:
-        if routed and not self.return_routed_experts:
-            raise BadRequest("return_routed_experts needs a mixture-of-experts model served with "
-                             "--enable-return-routed-experts")  # fmt: skip
         if lora is not None and self.adapters is None:
             raise BadRequest("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
         adapter = self.adapters.named(lora) if lora is not None else None
@@ -379,7 +376,7 @@ class Engine:
             done=loop.create_future(),
             loop=loop,
             adapter=adapter,
-            routed=[] if routed else None,
+            routed=[] if routed and self.return_routed_experts else None,  # (SGLang's, without its flag: none)
         )
 
     # -- control ------------------------------------------------------------------------------
