@@ -5,7 +5,8 @@ Routing replay: the rollout engine returns, per token, the experts each MoE laye
 `routed_experts`: int32, tokens x layers x top k, for the prompt and the response but the last token). In the
 trainer's forward passes (log-probs and update) every router then takes those experts in place of its own top k;
 its softmax still weighs them (renormalised over the top k where the model does), so the router keeps its
-gradient. The experts that differ between the two are counted (`moe/routing_mismatch_frac`)."""
+gradient: slime's R3 gathers its router's scores at the replayed experts the same way. The experts that differ
+between the two are counted (`moe/routing_mismatch_frac`)."""
 
 import logging
 from collections.abc import Iterable, Iterator
