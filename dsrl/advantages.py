@@ -2,8 +2,7 @@
 
 Every rank holds whole groups, so group baselines need no communication; the estimators that
 normalise over the batch (REINFORCE++, GAE's whitening) reduce their statistics over every rank.
-Results go into each sample's `extras` as response-aligned tensors: `advantages`, and `returns`
-(the critic's targets) with GAE.
+Results go into each sample's response-aligned `advantages`, and `returns` (the critic's targets) with GAE.
 """
 
 import torch
@@ -54,7 +53,7 @@ def token_rewards(samples: list[Sample], cfg: Config, kl_coef: float) -> tuple[t
                 len(s.response_ids), cfg.rollout.max_new_tokens, a.overlong_buffer, a.overlong_penalty
             )
         if a.kl_in_reward and kl_coef > 0:
-            kl = (s.extras["old_logprobs"] - s.extras["ref_logprobs"]).to(torch.float64)
+            kl = (s.old_logprobs - s.ref_logprobs).to(torch.float64)
             r -= kl_coef * kl * torch.tensor(s.mask(), dtype=torch.float64)
         rows.append(r)
     return padded(samples, rows)
@@ -81,7 +80,7 @@ def batch_stats(values: torch.Tensor, mask: torch.Tensor) -> tuple[float, float,
 
 
 def compute_advantages(samples: list[Sample], cfg: Config, kl_coef: float) -> dict[str, float]:
-    """Fill extras["advantages"] (and extras["returns"] with gae) of every sample; returns metrics."""
+    """Fill every sample's `advantages` (and `returns` with gae); returns metrics."""
     a, n, extra = cfg.algorithm, cfg.rollout.n_samples, {}
     rewards, mask = token_rewards(samples, cfg, kl_coef)
     scores = rewards.sum(-1)  # the outcome (and any in-reward KL) as one number per sample
@@ -98,17 +97,17 @@ def compute_advantages(samples: list[Sample], cfg: Config, kl_coef: float) -> di
         centred = (grouped - baseline).reshape(-1)[:, None] * mask
         adv = whiten(centred, mask, batch_stats(centred, mask))
     elif a.advantage == "gae":
-        values, _ = padded(samples, [s.extras["values"].to(torch.float64) for s in samples])
+        values, _ = padded(samples, [s.values.to(torch.float64) for s in samples])
         adv, returns = gae(rewards, values, mask, a.gamma, a.lam)
         adv = whiten(adv, mask, batch_stats(adv, mask))
         for s, row in zip(samples, returns):
-            s.extras["returns"] = row[: len(s.response_ids)].float()
+            s.returns = row[: len(s.response_ids)].float()
         extra["critic/explained_variance"] = explained_variance(values, returns, mask)
     else:
         raise ValueError(f"--algorithm.advantage={a.advantage!r}: unknown estimator")
     adv = adv.float()
     for s, row in zip(samples, adv):
-        s.extras["advantages"] = row[: len(s.response_ids)]
+        s.advantages = row[: len(s.response_ids)]
     total, squares, count = batch_stats(adv.double(), mask)
     mean = total / max(count, 1)
     groups = scores.view(-1, n)

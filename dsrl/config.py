@@ -375,6 +375,11 @@ class AlgorithmConfig:
     else none."""
     is_cap: float = 2.0
     """Cap C of the importance weight exp(trainer logprob - engine logprob)."""
+    routing_replay: bool | None = None
+    """A mixture-of-experts model: the trainer's forward passes route each token to the experts the rollout
+    engine routed it to ("R3"; the router's softmax still weighs them), so a router that would pick others does
+    not add to the training/rollout mismatch (moe/routing_mismatch_frac: how often it would). None (the default):
+    on for such a model; true on a dense model is an error."""
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476): responses longer than
     max_new_tokens - overlong_buffer lose up to overlong_penalty, linearly; 0 disables."""

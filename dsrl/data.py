@@ -5,7 +5,10 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import torch
 
 from dsrl.auto import fleet_kind
 from dsrl.config import Config, DataConfig, RolloutConfig, eval_rollout
@@ -50,6 +53,10 @@ class EpisodeRecord:
     between_s: float = 0.0
 
 
+TokenField = Literal["old_logprobs", "ref_logprobs", "values", "advantages", "returns", "engine_logprobs"]
+"""The fields of a `Sample` that hold one value per response token."""
+
+
 @dataclass
 class Sample:
     """One response to a prompt, token-in/token-out, and what the trainer computes for it.
@@ -69,9 +76,17 @@ class Sample:
     reward: float = 0.0
     loss_mask: list[int] | None = None
     """1 for each token the model generated, 0 for each the environment added; None: all the model's."""
-    extras: dict[str, Any] = field(default_factory=dict)
-    """Response-aligned tensors the trainer computes, by name (`dsrl.zero.actor.per_token`): old_logprobs,
-    ref_logprobs, values, advantages, returns, engine_logprobs."""
+    # What the trainer computes per response token (`dsrl.zero.actor.per_token` reads them by `TokenField`)
+    old_logprobs: "torch.Tensor | None" = None
+    ref_logprobs: "torch.Tensor | None" = None
+    values: "torch.Tensor | None" = None
+    """The critic's (gae)."""
+    advantages: "torch.Tensor | None" = None
+    returns: "torch.Tensor | None" = None
+    """The critic's targets (gae)."""
+    routed_experts: "torch.Tensor | None" = None
+    """A mixture-of-experts model's routing in the engine: int32 [tokens, layers, top k] of the prompt and the
+    response but the last token (SGLang's `routed_experts`), for routing replay; None for a dense model."""
     spans: list[tuple[int | None, int]] = field(default_factory=list)
     """[(first token index, weight version)] of the model's tokens (index None where not known: a request
     paused through an update, `rollout.interrupt pause`)."""

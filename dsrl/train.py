@@ -26,6 +26,7 @@ from dsrl.evaluate import Evaluator
 from dsrl.fp8 import servers_model_dir
 from dsrl.lending import GpuLending
 from dsrl.metrics import MetricsWriter, Timer, configure_logging, gather_lists, reduce_across_ranks, summary_line
+from dsrl.moe import with_routed_experts
 from dsrl.rewards.models import start_reward_model
 from dsrl.rewards.rewarder import Rewarder
 from dsrl.rollout.episode import EpisodeRunner, episode_metrics, sample_row
@@ -164,7 +165,10 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
         offload_states(engine, offload, params=False)  # memory it finds free
     if cfg.sync.lora == "adapter":
         cfg = lora_servers(cfg, target_modules(trainer.actor.module))
+    if trainer.routing_replay and fleet_kind(cfg.rollout) != "external":
+        cfg = with_routed_experts(cfg)
     fleet, client = start_rollout_servers(cfg, servers_model_dir(cfg, model_dir, run_dir), run_dir)
+    client.return_routed_experts = trainer.routing_replay
     reward_model = start_reward_model(cfg, tokenizer, client, run_dir, rank == 0)
     rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env), model=reward_model)
     rewarder.restore((rank_state or {}).get("rewarder"))

@@ -196,7 +196,7 @@ def gradient_against_one_rank(cfg: Config, actor) -> dict:
             for _, p in named:
                 p.data.normal_(std=0.05)
     for s, a in zip(batch, advantages):
-        s.extras["advantages"] = torch.full((len(s.response_ids),), float(a))
+        s.advantages = torch.full((len(s.response_ids),), float(a))
     per_rank = len(batch) // world
     mine = batch[rank * per_rank : (rank + 1) * per_rank]
     # A budget of 12 tokens: rank 0's two samples (4 + 5 tokens) fit one micro-batch, rank 1's (10 + 12) need
@@ -218,8 +218,9 @@ def gradient_against_one_rank(cfg: Config, actor) -> dict:
             actor.step()  # not at the boundary: counts the micro-step; the optimizer runs at the last one
     actor.eval()
     hook.remove()
-    compute_logprobs(actor, mine, "pass_logprobs", cfg, pad_id=0)
-    old_diff = max((s.extras["old_logprobs"] - s.extras["pass_logprobs"]).abs().max().item() for s in mine)
+    from_update = [s.old_logprobs for s in mine]
+    compute_logprobs(actor, mine, "old_logprobs", cfg, pad_id=0)  # (a pass of its own, after the update)
+    old_diff = max((a - s.old_logprobs).abs().max().item() for a, s in zip(from_update, mine))
     grads = {name: deepspeed.utils.safe_get_full_grad(p) for name, p in named}  # every rank gathers
     with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
         weights = {name: p.detach().clone() for name, p in named}
@@ -254,7 +255,7 @@ def non_finite_update(cfg: Config, actor) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = [Sample(Prompt(i, [5, 6 + i, 12], "", None), [3 + i, 4, 5], [0.0] * 3, "stop", 0) for i in range(4)]
     for i, s in enumerate(batch):
-        s.extras["advantages"] = torch.full((3,), float("nan") if i == 0 else 1.0)
+        s.advantages = torch.full((3,), float("nan") if i == 0 else 1.0)
     mine = batch[rank * len(batch) // world : (rank + 1) * len(batch) // world]
     named = list(actor.module.named_parameters())
 

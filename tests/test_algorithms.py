@@ -295,7 +295,7 @@ def episodes_with_and_without_holes(seed: int):
         per_token = {k: torch.randn(n, generator=g) for k in ("old_logprobs", "ref_logprobs", "values")}
         reward = float(torch.rand(1, generator=g))
         prompt = Prompt(i // 2, [1, 2], "p", None)
-        plain.append(Sample(prompt, list(range(n)), [0.0] * n, "stop", 0, reward, extras=dict(per_token)))
+        plain.append(Sample(prompt, list(range(n)), [0.0] * n, "stop", 0, reward, **per_token))
         mask, where = [], []
         for t in range(n):  # an observation of 1-2 tokens before every other model token
             if t % 2 == 1:
@@ -305,7 +305,7 @@ def episodes_with_and_without_holes(seed: int):
         junk = {k: torch.full((len(mask),), 99.0) for k in per_token}
         for k, v in per_token.items():
             junk[k][where] = v
-        holes.append(Sample(prompt, list(range(len(mask))), [0.0] * len(mask), "stop", 0, reward, mask, junk))
+        holes.append(Sample(prompt, list(range(len(mask))), [0.0] * len(mask), "stop", 0, reward, mask, **junk))
         places.append(where)
     return plain, holes, places
 
@@ -326,9 +326,9 @@ def test_every_estimator_ignores_observation_tokens(world_of_one, estimator):
     stats_holes = compute_advantages(holes, cfg, kl_coef=0.1)
     for p, h, where in zip(plain, holes, places):
         for key in ("advantages", "returns") if estimator == "gae" else ("advantages",):
-            assert h.extras[key][where].tolist() == pytest.approx(p.extras[key].tolist(), abs=1e-6), key
+            assert getattr(h, key)[where].tolist() == pytest.approx(getattr(p, key).tolist(), abs=1e-6), key
             others = [t for t in range(len(h.response_ids)) if t not in where]
-            assert h.extras[key][others].abs().max().item() == 0.0, key
+            assert getattr(h, key)[others].abs().max().item() == 0.0, key
     assert stats_holes == pytest.approx(stats_plain)
 
 

@@ -74,8 +74,7 @@ def synthetic(n: int, dist: str, max_len: int, vocab: int, prompt_len: int, seed
         s = Sample(
             Prompt(i, prompt, "", None), [rng.randrange(vocab) for _ in range(length)], [0.0] * length, "stop", 0
         )
-        s.extras["advantages"] = torch.full((length,), rng.choice([-1.0, 1.0]))
-        s.extras["engine_logprobs"] = torch.zeros(length)
+        s.advantages = torch.full((length,), rng.choice([-1.0, 1.0]))
         out.append(s)
     return out
 
@@ -266,7 +265,7 @@ def run_engine(args, cfg, engine, name: str, budget, before) -> dict:
         for mode in args.modes:
             with mode_of(mode, cfg, engine, budget, before) as impl:
                 impl.compute_logprobs(engine, samples, "old_logprobs", cfg, pad_id=0)
-            agreement[mode] = torch.cat([s.extras["old_logprobs"] for s in samples])
+            agreement[mode] = torch.cat([s.old_logprobs for s in samples])
         for mode in args.modes:
             try:
                 with mode_of(mode, cfg, engine, budget, before) as impl:

@@ -1,5 +1,6 @@
 """Random-init Qwen2-architecture models of the 0.5B, 1.5B, 3B and 7B shapes, bf16, for GPU runs; `<size>-rm`
-(e.g. 1.5b-rm) is a reward model of that shape, a Qwen2ForSequenceClassification with one label.
+(e.g. 1.5b-rm) is a reward model of that shape, a Qwen2ForSequenceClassification with one label; `moe-<layers>`
+(e.g. moe-8) is a Qwen3-MoE of Qwen3-30B-A3B's layer shape (128 experts, 8 a token) with that many layers.
 
 Nothing can be downloaded on the GPU machine, so the models are built from their configs (on the
 GPU, which is fast) with a tokenizer of the matching vocabulary (the toy tokenizer, padded).
@@ -34,6 +35,8 @@ def build(out: Path, size: str, vocab: int = 151936) -> Path:
         return out
     if size.endswith("-chat"):
         return build_chat(out, size.removesuffix("-chat"))
+    if size.startswith("moe-"):
+        return build_moe(out, int(size.removeprefix("moe-")), vocab)
     reward_model = size.endswith("-rm")  # the policy's tokenizer: dsrl sends it the policy's token ids
     hidden, inter, layers, heads, kv = SHAPES[size.removesuffix("-rm")]
     config = Qwen2Config(
@@ -60,6 +63,25 @@ def build(out: Path, size: str, vocab: int = 151936) -> Path:
     return out
 
 
+def build_moe(out: Path, layers: int, vocab: int) -> Path:
+    """Qwen3-30B-A3B's layers (hidden 2048, 128 experts of 768, 8 a token, 32 query and 4 key-value heads of 128),
+    `layers` of them: per layer 0.60B parameters of experts, 0.04B of them active a token, and 0.02B of attention."""
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False,
+        eos_token_id=VOCAB.index("<eos>"), pad_token_id=VOCAB.index("<pad>"), bos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    build_tokenizer(vocab).save_pretrained(out)
+    return out
+
+
 def build_chat(out: Path, size: str) -> Path:
     from transformers import AutoTokenizer
 
@@ -81,7 +103,8 @@ def build_chat(out: Path, size: str) -> Path:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("root", type=Path, help="the models go to ROOT/<size>")
-    p.add_argument("sizes", nargs="+", help=f"of {', '.join(SHAPES)}, each with -chat or -rm if wanted")
+    sizes = f"of {', '.join(SHAPES)}, each with -chat or -rm if wanted; or moe-<layers>"
+    p.add_argument("sizes", nargs="+", help=sizes)
     args = p.parse_args()
     for size in args.sizes:
         print(build(args.root / size, size), flush=True)

@@ -214,6 +214,8 @@ class EpisodeRunner:
                 s.spans.append((None, finished_under))
             s.response_ids += tokens  # in place: a turn costs its own tokens, not the episode's so far
             s.engine_logprobs += reply.logprobs[: len(tokens)]
+            if reply.routed_experts is not None:  # (each reply's covers the whole sequence so far)
+                s.routed_experts = reply.routed_experts
             if s.loss_mask is not None:
                 s.loss_mask += [1] * len(tokens)
             episode.turn_tokens += len(tokens)

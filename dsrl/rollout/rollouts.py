@@ -5,6 +5,7 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
+from base64 import b64decode
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -97,11 +98,11 @@ def rollout_metrics(samples: list[Sample], trainer_version: int) -> dict[str, fl
 def logprob_mismatch(samples: list[Sample]) -> dict[str, float]:
     """How far the engine's sampling logprobs are from the trainer's recomputed ones, over the model's tokens
     (none when the step was skipped before the update gave them: `old_from_update`)."""
-    if any("old_logprobs" not in s.extras for s in samples):
+    if any(s.old_logprobs is None for s in samples):
         return {}
     model = torch.cat([torch.tensor(s.mask(), dtype=torch.bool) for s in samples])
     engine = torch.cat([torch.tensor(s.engine_logprobs) for s in samples])[model]
-    trainer = torch.cat([s.extras["old_logprobs"] for s in samples])[model]
+    trainer = torch.cat([s.old_logprobs for s in samples])[model]
     diff = engine - trainer
     return {
         "mismatch/logprob_abs_diff": diff.abs().mean().item(),
@@ -119,6 +120,8 @@ class Generation:
     finish_reason: str
     weight_version: int | None
     """None when the request was aborted before it was sent (the client answered, not a server)."""
+    routed_experts: torch.Tensor | None = None
+    """A mixture of experts' routing of the request's tokens but the last (`Sample.routed_experts`), when asked."""
 
 
 async def generate_one(client: RolloutClient, input_ids: list[int], sampling: dict, route_key, **fields) -> Generation:
@@ -132,11 +135,13 @@ def parse_generation(out: dict) -> Generation:
     meta = out["meta_info"]
     # A LoRA adapter served on its own generates all of a request's tokens, even past a later update
     version = out.get("adapter_version", meta.get("weight_version"))
+    routed = meta.get("routed_experts")  # base64 of int32 [tokens, layers, top k], flat
     return Generation(
         output_ids=list(out["output_ids"]),
         logprobs=[lp for lp, _, _ in meta.get("output_token_logprobs") or []],
         finish_reason=meta["finish_reason"]["type"],
         weight_version=None if version is None else int(version),
+        routed_experts=None if routed is None else torch.frombuffer(bytearray(b64decode(routed)), dtype=torch.int32),
     )
 
 
@@ -167,7 +172,7 @@ class Engine:
         """dsrl's own rollout: one response to `prompt`."""
         out = await self.generate(prompt.prompt_ids, {**sampling, **prompt.sampling})
         return Sample(prompt, out.output_ids, out.logprobs, out.finish_reason, out.weight_version,
-                      spans=[(0, out.weight_version)])  # fmt: skip
+                      spans=[(0, out.weight_version)], routed_experts=out.routed_experts)  # fmt: skip
 
 
 class RolloutFnError(RuntimeError):

@@ -86,6 +86,8 @@ class RolloutClient:
         """Set by the weight sync when the servers serve a LoRA adapter: every /generate names it, so none can
         be served by the bare base, and its tokens are of the adapter's version (`adapter_version` in a reply)."""
         self.adapter_requests: Counter[str] = Counter()  # /generate requests in flight per adapter name
+        self.return_routed_experts = False
+        """Every `generate` asks for the routed experts of its tokens (a mixture of experts' routing replay)."""
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="rollout-client", daemon=True)
         self.thread.start()
@@ -165,6 +167,8 @@ class RolloutClient:
         finally:
             self.waiting.discard(rid)
         adapter = self.adapter
+        if self.return_routed_experts:  # (the policy's requests; not a judge's, on servers of its own)
+            payload = {**payload, "return_routed_experts": True}
         if adapter is not None:
             payload = {**payload, "lora_path": adapter.name}
             self.adapter_requests[adapter.name] += 1

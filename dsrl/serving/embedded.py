@@ -10,6 +10,7 @@ weights are released, and `weight_version` follows the updates. Start it with
 """
 
 import asyncio
+import base64
 import contextlib
 import hmac
 import json
@@ -28,6 +29,7 @@ from aiohttp import web
 from safetensors.torch import load_file
 
 from dsrl.fp8 import FP8, SCALE, dequantize, is_quantized, round_trip_activations
+from dsrl.moe import moe_blocks, split_experts
 from dsrl.serving.embedded_args import parse_args
 
 log = logging.getLogger("dsrl.embedded")
@@ -61,12 +63,17 @@ class Request:
     """Higher first, as SGLang's --enable-priority-scheduling; equal priorities keep arrival order."""
     adapter: "Adapter | None" = None
     """The LoRA adapter the request named (`lora_path`), fixed when it arrives, as SGLang fixes its lora_id."""
+    routed: list[torch.Tensor] | None = None
+    """With `return_routed_experts`: the experts each forwarded token was routed to, [tokens, layers, top k]."""
 
     def finish(self, finish_reason: dict, weight_version: str) -> None:
         logprobs = [[logprob, token, None] for logprob, token in zip(self.logprobs, self.output_ids)]
         meta = {"id": self.rid, "finish_reason": finish_reason, "prompt_tokens": len(self.input_ids),
                 "completion_tokens": len(self.output_ids), "cached_tokens": 0, "weight_version": weight_version,
                 "e2e_latency": time.monotonic() - self.start, "output_token_logprobs": logprobs}  # fmt: skip
+        if self.routed is not None:  # SGLang's encoding: base64 of int32 [prompt + output - 1, layers, top k]
+            rows = torch.cat(self.routed) if self.routed else torch.zeros(0, dtype=torch.int32)
+            meta["routed_experts"] = base64.b64encode(rows.numpy().tobytes()).decode()
         result = {"output_ids": list(self.output_ids), "meta_info": meta}
         self.loop.call_soon_threadsafe(_resolve, self.done, result)
 
@@ -103,7 +110,7 @@ class Adapters:
             if lora is None:
                 return out
             a, b, scale = lora
-            return out + F.linear(F.linear(args[0].to(a.dtype), a), b) * scale
+            return out + (F.linear(F.linear(args[0].to(a.dtype), a), b) * scale).to(out.dtype)  # (--dtype)
 
         return add_adapter
 
@@ -147,7 +154,7 @@ class Engine:
     def __init__(self, model_path: str, seed: int = 0, max_batch_tokens: int = 16384, decode_delay_ms: float = 0.0,
                  deterministic: bool = False, crash_marker: str | None = None,
                  lora: tuple[int | None, list[str] | None] | None = None, is_embedding: bool = False,
-                 weights_backup: bool = False):  # fmt: skip
+                 weights_backup: bool = False, dtype: str = "auto", return_routed_experts: bool = False):  # fmt: skip
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
         self.model_path, self.is_embedding, self.weights_backup = model_path, is_embedding, weights_backup
@@ -159,17 +166,25 @@ class Engine:
             del config.quantization_config
         torch.manual_seed(seed)
         auto = AutoModelForSequenceClassification if is_embedding else AutoModelForCausalLM  # (a reward model)
+        dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype)
         weights = any(Path(model_path).glob("*.safetensors")) or any(Path(model_path).glob("*.bin"))
         if weights and not self.fp8:
-            self.model = auto.from_pretrained(model_path, dtype=torch.float32)
+            self.model = auto.from_pretrained(model_path, dtype=dtype)
         else:  # a config-only directory: random weights until the trainer's first sync (FP8: loaded at the end)
-            self.model = auto.from_config(config, dtype=torch.float32)
+            self.model = auto.from_config(config, dtype=dtype)
         self.model.eval()
         self.params = dict(self.model.named_parameters())
         self.storage, self.offsets = _flatten_parameters(self.model)
+        for name, view in split_experts(list(self.params.items())):  # a mixture of experts' per-expert names too
+            start = view.data_ptr() - self.storage.data_ptr()
+            self.params.setdefault(name, view)
+            self.offsets.setdefault(name, (start, view.numel() * view.element_size()))
         for name, module in self.model.named_modules() if self.fp8 else []:
             if isinstance(module, torch.nn.Linear) and is_quantized(f"{name}.weight", module.weight):
                 module.register_forward_pre_hook(lambda module, args: (round_trip_activations(args[0]), *args[1:]))
+        self.return_routed_experts, self.routing = return_routed_experts, {}  # layer -> its last forward's top k
+        for layer, block in moe_blocks(self.model) if return_routed_experts else []:
+            block.gate.register_forward_hook(lambda _, __, out, layer=layer: self.routing.__setitem__(layer, out[2]))
         self.adapters = Adapters(self.model, *lora) if lora is not None else None
         """--enable-lora: (max rank, target layer names)."""
         self.context_len = getattr(config, "max_position_embeddings", 1 << 30)
@@ -269,6 +284,14 @@ class Engine:
             mask[i, width - len(seq) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float()
+        if self.routing:  # a prefill's tokens, then each decode step's new one, as SGLang captures them
+            shape = (self.model.config.num_hidden_layers, self.model.config.num_experts_per_tok)
+            routed = torch.zeros(len(seqs), width, *shape, dtype=torch.int32)
+            for layer, experts in self.routing.items():
+                routed[:, :, layer] = experts.view(len(seqs), width, -1)
+            for req, seq, row in zip(batch, seqs, routed):
+                if req.routed is not None:
+                    req.routed.append(row[-1:] if req.output_ids else row[width - len(seq) :])
         next_ids, logprobs = [], []
         for req, row in zip(batch, logits):
             if req.top_k == 1:  # greedy, as SGLang rewrites temperature 0: unscaled logprobs
@@ -320,7 +343,9 @@ class Engine:
                 self._finish(req, {"type": "abort", "message": message})
             return len(hits)
 
-    def make_request(self, input_ids: list[int], params: dict, rid: str, loop, lora: str | None = None) -> Request:
+    def make_request(
+        self, input_ids: list[int], params: dict, rid: str, loop, lora: str | None = None, routed: bool = False
+    ) -> Request:
         if lora is not None and self.adapters is None:
             raise BadRequest("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
         adapter = self.adapters.named(lora) if lora is not None else None
@@ -363,6 +388,7 @@ class Engine:
             done=loop.create_future(),
             loop=loop,
             adapter=adapter,
+            routed=[] if routed and self.return_routed_experts else None,  # (SGLang's, without its flag: none)
         )
 
     # -- control ------------------------------------------------------------------------------
@@ -653,7 +679,8 @@ class Api:
         loras = body.get("lora_path")
         loras = loras if isinstance(loras, list) else [loras] * len(batch)
         rids = request_ids(body, len(batch))
-        reqs = [engine.make_request(*args, loop, lora) for *args, lora in zip(batch, params, rids, loras)]
+        routed = bool(body.get("return_routed_experts"))
+        reqs = [engine.make_request(*args, loop, lora, routed) for *args, lora in zip(batch, params, rids, loras)]
         for req in reqs:
             req.priority = int(body.get("priority") or 0)
             engine.submit(req)
@@ -806,7 +833,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(args.model_path, args.seed, args.max_batch_tokens, args.decode_delay_ms,
                     args.enable_deterministic_inference, args.crash_marker,
                     (args.max_lora_rank, args.lora_target_modules) if args.enable_lora else None, args.is_embedding,
-                    args.enable_weights_cpu_backup)  # fmt: skip
+                    args.enable_weights_cpu_backup, args.dtype, args.enable_return_routed_experts)  # fmt: skip
     log.info("embedded engine for %s on http://%s:%d (pid %d)", args.model_path, args.host, args.port, os.getpid())
     if os.environ.get("DSRL_PARENT_PID"):
         threading.Thread(target=_exit_with_parent, args=(int(os.environ["DSRL_PARENT_PID"]),), daemon=True).start()

@@ -28,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--enable-weights-cpu-backup", action="store_true",
                         help="Released weights come back with their contents.")  # fmt: skip
     parser.add_argument("--max-loras-per-batch", type=int, default=8, help="Accepted as SGLang's; no slots here.")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="Weights' and activations' dtype (auto: float32; SGLang's is bfloat16).")  # fmt: skip
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="A mixture of experts: requests may ask for their tokens' routed experts.")  # fmt: skip
     return parser
 
 

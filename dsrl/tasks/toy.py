@@ -51,6 +51,32 @@ def build_model_config():
     )
 
 
+def build_moe_config():
+    """The toy model as a mixture of experts (`configs/toy_cpu_moe.yaml`): Qwen3-MoE's architecture, 4 layers of 8
+    experts, each token routed to 2 (renormalised over them, as Qwen3-30B-A3B)."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=64,
+        intermediate_size=128,  # (of a dense layer: none here)
+        moe_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=VOCAB.index("<eos>"),
+        pad_token_id=VOCAB.index("<pad>"),
+        torch_dtype="float32",
+    )
+
+
 def make_rows(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     rows = []
@@ -71,6 +97,8 @@ def write_example(root: Path) -> None:
     model_dir = root / "model"
     build_tokenizer().save_pretrained(model_dir)
     build_model_config().save_pretrained(model_dir)
+    build_tokenizer().save_pretrained(root / "moe")
+    build_moe_config().save_pretrained(root / "moe")
     for name, n, seed in [("train.jsonl", 4096, 0), ("test.jsonl", 256, 1)]:
         with open(root / name, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in make_rows(n, seed))

@@ -15,23 +15,24 @@ from dsrl.algorithms import LOG_RATIO_LIMIT, POLICY_LOSSES, aggregate, importanc
 from dsrl.auto import old_from_update, packs
 from dsrl.collectives import reduce_device
 from dsrl.config import Config
-from dsrl.data import Sample
+from dsrl.data import Sample, TokenField
+from dsrl.moe import replay_inputs
 from dsrl.zero.batches import MicroBatch, largest_micro_batch, micro_batches
 
 
-def per_token(mb: MicroBatch, key: str) -> torch.Tensor:
-    """Each sample's response-aligned `extras[key]` as [samples, longest response] on the micro-batch's device."""
+def per_token(mb: MicroBatch, name: TokenField) -> torch.Tensor:
+    """Each sample's response-aligned field `name` as [samples, longest response] on the micro-batch's device."""
     out = torch.zeros(mb.mask.shape, device=mb.mask.device)
     for i, s in enumerate(mb.samples):
-        out[i, : len(s.response_ids)] = s.extras[key]
+        out[i, : len(s.response_ids)] = torch.as_tensor(getattr(s, name))
     return out
 
 
-def keep_per_sample(rows: torch.Tensor, samples: list[Sample], key: str) -> None:
-    """`per_token`'s inverse: each sample's response part of response-aligned `rows` under `extras[key]`, fp32 on
+def keep_per_sample(rows: torch.Tensor, samples: list[Sample], name: TokenField) -> None:
+    """`per_token`'s inverse: each sample's response part of response-aligned `rows` as its field `name`, fp32 on
     the CPU (a copy each, so that no sample's keeps the whole micro-batch's tensor alive)."""
     for row, s in zip(rows.float().cpu(), samples):
-        s.extras[key] = row[: len(s.response_ids)].clone()
+        setattr(s, name, row[: len(s.response_ids)].clone())
 
 
 LOGPROB_CHUNK = 512
@@ -91,7 +92,7 @@ def forward_logprobs(
     """Response-aligned [samples, longest response] logprobs of the sampled tokens and entropies. The model
     computes the logits of the response columns only (`logits_to_keep`), in its own dtype; their log-softmax
     runs on them as they are (a flat view), and only the per-position results are gathered."""
-    logits = engine(**mb.model_inputs(), logits_to_keep=mb.columns).logits
+    logits = engine(**mb.model_inputs(), **replay_inputs(engine, mb), logits_to_keep=mb.columns).logits
     flat = logits.reshape(-1, logits.shape[-1])
     where = mb.keep_in_columns()
     targets = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
@@ -106,12 +107,12 @@ def trainer_micro_batches(samples: list[Sample], cfg: Config, micro_batch_size: 
 
 
 @torch.no_grad()
-def compute_logprobs(engine, samples: list[Sample], key: str, cfg: Config, pad_id: int) -> None:
-    """Store each sample's response-token logprobs under `extras[key]` (micro-batched by tokens, no grad)."""
+def compute_logprobs(engine, samples: list[Sample], name: TokenField, cfg: Config, pad_id: int) -> None:
+    """Each sample's response-token logprobs as its field `name` (micro-batched by tokens, no grad)."""
     for chunk in trainer_micro_batches(samples, cfg):
         mb = MicroBatch.build(chunk, pad_id, engine.device, packs(cfg))
         logprobs, _ = forward_logprobs(engine, mb, cfg.rollout.temperature, with_entropy=False)
-        keep_per_sample(logprobs, chunk, key)
+        keep_per_sample(logprobs, chunk, name)
 
 
 def global_denominators(mini: list[Sample]) -> tuple[float, float]:
@@ -134,8 +135,8 @@ def micro_batch_loss(
     engine, mb: MicroBatch, cfg: Config, num_tokens: float, num_seqs: float, kl_coef: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """The policy loss of one micro-batch as its share of the mini-batch loss (`global_denominators`),
-    its metrics, and its loss mask. Advantages come per token from extras["advantages"]; the old logprobs from
-    extras["old_logprobs"], or (`old_from_update`) from this forward pass, detached and kept there."""
+    its metrics, and its loss mask. Advantages come per token from each sample's `advantages`; the old logprobs from
+    its `old_logprobs`, or (`old_from_update`) from this forward pass, detached and kept there."""
     a, mask = cfg.algorithm, mb.mask
     advantages = per_token(mb, "advantages")
     logprobs, entropy = forward_logprobs(engine, mb, cfg.rollout.temperature)
@@ -182,19 +183,12 @@ def update_actor(
 ) -> dict[str, float]:
     """The policy update: `ppo_epochs` passes of `updates_per_step` optimizer steps, micro-batched; `beside` as
     `run_updates`."""
-    stash_engine_logprobs(samples)
 
     def loss(mb, num_tokens, num_seqs):
         return micro_batch_loss(engine, mb, cfg, num_tokens, num_seqs, kl_coef)
 
     stats = run_updates(engine, samples, cfg, cfg.trainer.micro_batch_size, loss, pad_id, beside)
     return {f"actor/{k}": v for k, v in stats.items()}
-
-
-def stash_engine_logprobs(samples: list[Sample]) -> None:
-    """The servers' sampling logprobs as extras["engine_logprobs"], for `per_token` (decoupled PPO's weights)."""
-    for s in samples:
-        s.extras["engine_logprobs"] = torch.tensor(s.engine_logprobs)
 
 
 def run_updates(

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dsrl.fp8 import quantize_flat, quantize_named, unflatten
+from dsrl.moe import expert_tensors, split_experts
 from dsrl.zero.lora import ServedWeights
 
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -55,8 +56,8 @@ def gathered_buckets(
     module: torch.nn.Module, bucket_bytes: int, merge: bool = True, fp8: bool = False
 ) -> Iterator[NamedTensors]:
     """Yield [(name, full tensor), ...] per bucket of the served weights (`ServedWeights`: a LoRA model's
-    base, its adapters merged unless `merge` is False), in their order; `fp8`: the linear weights in FP8, each
-    with its scale (`dsrl.fp8.quantize_named`)."""
+    base, its adapters merged unless `merge` is False), in their order, fused experts one tensor each
+    (`dsrl.moe.expert_tensors`); `fp8`: the linear weights in FP8, each with its scale (`dsrl.fp8.quantize_named`)."""
     served = ServedWeights(module, merge)
     named = served.named
     with served.gathered_adapters():
@@ -70,6 +71,7 @@ def gathered_buckets(
                         tensor = tensor.clone()
                         served.merge_into(name, tensor)
                     out.append((name, tensor))
+                out = list(split_experts(out))
                 yield quantize_named(out) if fp8 else out
 
 
@@ -243,7 +245,9 @@ class FlatGatherer:
         for i, bucket in enumerate(self.plan):
             self._finish(works, i)
             works = self._post_transfers(i + 1) if i + 1 < len(self.plan) else []
-            entries = [(name, p.dtype, list(full_shape(p))) for name, p in (self.named[j] for j in bucket)]
+            # (as the servers load them: fused experts one tensor each, the same bytes)
+            entries = [(piece, p.dtype, shape) for name, p in (self.named[j] for j in bucket)
+                       for piece, shape in expert_tensors(name, full_shape(p))]  # fmt: skip
             flat = self._flat(i)
             if self.fp8 and flat is not None:
                 entries, flat = quantize_flat([(name, t) for (name, _, _), t in zip(entries, unflatten(flat, entries))])

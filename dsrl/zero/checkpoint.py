@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from dsrl.collectives import reduce_device
+from dsrl.moe import split_experts
 from dsrl.rundir import WriteError, check_export_target, publish_export, report_writes, staging_dir, write_error
 from dsrl.zero.buckets import gathered_buckets
 from dsrl.zero.lora import ADAPTER, is_lora, merged
@@ -308,8 +309,8 @@ def export_checkpoint(
             else state.items()
         )
         with report_writes(writer.tmp, f"export of {checkpoint} to {out}", out):
-            for name, tensor in tensors:
-                writer.add(name, tensor.contiguous().to(dtype))
+            for name, tensor in split_experts((name, tensor.contiguous()) for name, tensor in tensors):
+                writer.add(name, tensor.to(dtype))
             writer.close(model_dir, config)
     except BaseException:
         writer.abandon()

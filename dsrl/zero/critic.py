@@ -23,12 +23,12 @@ from dsrl.algorithms import value_loss
 from dsrl.auto import packs
 from dsrl.config import Config
 from dsrl.data import Sample
+from dsrl.moe import replay_inputs
 from dsrl.zero.actor import (
     keep_per_sample,
     micro_batch_loss,
     per_token,
     run_updates,
-    stash_engine_logprobs,
     trainer_micro_batches,
 )
 from dsrl.zero.batches import MicroBatch
@@ -111,13 +111,14 @@ def has_values(engine) -> bool:
 
 def forward_values(engine, mb: MicroBatch) -> torch.Tensor:
     """Response-aligned [samples, longest response] values (the scalar head at the positions before each token)."""
-    values = engine(**mb.model_inputs(), **({"values": True} if has_values(engine) else {})).logits[..., 0]
+    inputs = mb.model_inputs() | replay_inputs(engine, mb) | ({"values": True} if has_values(engine) else {})
+    values = engine(**inputs).logits[..., 0]
     return mb.response_aligned(mb.at_keep(values).float())
 
 
 @torch.no_grad()
 def compute_values(engine, samples: list[Sample], cfg: Config, pad_id: int) -> None:
-    """Each sample's values of its response positions, under extras["values"]."""
+    """Each sample's values of its response positions, as its `values`."""
     for chunk in trainer_micro_batches(samples, cfg, cfg.critic.micro_batch_size):
         mb = MicroBatch.build(chunk, pad_id, engine.device, packs(cfg))
         keep_per_sample(forward_values(engine, mb), chunk, "values")
@@ -125,7 +126,7 @@ def compute_values(engine, samples: list[Sample], cfg: Config, pad_id: int) -> N
 
 def critic_loss(engine, mb: MicroBatch, cfg: Config, num_tokens: float, num_seqs: float):
     """The value loss of one micro-batch as its share of the mini-batch's, its metrics and its mask: the values
-    regressed on the GAE returns (extras["returns"]), with PPO's value clipping."""
+    regressed on the GAE `returns`, with PPO's value clipping."""
     mask = mb.mask
     values = forward_values(engine, mb)
     old = per_token(mb, "values")
@@ -156,7 +157,6 @@ def update_actor_and_critic(
     two adapters share no parameter, so each gets the gradient of its own loss and Adam's steps are its own; they
     are clipped together (trainer.grad_clip on the joint norm, reported as actor/grad_norm). `beside`: as
     `run_updates`."""
-    stash_engine_logprobs(samples)
 
     def loss(mb: MicroBatch, num_tokens: float, num_seqs: float):
         total, stats, mask = critic_loss(engine, mb, cfg, num_tokens, num_seqs)

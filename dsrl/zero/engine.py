@@ -16,6 +16,7 @@ from torch.utils.cpp_extension import _get_build_directory
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
+from dsrl import moe
 from dsrl.auto import bf16, count_params, device_memory, packs, replicated_base, use_cuda
 from dsrl.config import Config, ModelConfig, critic_on_actor_base
 from dsrl.rundir import report_writes
@@ -129,6 +130,7 @@ def load_engine(
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     model.config.use_cache = False
+    moe.prepare(model, cfg)  # (a mixture of experts: its blocks ZeRO-3 leaves, routing replay)
     choice = cfg.model.gradient_checkpointing
     auto = train and choice == "auto"  # decided per update (`AutoCheckpointing`)
     checkpointing = train and (choice is True or auto)
@@ -223,7 +225,7 @@ def add_lora(model: torch.nn.Module, m: ModelConfig, critic: bool, checkpointing
     """The actor's adapters; with a `critic` (gae) the critic's adapter and value head beside them, on the one base."""
     if not critic:
         return add_adapters(model, m)
-    model = PolicyAndValue(model, lora_config(m))
+    model = PolicyAndValue(model, lora_config(m, model))
     if checkpointing:  # recomputed layers run under the adapter of their forward
         kwargs = {"use_reentrant": False, "context_fn": model.replay_adapter}
         checkpoint_layers(model.get_base_model(), kwargs)

@@ -24,6 +24,7 @@ import deepspeed
 import torch
 
 from dsrl.config import ModelConfig
+from dsrl.moe import is_moe
 
 ADAPTER = "default"
 
@@ -35,17 +36,24 @@ def add_adapters(model: torch.nn.Module, m: ModelConfig) -> torch.nn.Module:
     (`engine.gather_per_layer`)."""
     from peft import get_peft_model
 
-    return get_peft_model(model, lora_config(m), autocast_adapter_dtype=False)
+    return get_peft_model(model, lora_config(m, model), autocast_adapter_dtype=False)
 
 
-def lora_config(m: ModelConfig):
-    """PEFT's LoraConfig from --model.lora_*."""
+def lora_config(m: ModelConfig, model: torch.nn.Module | None = None):
+    """PEFT's LoraConfig from --model.lora_*. On a mixture of experts "all-linear" means its linear layers (the
+    attention's): PEFT would also adapt its fused experts and routers (`target_parameters`), whose adapters dsrl
+    neither merges into the served weights nor serves."""
     from peft import LoraConfig
 
+    targets = m.lora_target_modules
+    if targets == "all-linear" and model is not None and is_moe(model.config):
+        head = model.get_output_embeddings()
+        targets = sorted({name.rsplit(".", 1)[-1] for name, layer in model.named_modules()
+                          if isinstance(layer, torch.nn.Linear) and layer is not head})  # fmt: skip
     return LoraConfig(
         r=m.lora_rank,
         lora_alpha=m.lora_alpha or 2 * m.lora_rank,
-        target_modules=m.lora_target_modules,
+        target_modules=targets,
         lora_dropout=m.lora_dropout,
         bias="none",
         task_type="CAUSAL_LM",

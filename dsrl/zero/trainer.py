@@ -5,6 +5,7 @@ import logging
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from dsrl.advantages import KlController, compute_advantages
 from dsrl.auto import old_from_update
@@ -12,6 +13,7 @@ from dsrl.collectives import all_ranks
 from dsrl.config import Config, critic_on_actor_base
 from dsrl.data import Sample
 from dsrl.metrics import reduce_across_ranks
+from dsrl.moe import routing_replay
 from dsrl.zero.actor import compute_logprobs, update_actor
 from dsrl.zero.checkpoint import export_hf, find_checkpoint, load_checkpoint, save_checkpoint
 from dsrl.zero.critic import compute_values, has_values, update_actor_and_critic, update_critic
@@ -30,6 +32,9 @@ class Trainer:
         self.cfg, self.model_dir = cfg, model_dir
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
         check_host_memory(cfg, model_dir, world)  # ZeRO-Offload's states, before DeepSpeed allocates them
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+        self.routing_replay = routing_replay(cfg, config)
+        """A mixture of experts replays the servers' routing (`dsrl.moe`)."""
         self.actor = load_engine(cfg, model_dir, world, train=True)
         self.ref = None
         """The reference policy (KL); with LoRA the actor itself, its adapters off (`reference_off`)."""
@@ -70,7 +75,7 @@ class Trainer:
                 compute_logprobs(self.ref, samples, "ref_logprobs", cfg, pad_id)
         if self.critic is not None or has_values(self.actor):
             compute_values(self.critic or self.actor, samples, cfg, pad_id)
-        values = [s.extras[k] for s in samples for k in ("old_logprobs", "ref_logprobs", "values") if k in s.extras]
+        values = [v for s in samples for v in (s.old_logprobs, s.ref_logprobs, s.values) if v is not None]
         return all_ranks(all(torch.isfinite(v).all() for v in values))
 
     def update(self, samples: list[Sample], step: int, finite: bool, beside=None) -> dict[str, float]:
@@ -80,7 +85,7 @@ class Trainer:
         no actor starts nothing)."""
         cfg, pad_id, kl = self.cfg, self.pad_id, self.kl.value
         stats = compute_advantages(samples, cfg, kl) if finite else {}
-        advantages = [s.extras["advantages"] for s in samples] if finite else []
+        advantages = [s.advantages for s in samples] if finite else []
         if finite and all_ranks(all(torch.isfinite(a).all() for a in advantages)):
             actor = self.trains_actor(step)
             if has_values(self.actor):
@@ -92,6 +97,8 @@ class Trainer:
                     stats |= update_actor(self.actor, samples, cfg, pad_id, kl, beside)
             if not stats.get("actor/steps_skipped"):
                 self.bad_steps = 0
+                replay = getattr(self.actor.module, "routing_replay", None)
+                stats |= replay.metrics() if replay is not None else {}
                 return {**stats, **self.kl_in_batch(samples), "train/skipped_step": 0.0}
         self.bad_steps += 1
         log.warning("non-finite logprobs, advantages or gradients: step skipped (%d in a row)", self.bad_steps)
@@ -107,8 +114,8 @@ class Trainer:
         if self.ref is None:
             return {}
         model = torch.cat([torch.tensor(s.mask(), dtype=torch.bool) for s in samples])
-        old = torch.cat([s.extras["old_logprobs"] for s in samples])
-        kl = (old - torch.cat([s.extras["ref_logprobs"] for s in samples]))[model].mean().item()
+        old = torch.cat([s.old_logprobs for s in samples])
+        kl = (old - torch.cat([s.ref_logprobs for s in samples]))[model].mean().item()
         coef = self.kl.value
         self.kl.update(reduce_across_ranks({"kl": kl})["kl"])
         return {"kl/coef": coef, "kl/old_ref_k1": kl}
