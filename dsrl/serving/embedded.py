@@ -179,12 +179,7 @@ class Engine:
             start = view.data_ptr() - self.storage.data_ptr()
             self.params.setdefault(name, view)
             self.offsets.setdefault(name, (start, view.numel() * view.element_size()))
-        for name, module in self.model.named_modules() if self.fp8 else []:
-            if isinstance(module, torch.nn.Linear) and is_quantized(f"{name}.weight", module.weight):
-                module.register_forward_pre_hook(lambda module, args: (round_trip_activations(args[0]), *args[1:]))
-        self.return_routed_experts, self.routing = return_routed_experts, {}  # layer -> its last forward's top k
-        for layer, block in moe_blocks(self.model) if return_routed_experts else []:
-            block.gate.register_forward_hook(lambda _, __, out, layer=layer: self.routing.__setitem__(layer, out[2]))
+        self._hook_forward(return_routed_experts)
         self.adapters = Adapters(self.model, *lora) if lora is not None else None
         """--enable-lora: (max rank, target layer names)."""
         self.context_len = getattr(config, "max_position_embeddings", 1 << 30)
@@ -214,6 +209,16 @@ class Engine:
             self.update_from_disk(model_path)
         self.thread = threading.Thread(target=self._loop, name="embedded-scheduler", daemon=True)
         self.thread.start()
+
+    def _hook_forward(self, return_routed_experts: bool) -> None:
+        """What SGLang's options add to the forward: FP8's rounding of each linear layer's input (an FP8 checkpoint),
+        each MoE layer's routing kept for the reply (--enable-return-routed-experts)."""
+        for name, module in self.model.named_modules() if self.fp8 else []:
+            if isinstance(module, torch.nn.Linear) and is_quantized(f"{name}.weight", module.weight):
+                module.register_forward_pre_hook(lambda module, args: (round_trip_activations(args[0]), *args[1:]))
+        self.return_routed_experts, self.routing = return_routed_experts, {}  # layer -> its last forward's top k
+        for layer, block in moe_blocks(self.model) if return_routed_experts else []:
+            block.gate.register_forward_hook(lambda _, __, out, layer=layer: self.routing.__setitem__(layer, out[2]))
 
     # -- generation ---------------------------------------------------------------------------
 
