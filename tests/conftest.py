@@ -1,5 +1,6 @@
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TOY_MODEL = ROOT / "examples" / "toy" / "model"
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torch builds DeepSpeed's comm op under ~/.cache/torch_extensions by its name alone, its build.ninja naming this
+# venv's paths: with two checkouts on one machine, each run rebuilt it over the other's (30-70 s a run on 2 cores,
+# and the other rank waits). One build per venv; CI's clean machine builds it once either way.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 SHARED_RUNS = ("tests/test_e2e.py::", "tests/test_fleet.py::", "tests/test_lora.py::")
 """Files whose tests share one costly module fixture (the toy run, the Ray fleet run, the LoRA run: 80-150 s each)."""
