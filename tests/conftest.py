@@ -1,5 +1,6 @@
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,20 +9,30 @@ ROOT = Path(__file__).resolve().parents[1]
 TOY_MODEL = ROOT / "examples" / "toy" / "model"
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torch builds DeepSpeed's comm op under ~/.cache/torch_extensions by its name alone, its build.ninja naming this
+# venv's paths: with two checkouts on one machine, each run rebuilt it over the other's (30-70 s a run on 2 cores,
+# and the other rank waits). One build per venv; CI's clean machine builds it once either way.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
-SHARED_RUNS = ("tests/test_e2e.py::", "tests/test_fleet.py::", "tests/test_lora.py::")
-"""Files whose tests share one costly module fixture (the toy run, the Ray fleet run, the LoRA run: 80-150 s each)."""
+SHARED_RUNS = (
+    ("tests/test_e2e.py::",),
+    ("tests/test_fleet.py::",),
+    ("tests/test_lora.py::",),
+    ("tests/test_nothing_lost.py::test_sigterm_", "tests/test_nothing_lost.py::test_a_truncated_latest_"),
+)
+"""Tests that share one costly module fixture, by their ids' beginnings: whole files (the toy run, the Ray fleet run,
+the LoRA run: 80-150 s each), or the tests of one file that read one story (the stopped run)."""
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """Two workers (-n 2), each file of SHARED_RUNS whole on one of them, so that its run is built once (plain load
+    """Two workers (-n 2), each group of SHARED_RUNS whole on one of them, so that its run is built once (plain load
     built the Ray run on both); every other test goes where there is room, as with --dist load. (xdist's own
     --dist loadgroup groups nothing under pytest 9: it renames `item._nodeid`, which pytest 9 no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class SharedRunsWhole(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return next((file for file in SHARED_RUNS if nodeid.startswith(file)), nodeid)
+            return next((group[0] for group in SHARED_RUNS if nodeid.startswith(group)), nodeid)
 
     return SharedRunsWhole(config, log)
 

@@ -10,9 +10,14 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dsrl.config import parse_config
+from dsrl.metrics import tracker_config
+from dsrl.serving.servers import server_command
 from tests.conftest import ROOT
 
 STEPS = 60
+KEY = "s3cret-7f1e9a"
+"""The run's --rollout.api_key (test_the_api_key_is_in_no_log_tracker_config_command_line_or_world_readable_file)."""
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +28,13 @@ def toy_run(tmp_path_factory):
     cmd += ["--sync.verify", "probe", "--sync.probe_tolerance", "1e-4"]  # fp32 on both sides
     cmd += ["--eval.path", str(ROOT / "examples/toy/test.jsonl"), "--eval.every", "30", "--eval.before_train", "true"]
     cmd += ["--logging.trackers", "[wandb,mlflow]"]  # offline: <run_dir>/wandb, <run_dir>/mlflow.db
+    cmd += ["--rollout.api_key", KEY]
     env = {**os.environ, "WANDB_MODE": "offline"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
-    return run_dir, events, proc.stderr
+    return run_dir, events, proc.stderr + proc.stdout
 
 
 def scalars(events, tag):
@@ -172,3 +178,19 @@ def test_mlflow_gets_the_tags_tensorboard_gets(toy_run):
     assert not missing, missing
     assert len(client.get_metric_history(run.info.run_id, "reward/mean")) == STEPS
     assert run.data.params["trainer.total_steps"] == str(STEPS)
+
+
+def test_the_api_key_is_in_no_log_tracker_config_command_line_or_world_readable_file(toy_run, tmp_path):
+    """--rollout.api_key used to go to wandb/MLflow with the config, into the "starting rollout server" log line,
+    onto the servers' command lines (ps) and into a config.yaml readable by every user of the machine. The toy run
+    has one, wandb and MLflow beside it."""
+    run_dir, _, log = toy_run
+    assert KEY not in log
+    holders = [p for p in run_dir.rglob("*") if p.is_file() and KEY.encode() in p.read_bytes()]
+    assert holders and all(p.stat().st_mode & 0o077 == 0 for p in holders), [
+        (p, oct(p.stat().st_mode)) for p in holders
+    ]
+
+    cfg = parse_config(["--config", str(ROOT / "configs/toy_cpu.yaml"), "--rollout.api_key", KEY])
+    assert KEY not in json.dumps(tracker_config(cfg))
+    assert KEY not in " ".join(server_command(cfg.rollout, "sglang", "m", "127.0.0.1", 1, 0, 0, tmp_path))

@@ -21,7 +21,8 @@ from dsrl.zero.lora import ServedWeights, add_adapters, add_in_place, reference_
 from tests.conftest import ROOT, run_ranks
 from tests.test_reliability import run_to_end, scalars, train_cmd
 
-STEPS = 60
+STEPS = 40
+"""The LoRA run's steps: here its last ten steps' reward was 0.31 over the first ten's (0.42 at 60); asked: 0.1."""
 
 
 def lora_base(out: Path) -> Path:

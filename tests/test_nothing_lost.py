@@ -16,16 +16,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
 import torch
 
-from dsrl.config import DataConfig, parse_config
+from dsrl.config import DataConfig
 from dsrl.data import PromptDataset
-from dsrl.metrics import tracker_config
 from dsrl.rundir import EXPORT_MARKER, ExportTargetError, RunDirLocked, RunLock, check_export_target, write_error
-from dsrl.serving.servers import server_command
 from dsrl.tasks import toy
 from dsrl.zero.checkpoint import ShardWriter
 from tests.conftest import ROOT, TOY_MODEL
@@ -163,12 +162,12 @@ def test_a_new_run_waits_for_a_lost_runs_processes_to_end_and_names_those_that_d
 # -- 3. signals stop the whole run -----------------------------------------------------------------
 
 
-def test_sigterm_to_dsrl_train_stops_every_process_of_the_run_with_a_checkpoint(tmp_path):
-    """SIGTERM used to kill the CLI alone: the launcher, ranks and server trained on, detached, to the end. Its output
-    goes to a file, as a job scheduler's does, and every line there means something: no library's warnings, no CUDA
-    or GPU on CPU, no launcher chatter, no progress bar's \\r, one line per step, and the stop said once, at the end
-    of the step the signal came in (it used to come two to four steps later)."""
-    run_dir, out = tmp_path / "run", tmp_path / "train.log"
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory) -> SimpleNamespace:
+    """One run directory's story, for the two tests below: `dsrl train` stopped by SIGTERM after step 3 or so, the
+    same command for two steps more, then its latest checkpoint truncated and the same command for two steps more
+    again. What each test reads is kept as it was when that part ended (a third run would cost CI half a minute)."""
+    run_dir, out = tmp_path_factory.mktemp("stopped") / "run", tmp_path_factory.mktemp("stopped_log") / "train.log"
     with open(out, "w") as f:
         proc = subprocess.Popen(train_cmd(run_dir, "--trainer.total_steps", "200"), cwd=ROOT, stdout=f,
                                 stderr=subprocess.STDOUT)  # fmt: skip
@@ -185,28 +184,57 @@ def test_sigterm_to_dsrl_train_stops_every_process_of_the_run_with_a_checkpoint(
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    text = out.read_text()
-    assert proc.returncode == 128 + signal.SIGTERM, text[-3000:]
+    alive = [pid for pid in run if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    stopped_at = int((run_dir / "checkpoints" / "latest").read_text().split("_")[1])
+    manifest = (run_dir / "checkpoints" / f"step_{stopped_at}" / "manifest.json").is_file()
+    stopped = SimpleNamespace(returncode=proc.returncode, text=out.read_text(), logged=logged, alive=alive,
+                              at=stopped_at, trace=trace(run_dir), manifest=manifest,
+                              stop_file=(run_dir / "STOP").exists(),
+                              lock=(run_dir / ".dsrl.lock").read_text())  # fmt: skip
+
+    # The same command, two more steps: it resumes where it stopped. (Their end saved: the checkpoint truncated next.)
+    more = ["--logging.save_every", str(stopped_at + 2)]
+    resumed = subprocess.run(train_cmd(run_dir, "--trainer.total_steps", str(stopped_at + 2), *more), cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    story = SimpleNamespace(run_dir=run_dir, stopped=stopped, resumed=resumed, resumed_trace=[])
+    story.victim = story.again = None
+    if resumed.returncode != 0:  # (the SIGTERM test says why)
+        return story
+    story.resumed_trace = trace(run_dir)
+
+    # Its checkpoints now: step <stopped_at> and step <stopped_at + 2> (keep_last 2). One file of the latest cut short.
+    (story.victim,) = (run_dir / "checkpoints" / f"step_{stopped_at + 2}").glob("*rank_1*optim_states.pt")
+    story.victim.write_bytes(story.victim.read_bytes()[:1000])
+    story.again = subprocess.run(train_cmd(run_dir, "--trainer.total_steps", str(stopped_at + 4), *more), cwd=ROOT,
+                                 capture_output=True, text=True, timeout=300)  # fmt: skip
+    return story
+
+
+def test_sigterm_to_dsrl_train_stops_every_process_of_the_run_with_a_checkpoint(stopped_run):
+    """SIGTERM used to kill the CLI alone: the launcher, ranks and server trained on, detached, to the end. Its output
+    goes to a file, as a job scheduler's does, and every line there means something: no library's warnings, no CUDA
+    or GPU on CPU, no launcher chatter, no progress bar's \\r, one line per step, and the stop said once, at the end
+    of the step the signal came in (it used to come two to four steps later)."""
+    stopped, logged = stopped_run.stopped, stopped_run.stopped.logged
+    text = stopped.text
+    assert stopped.returncode == 128 + signal.SIGTERM, text[-3000:]
     assert "\r" not in text and not re.findall(r".*(?:Warning|CUDA|GPU|launch\.py).*", text), text
     assert text.count("stops at the end of this step") == 1 and text.count("stopped by SIGTERM after step") == 1
-    alive = [pid for pid in run if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"processes of the run still alive: {alive}"
+    assert not stopped.alive, f"processes of the run still alive: {stopped.alive}"
 
-    stopped_at = int((run_dir / "checkpoints" / "latest").read_text().split("_")[1])
+    stopped_at = stopped.at
     assert stopped_at in (logged[-1], logged[-1] + 1), "the end of the step under way, or of the one just logged"
     assert steps_logged(text) == list(range(1, stopped_at + 1)), "one line per step"
-    assert (run_dir / "checkpoints" / f"step_{stopped_at}" / "manifest.json").is_file()
-    assert [r["step"] for r in trace(run_dir)] == list(range(stopped_at))
-    assert not (run_dir / "STOP").exists() and (run_dir / ".dsrl.lock").read_text() == ""
+    assert stopped.manifest
+    assert [r["step"] for r in stopped.trace] == list(range(stopped_at))
+    assert not stopped.stop_file and stopped.lock == ""
 
     # The same command, two more steps: it resumes where it stopped and trains each step's prompts once.
-    done = subprocess.run(train_cmd(run_dir, "--trainer.total_steps", str(stopped_at + 2)), cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = stopped_run.resumed
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"step_{stopped_at} at step {stopped_at}" in done.stderr
-    records = trace(run_dir)
-    assert [r["step"] for r in records] == list(range(stopped_at + 2))
-    assert [r["rows"] for r in records] == [expected_rows(s) for s in range(stopped_at + 2)]
+    assert [r["step"] for r in stopped_run.resumed_trace] == list(range(stopped_at + 2))
+    assert [r["rows"] for r in stopped_run.resumed_trace] == [expected_rows(s) for s in range(stopped_at + 2)]
 
 
 def steps_logged(text: str) -> list[int]:
@@ -257,27 +285,18 @@ def test_kill_9_of_dsrl_train_ends_every_process_of_the_run_and_the_run_dir_stay
 # -- 4. a damaged checkpoint -----------------------------------------------------------------------
 
 
-def test_a_truncated_latest_checkpoint_resumes_from_the_previous_one(tmp_path):
+def test_a_truncated_latest_checkpoint_resumes_from_the_previous_one(stopped_run):
     """One truncated file of the latest checkpoint used to end the resume with torch's "failed finding
     central directory"; the previous complete checkpoint was not used and the message named neither."""
-    run_dir = tmp_path / "run"
-    args = ["--logging.save_every", "2", "--logging.keep_last", "2"]
-    first = subprocess.run(train_cmd(run_dir, "--trainer.total_steps", "6", *args), cwd=ROOT, capture_output=True,
-                           text=True, timeout=300)  # fmt: skip
-    assert first.returncode == 0, first.stderr[-3000:]
-    (victim,) = (run_dir / "checkpoints" / "step_6").glob("*rank_1*optim_states.pt")
-    victim.write_bytes(victim.read_bytes()[:1000])
-
-    again = subprocess.run(train_cmd(run_dir, "--trainer.total_steps", "8", *args), cwd=ROOT, capture_output=True,
-                           text=True, timeout=300)  # fmt: skip
+    run_dir, again, victim, at = stopped_run.run_dir, stopped_run.again, stopped_run.victim, stopped_run.stopped.at
+    assert again is not None, "the resume before the truncation failed (test_sigterm_to_dsrl_train_...)"
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"the latest checkpoint {run_dir}/checkpoints/step_6 cannot be used ({victim.name} has 1000 bytes" in (
-        again.stderr
-    )
-    assert f"resuming from {run_dir}/checkpoints/step_4" in again.stderr
-    records = trace(run_dir)  # steps 4 and 5 trained again from step_4's state: the trace has them once
-    assert [r["step"] for r in records] == list(range(8))
-    assert [r["rows"] for r in records] == [expected_rows(s) for s in range(8)]
+    latest = f"{run_dir}/checkpoints/step_{at + 2}"
+    assert f"the latest checkpoint {latest} cannot be used ({victim.name} has 1000 bytes" in again.stderr
+    assert f"resuming from {run_dir}/checkpoints/step_{at}" in again.stderr
+    records = trace(run_dir)  # the two steps after step_<at> trained again from its state: the trace has them once
+    assert [r["step"] for r in records] == list(range(at + 4))
+    assert [r["rows"] for r in records] == [expected_rows(s) for s in range(at + 4)]
 
 
 @pytest.fixture
@@ -365,24 +384,3 @@ def test_a_full_disk_message_without_a_tmpfs(tmp_path):
             assert message.startswith(f"cannot write {tmp_path}/step_2: basic_ios::clear"), message
         else:
             assert message.startswith(f"cannot write {tmp_path}/step_2: no space left on the device ("), message
-
-
-# -- secrets ---------------------------------------------------------------------------------------
-
-
-def test_the_api_key_is_in_no_log_tracker_config_command_line_or_world_readable_file(tmp_path):
-    """--rollout.api_key used to go to wandb/MLflow with the config, into the "starting rollout server" log line,
-    onto the servers' command lines (ps) and into a config.yaml readable by every user of the machine."""
-    key, run_dir = "s3cret-7f1e9a", tmp_path / "run"
-    args = ["--trainer.total_steps", "2", "--trainer.num_ranks", "1", "--rollout.api_key", key]
-    proc = subprocess.run(train_cmd(run_dir, *args), cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert key not in proc.stdout + proc.stderr
-    holders = [p for p in run_dir.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
-    assert holders and all(p.stat().st_mode & 0o077 == 0 for p in holders), [
-        (p, oct(p.stat().st_mode)) for p in holders
-    ]
-
-    cfg = parse_config(["--config", str(ROOT / "configs/toy_cpu.yaml"), "--rollout.api_key", key])
-    assert key not in json.dumps(tracker_config(cfg))
-    assert key not in " ".join(server_command(cfg.rollout, "sglang", "m", "127.0.0.1", 1, 0, 0, tmp_path))

@@ -4,6 +4,7 @@ mid-way resumes bit for bit; reward functions that hang, crash or return garbage
 import re
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.test_reliability import TIMING, run_and_kill, run_to_end, scalars, trace, train_cmd
 
@@ -27,30 +28,39 @@ def test_ppo_with_a_critic_learns_the_toy_task(tmp_path):
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_ppo_resumes_bit_for_bit(lora, tmp_path):
-    """Critic states, its optimizer and the KL coefficient come back with the actor's: the resumed run's
-    every metric equals the uninterrupted run's. With LoRA the critic is an adapter on the actor's base, its
-    states in the actor's engine's checkpoint: the LoRA case is also the test that the actor's adapters and their
-    optimizer states resume bit for bit."""
+    """Critic states, its optimizer and the KL coefficient come back with the actor's: a run killed after step 6
+    resumes from step 4's checkpoint, and its steps 5 and 6 log every metric the uninterrupted run logged before the
+    kill (step 5: the weights, RNG, KL coefficient and data position restored; step 6: the update made with the
+    restored optimizer states). With LoRA the critic is an adapter on the actor's base, its states in the actor's
+    engine's checkpoint: the LoRA case is also the test that the actor's adapters and their optimizer states resume
+    bit for bit. (The steps before the kill are the uninterrupted run: no third run to compare with.)"""
     args = ["--model.lora_rank", "4"] if lora else []
-    args += ["--trainer.total_steps", "6", "--logging.save_every", "3", "--logging.keep_last", "1"]
+    args += ["--trainer.total_steps", "8", "--logging.save_every", "4", "--logging.keep_last", "1"]
     args += ["--eval.path", "null"]
     args += ["--rollout.prompts_per_step", "8", "--trainer.micro_batch_size", "32", "--critic.warmup_steps", "1"]
     args += ["--algorithm.kl_coef", "0.01", "--algorithm.kl_target", "0.001"]  # an adaptive coefficient to restore
     args += ["--rollout.server_args", '{"enable_deterministic_inference": true}']
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    run_to_end(train_cmd("toy_cpu_ppo.yaml", straight, *args))
-    run_and_kill(train_cmd("toy_cpu_ppo.yaml", killed, *args), at_step=4, total=6)
-    assert (killed / "checkpoints" / "latest").read_text() == "step_3"
+    killed = tmp_path / "killed"
+    run_and_kill(train_cmd("toy_cpu_ppo.yaml", killed, *args), at_step=6, total=8)
+    assert (killed / "checkpoints" / "latest").read_text() == "step_4"
+    uninterrupted, straight = trace(killed), scalars(killed)  # steps 1-6, as the run logged them before the kill
+    assert [r["step"] for r in uninterrupted] == list(range(6))
     log = run_to_end(train_cmd("toy_cpu_ppo.yaml", killed, *args))
-    assert "resumed from" in log and "step_3 at step 3" in log
-    assert trace(killed) == trace(straight), "the resumed run trained other prompts, or in another order"
-    assert sorted(p.name for p in (killed / "checkpoints").glob("step_*")) == ["step_6"]  # keep_last 1
-    a, b = scalars(straight), scalars(killed)
+    assert "resumed from" in log and "step_4 at step 4" in log
+    records = trace(killed)
+    assert [r["step"] for r in records] == list(range(8))
+    assert records[:6] == uninterrupted, "the resumed run trained other prompts, or in another order"
+    assert sorted(p.name for p in (killed / "checkpoints").glob("step_*")) == ["step_8"]  # keep_last 1
+    a, b = straight, scalars(killed)  # b: steps 5 and 6 as the resumed run logged them
+    events = EventAccumulator(str(killed / "tensorboard"))
+    events.Reload()
+    assert sorted(e.step for e in events.Scalars("reward/mean")) == [1, 2, 3, 4, 5, 5, 6, 6, 7, 8], "logged again"
     compared = [tag for tag in a if not tag.startswith(TIMING)]
     assert {"critic/value_loss", "kl/coef", "reward/mean", "actor/pg_loss", "actor/grad_norm"} <= set(compared)
     assert len(set(a["kl/coef"].values())) > 1, "the KL coefficient did not adapt"
+    assert all({5, 6} <= set(a[tag]) for tag in ("critic/value_loss", "kl/coef", "actor/grad_norm"))
     for tag in compared:
-        assert b[tag] == a[tag], f"{tag} differs after resume"
+        assert {step: b[tag][step] for step in a[tag]} == a[tag], f"{tag} differs after resume"
 
 
 def test_rewards_that_hang_crash_or_return_a_string_leave_the_run_alive(tmp_path):
