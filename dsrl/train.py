@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -212,8 +213,11 @@ def stop_if_asked(run: Run, step: int, saved: bool) -> None:
 
 
 def checkpoint(run: Run, step: int) -> None:
+    started = time.monotonic()
     with run.gpu.trainers_on_gpu():  # with this rank's state: the schedule's and the rewarder's
         run.trainer.save(run.run_dir, step, {"rollouts": run.rollouts.state(), "rewarder": run.rewarder.state()})
+    if run.rank == 0:
+        log.info("checkpoint step_%d written in %.1f s", step, time.monotonic() - started)
 
 
 def beside_optimizer_step(run: Run, step: int) -> Callable[[], None] | None:
@@ -275,7 +279,10 @@ def finish(run: Run, metrics: dict[str, float]) -> None:
     run.rollouts.stop()
     run.gpu.trainers_back()
     if run.cfg.logging.export_hf:
+        started = time.monotonic()
         run.trainer.export(run.run_dir / "hf", run.rank)
+        if run.rank == 0:
+            log.info("exported %s in %.1f s", run.run_dir / "hf", time.monotonic() - started)
 
 
 def main(argv: list[str] | None = None) -> None:

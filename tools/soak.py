@@ -67,10 +67,19 @@ def first_errors(log_dir: Path) -> list[str]:
     return out
 
 
-def summary(name: str, run_dir: Path, rc, kill_step: int | None, started: float) -> dict:
+PHASES = ("generate", "generate_wait", "release", "logprobs", "update", "sync")
+
+
+def steady_median(series: dict[int, float]) -> float | None:
+    values = [series[k] for k in sorted(series)][1:]  # (the first step warms up)
+    return round(statistics.median(values), 3) if values else None
+
+
+def summary(name: str, run_dir: Path, rc, kill_step: int | None, started: float, samples: int, gpus: int) -> dict:
     s = scalars(run_dir) if (run_dir / "tensorboard").is_dir() else {}
     steps = s.get("timing/step", {})
     times = [steps[k] for k in sorted(steps)][1:]  # (the first step warms up)
+    lengths = [steady_median(s.get(f"{part}/length_mean", {})) for part in ("prompt", "response")]
     peaks = {tag.rsplit("/", 1)[-1]: max(v.values()) for tag, v in s.items() if tag.startswith("memory/update_peak")}
     record = {
         "name": name, "rc": rc, "steps": len(steps), "wall_s": round(time.monotonic() - started, 1),
@@ -79,6 +88,10 @@ def summary(name: str, run_dir: Path, rc, kill_step: int | None, started: float)
         "step_median_s": round(statistics.median(times), 2) if times else None,
         "step_max_s": round(max(times), 2) if times else None,
         "update_peak_gb": {k: round(v, 1) for k, v in sorted(peaks.items())},
+        "phases_s": {p: steady_median(s[f"timing/{p}"]) for p in PHASES if f"timing/{p}" in s},
+        # prompt + response tokens trained a step, over the median step and the GPUs (NeMo-RL's tokens/s/GPU)
+        "tokens_per_s_gpu": round(sum(lengths) * samples / statistics.median(times) / gpus)
+        if times and None not in lengths else None,
         "server_errors": first_errors(run_dir / "logs"),
     }  # fmt: skip
     hit = {k: v for k, v in steps.items() if kill_step is not None and k in (kill_step + 1, kill_step + 2)}
@@ -134,7 +147,11 @@ def main() -> None:
                 log.write(f"soak: stopped at its limit, {args.limit:.0f} s\n")
                 break
         rc = proc.wait(60)
-    record = summary(args.name, work / "run", rc, kill_step, started)
+    flag = dict(zip(argv, argv[1:]))  # (the last value of a flag given twice)
+    samples = int(flag["--rollout.prompts_per_step"]) * int(flag["--rollout.n_samples"])
+    record = summary(args.name, work / "run", rc, kill_step, started, samples, args.gpus)
+    record |= {f: re.findall(rf"{f} [^\n]* in ([0-9.]+) s", (args.out / f"run_{args.name}.log").read_text())
+               for f in ("checkpoint", "exported")}  # fmt: skip
     path = args.out / "soak.json"
     records = json.loads(path.read_text()) if path.is_file() else []
     path.write_text(json.dumps(records + [record], indent=1))
@@ -142,7 +159,9 @@ def main() -> None:
              if "death_steps_s" in record else "")  # fmt: skip
     print(f"soak {args.name}: rc {rc}, {record['steps']}/{args.steps} steps in {record['wall_s']} s, server deaths "
           f"{record['deaths']:.0f}, restarts {record['restarts']:.0f}, step median {record['step_median_s']} s, max "
-          f"{record['step_max_s']} s{death}, update peak {record['update_peak_gb']} GB"
+          f"{record['step_max_s']} s{death}, update peak {record['update_peak_gb']} GB, phases {record['phases_s']}"
+          f", {record['tokens_per_s_gpu']} tokens/s/GPU, checkpoint {record['checkpoint']} s, "
+          f"export {record['exported']} s"
           + "".join(f"\n  {e}" for e in record["server_errors"]), flush=True)  # fmt: skip
 
 

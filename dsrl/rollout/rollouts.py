@@ -88,6 +88,7 @@ def rollout_metrics(samples: list[Sample], trainer_version: int) -> dict[str, fl
         "rollout/versions_per_batch": float(len({v for s in samples for _, v in s.spans})),
         "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item(),
+        "prompt/length_mean": sum(len(s.prompt.prompt_ids) for s in samples) / len(samples),
         "response/length_mean": lengths.mean().item(),
         "response/length_max": lengths.max().item(),
         "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
