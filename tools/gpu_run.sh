@@ -461,7 +461,8 @@ print('verl stack: verl', verl.__version__, 'sglang', sglang.__version__, 'trans
       ;;
     soak)  # `dsrl train` on the tail workload for SOAK_STEPS steps, one line per run (issue 60; tools/soak.py). SOAK_RUNS:
       # NAME:GPUS[:split][:killK][:stepsN] each, e.g. "colo1:1 colo2_kill:2:kill5:steps14 async2:2:split"; SOAK_EXTRA: flags for every
-      # run (after the workload's), SOAK_EXTRA_<NAME> one run's; SOAK_LIMIT: seconds a run
+      # run (after the workload's), SOAK_EXTRA_<NAME> one run's; SOAK_MODEL (1.5b) or SOAK_MODEL_<NAME>, a model of
+      # MODELS; SOAK_LIMIT: seconds a run
       for spec in ${SOAK_RUNS:-colo1:1}; do
         IFS=: read -r name gpus opt1 opt2 opt3 <<< "$spec"
         flags=(--gpus "$gpus" --steps "${SOAK_STEPS:-50}" --limit "${SOAK_LIMIT:-500}")
@@ -469,8 +470,8 @@ print('verl stack: verl', verl.__version__, 'sglang', sglang.__version__, 'trans
           case $o in split) flags+=(--split) ;; kill*) flags+=(--kill-at "${o#kill}" --kill-server 0) ;;
             steps*) flags+=(--steps "${o#steps}") ;; esac
         done
-        extra_var="SOAK_EXTRA_$name"
-        stage "soak_$name" $((${SOAK_LIMIT:-500} + 60)) python3 tools/soak.py --model /tmp/models/${SOAK_MODEL:-1.5b} \
+        extra_var="SOAK_EXTRA_$name" model_var="SOAK_MODEL_$name"
+        stage "soak_$name" $((${SOAK_LIMIT:-500} + 60)) python3 tools/soak.py --model /tmp/models/${!model_var:-${SOAK_MODEL:-1.5b}} \
           --name "$name" --out "$OUT" "${flags[@]}" -- ${SOAK_EXTRA:-} ${!extra_var:-}
         grep -a -A4 "^soak $name" "$OUT/soak_$name.log" | tee -a "$SUMMARY"
         grep -a "Error\|error:" "$OUT/run_$name.log" | tail -3 | cut -c1-300 | tee -a "$SUMMARY"

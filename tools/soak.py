@@ -68,6 +68,8 @@ def first_errors(log_dir: Path) -> list[str]:
 
 
 PHASES = ("generate", "generate_wait", "release", "logprobs", "update", "sync")
+MEDIANS = ("sync/bytes", "sync/seconds", "sync/probe_logprob_diff", "mismatch/logprob_abs_diff",
+           "moe/routing_mismatch_frac", "reward/mean")  # fmt: skip
 
 
 def steady_median(series: dict[int, float]) -> float | None:
@@ -89,6 +91,8 @@ def summary(name: str, run_dir: Path, rc, kill_step: int | None, started: float,
         "step_max_s": round(max(times), 2) if times else None,
         "update_peak_gb": {k: round(v, 1) for k, v in sorted(peaks.items())},
         "phases_s": {p: steady_median(s[f"timing/{p}"]) for p in PHASES if f"timing/{p}" in s},
+        "medians": {k: steady_median(s[k]) for k in MEDIANS if k in s},
+        "first_step": {k: round(s[k][min(s[k])], 4) for k in MEDIANS if k in s},
         # prompt + response tokens trained a step, over the median step and the GPUs (NeMo-RL's tokens/s/GPU)
         "tokens_per_s_gpu": round(sum(lengths) * samples / statistics.median(times) / gpus)
         if times and None not in lengths else None,
@@ -161,7 +165,7 @@ def main() -> None:
           f"{record['deaths']:.0f}, restarts {record['restarts']:.0f}, step median {record['step_median_s']} s, max "
           f"{record['step_max_s']} s{death}, update peak {record['update_peak_gb']} GB, phases {record['phases_s']}"
           f", {record['tokens_per_s_gpu']} tokens/s/GPU, checkpoint {record['checkpoint']} s, "
-          f"export {record['exported']} s"
+          f"export {record['exported']} s\n  medians {record['medians']}, first step {record['first_step']}"
           + "".join(f"\n  {e}" for e in record["server_errors"]), flush=True)  # fmt: skip
 
 
