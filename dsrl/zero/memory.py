@@ -62,7 +62,10 @@ def activation_bytes(config, tokens: int, checkpointing: bool, width: int = 2, l
     gradient is written over them) and the log-probs' fp32 chunks (about five of LOGPROB_CHUNK positions at once).
     `width`: bytes per value (2 in bf16, 4 in fp32); `liger`: the layers run liger-kernel's fused kernels."""
     per_width = LIGER_ACTIVATION_BYTES if liger else ACTIVATION_BYTES
-    layer, layers = per_width * (config.hidden_size + config.intermediate_size), config.num_hidden_layers
+    mlp = config.intermediate_size
+    if getattr(config, "num_experts_per_tok", 0):  # a MoE block keeps each token's copy for every expert it routes
+        mlp = config.num_experts_per_tok * (config.moe_intermediate_size + config.hidden_size)  # to (fitted: 1 run)
+    layer, layers = per_width * (config.hidden_size + mlp), config.num_hidden_layers
     kept = layers * 2 * config.hidden_size + layer if checkpointing else layers * layer
     return tokens * (kept * width / 2 + config.vocab_size * width) + 5 * LOGPROB_CHUNK * config.vocab_size * 4
 
