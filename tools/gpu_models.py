@@ -1,4 +1,4 @@
-"""Random-init Qwen2-architecture models of the 0.5B, 1.5B, 3B and 7B shapes, bf16, for GPU runs; `<size>-rm`
+"""Random-init Qwen2-architecture models of the 0.5B, 1.5B, 3B, 7B, 14B and 32B shapes, bf16, for GPU runs; `<size>-rm`
 (e.g. 1.5b-rm) is a reward model of that shape, a Qwen2ForSequenceClassification with one label; `moe-<layers>`
 (e.g. moe-8) is a Qwen3-MoE of Qwen3-30B-A3B's layer shape (128 experts, 8 a token) with that many layers.
 
@@ -25,6 +25,8 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads (Qwen2.5 shapes)
     "1.5b": (1536, 8960, 28, 12, 2),
     "3b": (2048, 11008, 36, 16, 2),
     "7b": (3584, 18944, 28, 28, 4),
+    "14b": (5120, 13824, 48, 40, 8),
+    "32b": (5120, 27648, 64, 40, 8),
 }
 
 
@@ -54,7 +56,10 @@ def build(out: Path, size: str, vocab: int = 151936) -> Path:
         **({"num_labels": 1} if reward_model else {}),
     )
     torch.manual_seed(0)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # (32B's 65 GB in bf16 do not fit an H100: built on the host there, slower)
+    size_bytes = layers * (3 * inter + 4 * hidden) * hidden * 2
+    fits = torch.cuda.is_available() and size_bytes < 0.8 * torch.cuda.mem_get_info()[0]
+    device = "cuda" if fits else "cpu"
     auto = AutoModelForSequenceClassification if reward_model else AutoModelForCausalLM
     with torch.device(device):
         model = auto.from_config(config, dtype=torch.bfloat16)
