@@ -21,7 +21,7 @@ from dsrl.config import build_parser, reward_rollout, to_config
 from dsrl.data import Prompt, Sample
 from dsrl.rewards.models import RewardModel
 from dsrl.rewards.rewarder import Rewarder, RewardError
-from dsrl.serving.client import RolloutClient
+from dsrl.serving.client import RolloutClient, ServedAdapter
 from dsrl.serving.fleet import start_fleet
 from dsrl.tasks import toy
 from tests.conftest import ROOT
@@ -109,6 +109,7 @@ def test_a_scripted_judge_generates_its_verdicts_greedily_and_one_it_cannot_pars
     TOKENIZER.save_pretrained(tmp_path / "judge")
     args = ["--reward_model.path", str(tmp_path / "judge"), "--reward_model.judge_template", "{prompt}{response}"]
     cfg, fleet, client, rewarder = reward_servers(tmp_path, *args, "--reward_model.judge_max_new_tokens", "1")
+    client.adapter = ServedAdapter("dsrl-v3", 3)  # the policy's LoRA adapter, served on its own: not the judge's
     try:
         for _ in range(2):  # greedy: the same verdicts again
             samples = samples_of(["394", "12", "7"])

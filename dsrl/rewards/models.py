@@ -45,7 +45,7 @@ class RewardModel:
                 replies = await self.post("/classify", {"input_ids": inputs}, samples[0].prompt.index)
                 return [(reply["embedding"][0], None) for reply in replies]
             params = {"temperature": 0.0, "max_new_tokens": self.cfg.judge_max_new_tokens, "sampling_seed": 0}
-            body = {"input_ids": inputs, "sampling_params": params, "lora_path": None}  # (not the policy's adapter)
+            body = {"input_ids": inputs, "sampling_params": params}
             replies = await self.post("/generate", body, samples[0].prompt.index)
             return [self.verdict(reply) for reply in replies]
         except (ServerError, KeyError, IndexError, TypeError) as e:  # (a reply of another shape: not a reward model's)

@@ -83,8 +83,9 @@ class RolloutClient:
         self.cancelled: set[str] = set()  # ... and aborted meanwhile: never sent
         self.down: list[str] = []  # servers that stopped answering; the trainer restarts or drops them
         self.adapter: ServedAdapter | None = None
-        """Set by the weight sync when the servers serve a LoRA adapter: every /generate names it, so none can
-        be served by the bare base, and its tokens are of the adapter's version (`adapter_version` in a reply)."""
+        """Set by the weight sync when the servers serve a LoRA adapter: every `generate` (and the probe) names it,
+        so none can be served by the bare base, and its tokens are of the adapter's version (`adapter_version` in a
+        reply). Not an LLM judge's requests (`request`): its servers hold another model."""
         self.adapter_requests: Counter[str] = Counter()  # /generate requests in flight per adapter name
         self.return_routed_experts = False
         """Every `generate` asks for the routed experts of its tokens (a mixture of experts' routing replay)."""
@@ -121,8 +122,6 @@ class RolloutClient:
         self, url: str, path: str, payload: Any = None, method: str = "POST", timeout_s: float | None = None
     ) -> Any:
         """One call to one server; JSON replies are decoded, others returned as text."""
-        if path == "/generate" and self.adapter is not None and "lora_path" not in payload:
-            payload = {**payload, "lora_path": self.adapter.name}
         attempts = self.retries + 1 if path in IDEMPOTENT else 1
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, sock_connect=30)
         attempt, resent = 0, False

@@ -85,6 +85,7 @@ async def probe_servers(
         "sampling_params": {"max_new_tokens": 1, "temperature": 0},
         "return_logprob": True,
         "logprob_start_len": 0,
+        **({"lora_path": client.adapter.name} if client.adapter is not None else {}),  # (the policy's, as served)
     }
     worst = 0.0
     urls = client.live_urls()
