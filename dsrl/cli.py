@@ -3,6 +3,7 @@
 import argparse
 import base64
 import contextlib
+import difflib
 import json
 import logging
 import os
@@ -39,6 +40,22 @@ commands:
   eval    score a model (a Hugging Face directory, or --checkpoint) on --eval.path with the run's reward
   export  write a training checkpoint as a Hugging Face model directory (see `dsrl export --help`)
 """
+
+
+class Parser(argparse.ArgumentParser):
+    """A subcommand's flags; a wrong one gets two lines, the error and "did you mean" where a close flag exists, as
+    `dsrl train` says it, not argparse's usage block."""
+
+    def parse_args(self, argv: list[str]) -> argparse.Namespace:
+        self.argv = argv
+        return super().parse_args(argv)
+
+    def error(self, message: str):
+        flags = [o for a in self._actions for o in a.option_strings]
+        unknown = [w.split("=")[0] for w in self.argv if w.startswith("--") and w.split("=")[0] not in flags]
+        near = difflib.get_close_matches(unknown[0], flags, n=1) if unknown else []
+        hint = f"did you mean {near[0]}?" if near else f"`{self.prog} --help` lists the flags"
+        self.exit(2, f"{self.prog}: error: {message}\n{self.prog}: {hint}\n")
 
 
 def train(argv: list[str]) -> int:
@@ -273,7 +290,7 @@ def fleet(argv: list[str]) -> int:
     """Change a live run's rollout servers; applied at its next weight update."""
     from dsrl.serving.control import call, wait_applied
 
-    parser = argparse.ArgumentParser(prog="dsrl fleet", description=fleet.__doc__)
+    parser = Parser(prog="dsrl fleet", description=fleet.__doc__)
     parser.add_argument("action", choices=["add", "remove", "list"])
     parser.add_argument("--run", required=True, help="The live run's --logging.run_dir.")
     parser.add_argument("--count", type=int, help="add: start this many servers (fleet local or ray).")
@@ -328,7 +345,7 @@ def evaluate(argv: list[str]) -> int:
 def export(argv: list[str]) -> int:
     """`dsrl export`: a training checkpoint as a Hugging Face model directory (sharded safetensors, config,
     tokenizer), loadable by transformers and SGLang."""
-    parser = argparse.ArgumentParser(prog="dsrl export", description=export.__doc__)
+    parser = Parser(prog="dsrl export", description=export.__doc__)
     parser.add_argument("--checkpoint", required=True, help="<run_dir>/checkpoints/step_<N>")
     parser.add_argument("--out", default=None, help="Default: <run_dir>/hf_step_<N>.")
     parser.add_argument("--shard-gb", type=float, default=2.0, help="Size of each safetensors file.")
@@ -381,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"train": train, "fleet": fleet, "eval": evaluate, "export": export}
     if command in commands:
         return commands[command](rest)
-    print(f"dsrl: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    near = difflib.get_close_matches(command, [*commands, "serve"], n=1)
+    hint = f"did you mean `dsrl {near[0]}`?" if near else "`dsrl --help` lists the commands"
+    print(f"dsrl: error: unknown command {command!r}\ndsrl: {hint}", file=sys.stderr)
     return 2
 
 

@@ -66,6 +66,27 @@ def test_a_typo_gets_two_lines_naming_it_and_the_name_meant(argv, named, meant, 
     assert lines[1] == f"dsrl train: did you mean {meant}?", lines
 
 
+@pytest.mark.parametrize(
+    "argv,named,meant",
+    [
+        (["export", "--chekpoint", "x"], "dsrl export: error: the following arguments are required: --checkpoint",
+         "dsrl export: did you mean --checkpoint?"),
+        (["fleet", "list", "--run", "x", "--cuont", "2"], "dsrl fleet: error: unrecognized arguments: --cuont 2",
+         "dsrl fleet: did you mean --count?"),
+        (["trian"], "dsrl: error: unknown command 'trian'", "dsrl: did you mean `dsrl train`?"),
+    ],
+)  # fmt: skip
+def test_the_other_commands_name_a_typo_in_two_lines_too(argv, named, meant, capsys):
+    from dsrl.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:  # (argparse exits)
+        code = e.code
+    assert code == 2
+    assert capsys.readouterr().err.splitlines() == [named, meant]
+
+
 def test_unknown_key_is_named(capsys, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("rollout:\n  n_sampels: 4\n")
