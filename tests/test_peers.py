@@ -446,6 +446,51 @@ def test_verls_agent_loop_takes_each_rows_own_sampling_parameters(monkeypatch):
     assert "name: row_sampling_agent" in loops and "_target_: verl_agent.RowSamplingAgentLoop" in loops
 
 
+def test_verls_agent_loop_traces_each_sample_and_the_report_places_them_in_its_steps(monkeypatch, tmp_path):
+    import asyncio
+    import types
+
+    import numpy as np
+
+    class SingleTurnAgentLoop:  # verl's returns an AgentLoopOutput: its tokens, and its request's seconds
+        async def run(self, sampling_params, **kwargs):
+            cap = sampling_params.get("max_new_tokens", 64)
+            await asyncio.sleep(0.01 * cap / 64)
+            tokens = [0] * cap
+            return types.SimpleNamespace(response_ids=tokens, metrics=types.SimpleNamespace(generate_sequences=0.25))
+
+    _stub(monkeypatch, "verl.experimental.agent_loop.single_turn_agent_loop", SingleTurnAgentLoop=SingleTurnAgentLoop)
+    monkeypatch.delitem(sys.modules, "verl_agent", raising=False)
+    import verl_agent
+
+    trace = tmp_path / peers.TRACE
+    assert peers.verl_env({}, tmp_path, tmp_path)[verl_agent.TRACE] == str(trace)
+    loop = verl_agent.RowSamplingAgentLoop()
+    asyncio.run(loop.run({}, extra_info={"index": 0}, global_steps=np.int64(1)))  # untraced: no variable
+    assert not trace.exists()
+    monkeypatch.setenv(verl_agent.TRACE, str(trace))
+
+    async def step(number: int, caps: list[int]):
+        rows = [{"sampling_params": {"max_new_tokens": np.int64(cap)}} for cap in caps]
+        await asyncio.gather(*(loop.run({}, extra_info=row, global_steps=np.int64(number)) for row in rows))
+
+    asyncio.run(step(1, [64, 256]))
+    asyncio.run(step(2, [64]))
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert sorted((x["step"], x["cap"], x["tokens"], x["request_s"]) for x in lines) == [
+        (1, 64, 64, 0.25), (1, 256, 256, 0.25), (2, 64, 64, 0.25)]  # fmt: skip
+    traced = report.trace_steps(trace)
+    assert sorted(traced) == [1, 2] and traced[1]["trace/longest_request_s"] == 0.25
+    assert traced[1]["trace/span_s"] >= traced[1]["trace/longest_sample_s"] >= 0.04  # the 256-token row's sleep
+    assert traced[1]["trace/start_spread_s"] < traced[1]["trace/longest_sample_s"]  # started together
+    # merged into verl's own step (its file logger's step 1), and kept in the run's record
+    (verl,) = report.verl_steps(DATA / "verl_metrics.jsonl", trace=trace)
+    assert verl["trace/span_s"] == traced[1]["trace/span_s"] and verl["timing_s/gen"] > 0
+    assert report.verl_steps(DATA / "verl_metrics.jsonl", trace=tmp_path / "none.jsonl") == report.verl_steps(
+        DATA / "verl_metrics.jsonl"
+    )
+
+
 def test_verls_replay_buffers_poll_at_the_interval_given_instead_of_2_s(monkeypatch):
     class ReplayBuffer:  # verl's: poll_interval 2.0 unless given; sampler_kwargs kept as they came
         def __init__(self, trainer_mode, trainer_config, max_off_policy_threshold, max_off_policy_strategy,

@@ -91,6 +91,8 @@ PEERS = ROOT / "tools/peers"
 REWARD = PEERS / "verl_reward.py"
 SAMPLER = PEERS / "verl_sampler.py"
 AGENT_LOOPS = PEERS / "verl_agent_loops.yaml"
+TRACE = "agent_trace.jsonl"
+"""In a verl run's work directory: its agent loop's line a sample (verl_agent.TRACE), where the custom loop runs."""
 
 TAIL_CAPS = (64,) * 6 + (128,) * 4 + (256,) * 3 + (512,) * 2 + (1024,)
 """The `tail` workload's `max_new_tokens`, row by row in turn (a mean of 232 tokens, one row in 16 at 1024): every
@@ -653,8 +655,8 @@ def verl_env(env: dict, site: Path, work: Path) -> dict:
     """verl's environment: its site first on PYTHONPATH, with the repo (dsrl.tasks.toy, for the reward) and
     tools/peers (its sampler, agent loop and reward). A site that holds its own SGLang (build_site.sh STACK=own)
     replaces the caller's PYTHONPATH (the dsrl site: SGLang 0.5.17, transformers 5.12.1), and gets JIT caches of its
-    own (VERL_JIT); a layered one goes before it."""
-    env = dict(env, VERL_FILE_LOGGER_PATH=str(work / "metrics.jsonl"))
+    own (VERL_JIT); a layered one goes before it. Its agent loop traces each sample into `work`/TRACE."""
+    env = dict(env, VERL_FILE_LOGGER_PATH=str(work / "metrics.jsonl"), PEERS_AGENT_TRACE=str(work / TRACE))
     own = own_stack(site)
     rest = [] if own else [env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(ROOT), str(PEERS), *rest) if p)
@@ -685,6 +687,7 @@ def one_run(name: str, args, w: dict, model: Path, data: dict[str, Path], seed: 
     p = PAIRS[pair] if pair else None
     settings = []
     if framework == "verl":
+        (work / TRACE).unlink(missing_ok=True)  # its agent loop appends: a run again in this directory starts anew
         env = verl_env(env, args.verl_site, work)
         server = SERVER_0512 if own_stack(args.verl_site) else SERVER
         settings = verl_settings(w, model, data["verl"], work, args.steps, seed, args.gpus, p, args.verl_poll,
@@ -696,7 +699,7 @@ def one_run(name: str, args, w: dict, model: Path, data: dict[str, Path], seed: 
     started = time.time()
     outcome = run(argv, log, limit, env, VERL_DONE if framework == "verl" else None)
     if framework == "verl":
-        steps = report.verl_steps(work / "metrics.jsonl", log.read_text(errors="replace"))
+        steps = report.verl_steps(work / "metrics.jsonl", log.read_text(errors="replace"), work / TRACE)
     else:
         steps = report.dsrl_steps(work / "run")
     mode = p.what if p else DSRL_VARIANTS[name][0] if framework == "dsrl" else "best"

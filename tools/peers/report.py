@@ -36,7 +36,8 @@ PREFIX = {"verl": "timing_s/", "dsrl": "timing/"}
 REWARD = {"verl": "critic/score/mean", "dsrl": "reward/mean"}
 LENGTH = {"verl": "response_length/mean", "dsrl": "response/length_mean"}
 KEEP = re.compile(
-    r"^(timing_s/|timing/|perf/|memory/|critic/score/|reward/mean|response_length/mean|response/length|sync/|mismatch/)"
+    r"^(timing_s/|timing/|perf/|memory/|critic/score/|reward/mean|response_length/mean|response/length|sync/|mismatch/"
+    r"|trace/)"
 )
 """The per-step metrics a run's record keeps."""
 
@@ -70,8 +71,31 @@ MIN_STEADY = 10
 _CONSOLE = re.compile(r"step:(\d+) - (.*)$")
 
 
-def verl_steps(jsonl: Path | None = None, console: str = "") -> list[dict[str, float]]:
-    """verl's per-step metrics, from its file logger's JSON lines, else from its console lines."""
+def trace_steps(path: Path) -> dict[int, dict[str, float]]:
+    """Per step, where verl's samples spent its `gen`, from its agent loop's trace (tools/peers/verl_agent.py, one
+    line a sample): `trace/span_s` from the first sample's start to the last one's end (`gen` less it: the servers'
+    sleep, the poll and the last sample's scoring and storing; the prompts are handed out before `gen` starts),
+    `trace/start_spread_s` from the first start to the last, `trace/longest_sample_s` and
+    `trace/longest_request_s` (its request alone: the balancer, the server's actor, SGLang)."""
+    samples: dict[int, list[dict]] = {}
+    for line in path.read_text().splitlines() if path.is_file() else ():
+        if line.strip():
+            sample = json.loads(line)
+            samples.setdefault(int(sample["step"]), []).append(sample)
+    return {
+        step: {
+            "trace/span_s": max(s["end"] for s in rows) - min(s["start"] for s in rows),
+            "trace/start_spread_s": max(s["start"] for s in rows) - min(s["start"] for s in rows),
+            "trace/longest_sample_s": max(s["end"] - s["start"] for s in rows),
+            "trace/longest_request_s": max(s["request_s"] or 0.0 for s in rows),
+        }
+        for step, rows in samples.items()
+    }
+
+
+def verl_steps(jsonl: Path | None = None, console: str = "", trace: Path | None = None) -> list[dict[str, float]]:
+    """verl's per-step metrics, from its file logger's JSON lines, else from its console lines; with its agent
+    loop's `trace` (trace_steps) where there is one."""
     steps: dict[int, dict[str, float]] = {}
     if jsonl is not None and jsonl.is_file():
         for line in jsonl.read_text().splitlines():
@@ -84,7 +108,8 @@ def verl_steps(jsonl: Path | None = None, console: str = "") -> list[dict[str, f
             if found:
                 pairs = (item.split(":", 1) for item in found.group(2).split(" - ") if ":" in item)
                 steps[int(found.group(1))] = {k.strip(): float(v) for k, v in pairs if _number(v)}
-    return [_kept(steps[k]) for k in sorted(steps)]
+    traced = trace_steps(trace) if trace is not None else {}
+    return [_kept(steps[k] | traced.get(k, {})) for k in sorted(steps)]
 
 
 def dsrl_steps(run_dir: Path) -> list[dict[str, float]]:
