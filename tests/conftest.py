@@ -19,9 +19,15 @@ SHARED_RUNS = (
     ("tests/test_fleet.py::",),
     ("tests/test_lora.py::",),
     ("tests/test_nothing_lost.py::test_sigterm_", "tests/test_nothing_lost.py::test_a_truncated_latest_"),
+    ("tests/test_sync.py::",),
+    ("tests/test_agents.py::",),
+    ("tests/test_async.py::",),
+    ("tests/test_embedded.py::",),
 )
 """Tests that share one costly module fixture, by their ids' beginnings: whole files (the toy run, the Ray fleet run,
-the LoRA run: 80-150 s each), or the tests of one file that read one story (the stopped run)."""
+the LoRA run: 80-150 s each; the sync worker's runs on 2 ranks and on 1, 25-30 s each, which split files built on
+both workers; the servers of the agent, async and embedded tests, 4-5 s each), or the tests of one file that read one
+story (the stopped run)."""
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -35,6 +41,12 @@ def pytest_xdist_make_scheduler(config, log):
             return next((group[0] for group in SHARED_RUNS if nodeid.startswith(group)), nodeid)
 
     return SharedRunsWhole(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The `slow` tests first (xdist hands out the groups of SHARED_RUNS first, then single tests in this order): the
+    suite then ends on short tests on both workers, instead of one worker finishing a run of a minute or more alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="session")

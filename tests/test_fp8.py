@@ -152,6 +152,7 @@ def fp8_run(tmp_path_factory):
     return run_dir, {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}, proc.stderr
 
 
+@pytest.mark.slow
 def test_an_fp8_run_syncs_fp8_weights_and_passes_its_probe(fp8_run):
     """A few steps of the toy (learning over 200: docs/benchmarks.md, "FP8 rollout")."""
     run_dir, metrics, log = fp8_run

@@ -308,14 +308,15 @@ def test_the_critic_is_a_second_adapter_and_a_head_on_the_actors_base(tmp_path):
 
 def test_ppo_with_critic_adapters_on_one_base_learns(tmp_path):
     """PPO with a critic, all LoRA: the actor's adapter, the critic's adapter and value head, and the reference
-    share one frozen base in one engine. The toy task learns (0.03 -> 0.30, first/last five steps), the critic
-    tracks the returns, and what is exported is the actor's adapter alone. Packed micro-batches; the base
-    partitioned by ZeRO-3 (`lora_run` and the resume test in test_ppo.py: replicated, the default on a small one)."""
+    share one frozen base in one engine. The toy task learns (0.03 -> 0.23 in 32 steps, first/last five; asked a
+    rise of 0.1; 0.31 at 40), the critic tracks the returns, and what is exported is the actor's adapter alone.
+    Packed micro-batches; the base partitioned by ZeRO-3 (`lora_run` and the resume test in test_ppo.py:
+    replicated, the default on a small one)."""
     base, run_dir = lora_base(tmp_path / "base"), tmp_path / "run"
     args = ["--model.path", str(base), "--model.init_from_config", "false", "--model.lora_rank", "8"]
     args += ["--model.lora_base", "partitioned"]
-    args += ["--trainer.lr", "1e-2", "--critic.lr", "2e-2", "--trainer.total_steps", "40", "--eval.path", "null"]
-    args += ["--logging.save_every", "40", "--logging.export_hf", "true", "--trainer.pack_sequences", "true"]
+    args += ["--trainer.lr", "1e-2", "--critic.lr", "2e-2", "--trainer.total_steps", "32", "--eval.path", "null"]
+    args += ["--logging.save_every", "32", "--logging.export_hf", "true", "--trainer.pack_sequences", "true"]
     log = run_to_end(train_cmd("toy_cpu_ppo.yaml", run_dir, *args))
     assert "the critic is a second LoRA adapter and a value head on the actor's base" in log
     assert "ZeRO-3 gathers 2 layers (Qwen2DecoderLayer) whole" in log
@@ -324,9 +325,9 @@ def test_ppo_with_critic_adapters_on_one_base_learns(tmp_path):
     reward, value_loss = list(a["reward/mean"].values()), list(a["critic/value_loss"].values())
     assert sum(reward[-5:]) / 5 > sum(reward[:5]) / 5 + 0.1, reward
     assert sum(value_loss[:3]) / 3 > 2 * sum(value_loss[8:16]) / 8, value_loss
-    assert (a["actor/lr"][40], a["critic/lr"][40]) == pytest.approx((1e-2, 2e-2)), "one engine, two learning rates"
+    assert (a["actor/lr"][32], a["critic/lr"][32]) == pytest.approx((1e-2, 2e-2)), "one engine, two learning rates"
     out = tmp_path / "exported"  # from the checkpoint, which holds both adapters and the head
-    subprocess.run([sys.executable, "-m", "dsrl.cli", "export", "--checkpoint", str(run_dir / "checkpoints/step_40"),
+    subprocess.run([sys.executable, "-m", "dsrl.cli", "export", "--checkpoint", str(run_dir / "checkpoints/step_32"),
                     "--out", str(out)], cwd=ROOT, check=True, capture_output=True)  # fmt: skip
     actor = sum(p.numel() for n, p in lora_model(base, rank=8).named_parameters() if ".lora_" in n)
     ids = torch.randint(2, 13, (4, 6))

@@ -154,6 +154,7 @@ def moe_runs(tmp_path_factory):
     return root / "on", log, scalars(root / "on"), scalars(root / "off")
 
 
+@pytest.mark.slow
 def test_moe_trains_with_routing_replay_end_to_end(moe_runs):
     """The probe after every sync finds the servers' weights the trainer's, to bfloat16's error (the experts loaded by
     their per-expert names); the replayed routing differs from the trainer's own in a few decisions, and with it the

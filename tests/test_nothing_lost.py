@@ -241,6 +241,7 @@ def steps_logged(text: str) -> list[int]:
     return [int(step) for step in re.findall(r"\[dsrl\] step (\d+)/\d+ \|", text)]
 
 
+@pytest.mark.slow
 def test_kill_9_of_dsrl_train_ends_every_process_of_the_run_and_the_run_dir_stays_locked_until_then(tmp_path):
     """`kill -9` of the CLI used to leave the launcher, the ranks and the server training on to the last step,
     and a second run took over the directory they were still writing. The ranks are held stopped (SIGSTOP)

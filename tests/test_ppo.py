@@ -8,6 +8,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.test_reliability import TIMING, run_and_kill, run_to_end, scalars, trace, train_cmd
 
+pytestmark = pytest.mark.slow  # each test a `dsrl train` run or two: tests/conftest.py runs them first
+
 
 def test_ppo_with_a_critic_learns_the_toy_task(tmp_path):
     """Packed micro-batches (the default on GPUs; on CPU each sequence's attention alone): the actor, the

@@ -27,6 +27,8 @@ from dsrl.rollout.manager import PromptStream
 from dsrl.tasks import toy
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # each test a `dsrl train` run or two: tests/conftest.py runs them first
+
 # Wall-clock figures differ between any two runs; everything else must match bit for bit.
 TIMING = ("timing/", "memory/", "sync/seconds", "sync/gb_per_s", "sync/probe_seconds", "rollout/trainer_idle_s",
           "rollout/gen_idle_s", "rollout/tokens_per_s")  # fmt: skip

@@ -40,6 +40,7 @@ def reward_model(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_grpo_against_a_reward_model_raises_its_score_and_the_hidden_rule_reward(reward_model, tmp_path):
     """GRPO on the toy task, 1 rank, 40 steps, rewarded by the reward model alone (the rule reward is logged with
     weight 0). Measured: the model's score -2.7 -> 0.0 and the rule reward 0.06 -> 0.14 (first 5 steps against
