@@ -55,13 +55,17 @@ def build(out: Path, size: str, vocab: int = 151936) -> Path:
         bos_token_id=None,
         **({"num_labels": 1} if reward_model else {}),
     )
+    return save_random(out, config, vocab, AutoModelForSequenceClassification if reward_model else AutoModelForCausalLM)
+
+
+def save_random(out: Path, config, vocab: int, auto=AutoModelForCausalLM) -> Path:
+    """A model of `config` with seeded random bf16 weights, and the toy tokenizer padded to `vocab`, saved in `out`:
+    built on the GPU (fast), or on the host where it does not fit (32B's 65 GB on an H100)."""
+    with torch.device("meta"):
+        size = sum(p.numel() for p in auto.from_config(config).parameters()) * 2
+    fits = torch.cuda.is_available() and size < 0.8 * torch.cuda.mem_get_info()[0]
     torch.manual_seed(0)
-    # (32B's 65 GB in bf16 do not fit an H100: built on the host there, slower)
-    size_bytes = layers * (3 * inter + 4 * hidden) * hidden * 2
-    fits = torch.cuda.is_available() and size_bytes < 0.8 * torch.cuda.mem_get_info()[0]
-    device = "cuda" if fits else "cpu"
-    auto = AutoModelForSequenceClassification if reward_model else AutoModelForCausalLM
-    with torch.device(device):
+    with torch.device("cuda" if fits else "cpu"):
         model = auto.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out)
     build_tokenizer(vocab).save_pretrained(out)
@@ -79,12 +83,7 @@ def build_moe(out: Path, layers: int, vocab: int) -> Path:
         num_key_value_heads=4, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False,
         eos_token_id=VOCAB.index("<eos>"), pad_token_id=VOCAB.index("<pad>"), bos_token_id=None,
     )  # fmt: skip
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(out)
-    build_tokenizer(vocab).save_pretrained(out)
-    return out
+    return save_random(out, config, vocab)
 
 
 def build_chat(out: Path, size: str) -> Path:

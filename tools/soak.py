@@ -154,8 +154,9 @@ def main() -> None:
     flag = dict(zip(argv, argv[1:]))  # (the last value of a flag given twice)
     samples = int(flag["--rollout.prompts_per_step"]) * int(flag["--rollout.n_samples"])
     record = summary(args.name, work / "run", rc, kill_step, started, samples, args.gpus)
-    record |= {f: re.findall(rf"{f} [^\n]* in ([0-9.]+) s", (args.out / f"run_{args.name}.log").read_text())
-               for f in ("checkpoint", "exported")}  # fmt: skip
+    logged = (args.out / f"run_{args.name}.log").read_text()  # (train.py's lines: not the writes' progress lines)
+    record |= {"checkpoint": re.findall(r"checkpoint step_\d+ written in ([0-9.]+) s", logged),
+               "exported": re.findall(r"\] exported \S+ in ([0-9.]+) s", logged)}  # fmt: skip
     path = args.out / "soak.json"
     records = json.loads(path.read_text()) if path.is_file() else []
     path.write_text(json.dumps(records + [record], indent=1))

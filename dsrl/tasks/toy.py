@@ -32,49 +32,27 @@ def build_tokenizer(vocab_size: int = len(VOCAB)):
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
 
 
+SHAPE = {"vocab_size": len(VOCAB), "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": True, "bos_token_id": None,
+         "eos_token_id": VOCAB.index("<eos>"), "pad_token_id": VOCAB.index("<pad>"),
+         "torch_dtype": "float32"}  # fmt: skip
+"""What the toy model's dense and mixture-of-experts configs share."""
+
+
 def build_model_config():
     from transformers import Qwen2Config
 
-    return Qwen2Config(
-        vocab_size=len(VOCAB),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=VOCAB.index("<eos>"),
-        pad_token_id=VOCAB.index("<pad>"),
-        torch_dtype="float32",
-    )
+    return Qwen2Config(**SHAPE, num_hidden_layers=2)
 
 
 def build_moe_config():
     """The toy model as a mixture of experts (`configs/toy_cpu_moe.yaml`): Qwen3-MoE's architecture, 4 layers of 8
-    experts, each token routed to 2 (renormalised over them, as Qwen3-30B-A3B)."""
+    experts, each token routed to 2 (renormalised over them, as Qwen3-30B-A3B). (`intermediate_size` is a dense
+    layer's: none here.)"""
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(
-        vocab_size=len(VOCAB),
-        hidden_size=64,
-        intermediate_size=128,  # (of a dense layer: none here)
-        moe_intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=VOCAB.index("<eos>"),
-        pad_token_id=VOCAB.index("<pad>"),
-        torch_dtype="float32",
-    )
+    return Qwen3MoeConfig(**SHAPE, num_hidden_layers=4, head_dim=16, moe_intermediate_size=64, num_experts=8,
+                          num_experts_per_tok=2, norm_topk_prob=True)  # fmt: skip
 
 
 def make_rows(n: int, seed: int) -> list[dict]:

@@ -22,6 +22,7 @@ import torch
 
 from dsrl.auto import bf16, device_memory, use_cuda
 from dsrl.config import Config, critic_on_actor_base, reward_beside_rollouts
+from dsrl.moe import is_moe
 from dsrl.zero.actor import LOGPROB_CHUNK
 from dsrl.zero.batches import largest_micro_batch
 
@@ -63,7 +64,7 @@ def activation_bytes(config, tokens: int, checkpointing: bool, width: int = 2, l
     `width`: bytes per value (2 in bf16, 4 in fp32); `liger`: the layers run liger-kernel's fused kernels."""
     per_width = LIGER_ACTIVATION_BYTES if liger else ACTIVATION_BYTES
     mlp = config.intermediate_size
-    if getattr(config, "num_experts_per_tok", 0):  # a MoE block keeps each token's copy for every expert it routes
+    if is_moe(config):  # a MoE block keeps each token's copy for every expert it routes
         mlp = config.num_experts_per_tok * (config.moe_intermediate_size + config.hidden_size)  # to (fitted: 1 run)
     layer, layers = per_width * (config.hidden_size + mlp), config.num_hidden_layers
     kept = layers * 2 * config.hidden_size + layer if checkpointing else layers * layer
