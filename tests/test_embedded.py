@@ -194,11 +194,59 @@ def test_flattened_and_per_tensor_updates_over_gloo(server, toy_weights):
         dist.destroy_process_group(dist.group.WORLD)
 
 
-def test_client_retries_idempotent_calls_then_names_the_server():
-    client = RolloutClient([f"http://127.0.0.1:{free_port()}"], timeout_s=5, retries=1)
+def test_a_receive_the_trainer_gave_up_on_ends_when_its_group_is_destroyed(server, toy_weights):
+    """A trainer whose broadcast failed (a peer died first) leaves the servers waiting in the group's broadcast:
+    /destroy_weights_update_group ends the wait at once, and the server generates and takes the next group's
+    update. (Before, the wait held the weights' locks until the group's 600 s timeout, and the trainer's retry
+    waited behind it: CI's async crash test died so.)"""
+
+    def join(name: str):
+        port = free_port()
+        body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
+        joining = server.submit(server.all_servers("/init_weights_update_group", {**body, "group_name": name}))
+        group = init_weight_update_group("127.0.0.1", port, 0, 2, name, "gloo", timeout_s=30)
+        joining.result(30)
+        return group
+
+    fresh = list(AutoModelForCausalLM.from_pretrained(toy_weights).named_parameters())
+    names = [n for n, _ in fresh]
+    meta = {"names": names, "dtypes": ["float32"] * len(names), "shapes": [list(p.shape) for _, p in fresh]}
+    join("abandoned")
+    payload = {**meta, "group_name": "abandoned", "load_format": "flattened_bucket"}
+    waiting = server.submit(server.all_servers("/update_weights_from_distributed", payload))
+    time.sleep(0.5)  # the server is in the broadcast now; the trainer sends nothing
+    assert not waiting.done()
+    server.call_all("/destroy_weights_update_group", {"group_name": "abandoned"})
+    with pytest.raises(ServerError, match="'abandoned' was destroyed while this update waited"):
+        waiting.result(10)
+    assert len(gen(server, {"max_new_tokens": 2})["output_ids"]) >= 1
+
+    group = join("next")
+    for _, p in fresh:
+        p.data.uniform_()
+    payload = {**meta, "group_name": "next", "load_format": "flattened_bucket", "weight_version": "6"}
+    reply = server.submit(server.all_servers("/update_weights_from_distributed", payload))
+    dist.broadcast(torch.cat([p.detach().view(-1).view(torch.uint8) for _, p in fresh]), group=group, group_src=0)
+    reply.result(30)
+    got = server.call_all("/get_weights_by_name", {"name": names[-1], "truncate_size": 10_000})[0]
+    assert torch.equal(torch.tensor(got), fresh[-1][1].detach()) and server.weight_versions() == ["6"]
+    with pytest.raises(ServerError, match="no weight update group named 'abandoned'"):
+        server.call_all("/destroy_weights_update_group", {"group_name": "abandoned"})
+
+
+def test_client_retries_idempotent_calls_then_names_the_server_unless_it_was_found_gone():
+    url = f"http://127.0.0.1:{free_port()}"
+    client = RolloutClient([url], timeout_s=5, retries=1)
     try:
+        start = time.perf_counter()
         with pytest.raises(NoServerLeft, match=r"/model_info: connection failed.*is the server running"):
             client.weight_versions()
+        assert time.perf_counter() - start >= 0.5  # the retry's back-off
+        client.mark_down(url, "a /generate failed")  # e.g. the rollout found it killed: an update's pause is not
+        start = time.perf_counter()  # retried (its 3.5 s were the stall of the update after a death)
+        with pytest.raises(ServerError, match="/pause_generation: connection failed"):
+            client.run(client.request(url, "/pause_generation", {}))
+        assert time.perf_counter() - start < 0.5
     finally:
         client.close()
 

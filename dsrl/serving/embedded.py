@@ -470,23 +470,26 @@ class Engine:
             timeout_s=float(body.get("timeout_s", 600)),
         )
 
-    def update_from_distributed(self, body: dict) -> None:
-        import torch.distributed as dist
+    def destroy_group(self, name: str) -> None:
+        """SGLang's /destroy_weights_update_group. A receive still waiting in the group ends with an error: a
+        trainer whose broadcast failed (a peer died) asks this, or the receive would hold the weights' locks,
+        and every later update and decode step, until the group's own timeout."""
+        if self.groups.pop(name, None) is None:
+            raise BadRequest(f"no weight update group named {name!r}")
 
+    def update_from_distributed(self, body: dict) -> None:
         self.check_weights_resident()
         self._maybe_crash()
-        group = self.groups.get(body.get("group_name", "weight_update_group"))
+        name = body.get("group_name", "weight_update_group")
+        group = self.groups.get(name)
         if group is None:
-            raise BadRequest(f"no weight update group named {body.get('group_name')!r}; "
-                             "call /init_weights_update_group")  # fmt: skip
+            raise BadRequest(f"no weight update group named {name!r}; call /init_weights_update_group")
         names, shapes = body["names"], body["shapes"]
         dtypes = [getattr(torch, d) for d in body["dtypes"]]
         if body.get("load_format") != "flattened_bucket":  # one broadcast per tensor, in order
             tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
             with self.recv_lock:
-                works = [dist.broadcast(t, group=group, group_src=0, async_op=True) for t in tensors]
-                for work in works:
-                    work.wait()
+                self._receive(tensors, name, group)
             self.load_weights(list(zip(names, tensors)))
             return
         # One uint8 broadcast holding every tensor's bytes back to back, in `names` order (SGLang's layout).
@@ -494,12 +497,12 @@ class Engine:
         in_place = self._storage_slice(names, dtypes, sizes)
         if in_place is not None:  # the bucket is a run of consecutive parameters: receive straight into them
             with self.recv_lock, self.model_lock:
-                dist.broadcast(in_place, group=group, group_src=0)
+                self._receive([in_place], name, group)
             return
         with self.recv_lock:
             free = self.free_buffers.setdefault(sum(sizes), [])
             flat = free.pop() if free else torch.empty(sum(sizes), dtype=torch.uint8)
-            dist.broadcast(flat, group=group, group_src=0)
+            self._receive([flat], name, group)  # (a buffer an abandoned receive may still write to is not reused)
         try:
             tensors, offset = [], 0
             for size, shape, dtype in zip(sizes, shapes, dtypes):
@@ -509,6 +512,18 @@ class Engine:
         finally:
             with self.recv_lock:
                 self.free_buffers[sum(sizes)].append(flat)
+
+    def _receive(self, tensors: list[torch.Tensor], name: str, group) -> None:
+        """Trainer rank 0's broadcasts into `tensors`, in order, unless the group is destroyed meanwhile."""
+        import torch.distributed as dist
+
+        works = [dist.broadcast(t, group=group, group_src=0, async_op=True) for t in tensors]
+        for work in works:
+            while not work.is_completed():
+                if self.groups.get(name) is not group:
+                    raise BadRequest(f"weight update group {name!r} was destroyed while this update waited in it")
+                time.sleep(0.001)
+            work.wait()
 
     def _maybe_crash(self) -> None:
         """Die in the middle of a weight update, once, when the test asks for it (a crash mid-sync)."""
@@ -655,6 +670,7 @@ class Api:
             web.post("/resume_memory_occupation", self.resume_memory),
             web.post("/init_weights_update_group", self.init_weights_update_group),
             web.post("/update_weights_from_distributed", self.update_weights_from_distributed),
+            web.post("/destroy_weights_update_group", self.destroy_weights_update_group),
             web.post("/update_weights_from_disk", self.update_weights_from_disk),
             web.post("/update_weight_version", self.update_weight_version),
             web.post("/get_weights_by_name", self.get_weights_by_name),
@@ -774,6 +790,10 @@ class Api:
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         await asyncio.to_thread(self.engine.init_group, await body_of(request))
         return ok(message="Succeeded to initialize custom process group.")
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        self.engine.destroy_group((await body_of(request)).get("group_name", "weight_update_group"))
+        return ok(message="Succeeded to destroy custom process group.")
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         body = await body_of(request)

@@ -35,14 +35,17 @@ class BroadcastTransport(Transport):
         self.backend = backend
         self.group: dist.ProcessGroup | None = None
         self.group_name = ""
+        self.members: list[str] = []
+        """(rank 0) the servers in the group, in rank order."""
         self.gatherer: FlatGatherer | None = None
 
     def connect(self) -> None:
         """Form the weight-update group: trainer rank 0 plus every tensor-parallel rank of every server."""
         client = self.client
+        self.members = client.live_urls()
         tp_sizes = [int(info.get("tp_size", 1)) for info in client.call_all("/server_info", method="GET")]
         world = 1 + sum(tp_sizes)
-        hosts = [urlparse(url).hostname for url in client.urls]
+        hosts = [urlparse(url).hostname for url in self.members]
         local = set(hosts) <= {"127.0.0.1", "localhost"}
         # Servers on other machines must reach trainer rank 0: its address on the route to them (not
         # gethostbyname(gethostname()), 127.0.1.1 on Debian-style hosts), or --sync.master_address.
@@ -51,7 +54,7 @@ class BroadcastTransport(Transport):
         # torch refuses a second group of the same name in one process (e.g. after a server restart)
         self.group_name = f"dsrl_weight_update_{port}"
         requests = []
-        for i, url in enumerate(client.urls):
+        for i, url in enumerate(self.members):
             body = {
                 "master_address": address,
                 "master_port": port,
@@ -74,7 +77,7 @@ class BroadcastTransport(Transport):
         except Exception as e:
             raise SyncError(
                 f"weight-update group ({self.backend}, {address}:{port}, world {world}) did not form within "
-                f"{self.cfg.timeout_s:.0f}s: {e}; check that every server ({', '.join(client.urls)}) can reach "
+                f"{self.cfg.timeout_s:.0f}s: {e}; check that every server ({', '.join(self.members)}) can reach "
                 f"{address}:{port} (--sync.master_address), and the server logs"
             ) from e
         replies.result(self.cfg.timeout_s)
@@ -99,6 +102,7 @@ class BroadcastTransport(Transport):
                 if in_flight is not None:
                     with clock("broadcast"), self._deadline(f"the broadcast of bucket {i}/{n}"):
                         self._wait(in_flight, replies)  # its buffer is reused two buckets later
+                self._check_members(f"bucket {i + 1}/{n}")
                 with clock("post"), self._deadline(f"the broadcast of bucket {i + 1}/{n}"):
                     previous = replies[-1] if replies else None
                     reply, in_flight = self._send(bucket, weight_version, flush_cache, previous)
@@ -118,12 +122,39 @@ class BroadcastTransport(Transport):
             failure = e
         self.profile = clock.seconds
         if failure is not None:
-            self.group = None  # a broken group is never reused: the next update forms a new one
+            self._abandon_group()
             raise SyncError(f"weight update to version {weight_version} failed: {failure}") from failure
         return sent
 
     def reset(self, numbers: list[int]) -> None:
         self.group = None
+
+    def _check_members(self, what: str) -> None:
+        """A server of the group that went down (a failed request, e.g. the /pause_generation before this update)
+        fails the update before `what` is sent: gloo's root sends down its tree, and a dead peer it reaches first
+        leaves the others waiting in the broadcast (seen on the embedded engine: a survivor held its weights'
+        locks until the group's 600 s timeout)."""
+        down = [url for url in self.members if url in self.client.down]
+        if down:
+            raise SyncError(f"{', '.join(down)} went down before {what} was sent")
+
+    def _abandon_group(self) -> None:
+        """A failed group is never reused (the next update forms a new one), and the live servers are asked to
+        destroy it, which ends a receive still waiting in it; a server that cannot is left to the next update."""
+        self.group = None
+        if not self.rank0 or not self.members:
+            return
+        live = [url for url in self.members if url not in self.client.down]
+        body = {"group_name": self.group_name}
+
+        async def destroy_all():
+            calls = (self.client.request(url, "/destroy_weights_update_group", body, timeout_s=30) for url in live)
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+        replies = self.client.run(destroy_all())
+        for url, reply in zip(live, replies):
+            if isinstance(reply, BaseException):
+                log.warning("%s did not destroy the failed weight-update group %s: %s", url, self.group_name, reply)
 
     def _deadline(self, what: str):
         """A wait NCCL may never return from (a peer that never joins, a broadcast nobody receives) ends the run,
