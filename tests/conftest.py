@@ -1,8 +1,10 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,3 +80,19 @@ def run_ranks(ranks: int, script: Path, *args) -> int:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return port
+
+
+def still_running(pids: list[int], within_s: float = 10) -> list[int]:
+    """Those of `pids` still running (not gone, not a zombie) after up to `within_s`: a SIGKILL is delivered, and a
+    process torn down, a moment after it is sent (CI once saw a killed child "running" the instant after)."""
+
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    due = time.monotonic() + within_s
+    while any(running(pid) for pid in pids) and time.monotonic() < due:
+        time.sleep(0.1)
+    return [pid for pid in pids if running(pid)]

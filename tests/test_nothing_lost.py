@@ -27,7 +27,7 @@ from dsrl.data import PromptDataset
 from dsrl.rundir import EXPORT_MARKER, ExportTargetError, RunDirLocked, RunLock, check_export_target, write_error
 from dsrl.tasks import toy
 from dsrl.zero.checkpoint import ShardWriter
-from tests.conftest import ROOT, TOY_MODEL
+from tests.conftest import ROOT, TOY_MODEL, still_running
 
 TOY = ["--config", str(ROOT / "configs/toy_cpu.yaml"), "--eval.path", "null", "--logging.export_hf", "false"]
 
@@ -184,7 +184,7 @@ def stopped_run(tmp_path_factory) -> SimpleNamespace:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    alive = [pid for pid in run if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    alive = still_running(run)
     stopped_at = int((run_dir / "checkpoints" / "latest").read_text().split("_")[1])
     manifest = (run_dir / "checkpoints" / f"step_{stopped_at}" / "manifest.json").is_file()
     stopped = SimpleNamespace(returncode=proc.returncode, text=out.read_text(), logged=logged, alive=alive,
