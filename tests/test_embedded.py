@@ -149,25 +149,41 @@ def test_memory_release_rules(server, toy_weights):
     assert len(gen(server, {"max_new_tokens": 1})["output_ids"]) == 1
 
 
-def test_flattened_and_per_tensor_updates_over_gloo(server, toy_weights):
+def join_group(server, name: str):
+    """Trainer rank 0's end of a gloo weight-update group with the one server."""
     port = free_port()
     body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
     joining = server.submit(
-        server.all_servers("/init_weights_update_group", {**body, "group_name": "t", "backend": "gloo"})
+        server.all_servers("/init_weights_update_group", {**body, "group_name": name, "backend": "gloo"})
     )
-    group = init_weight_update_group("127.0.0.1", port, 0, 2, "t", "gloo", timeout_s=30)
+    group = init_weight_update_group("127.0.0.1", port, 0, 2, name, "gloo", timeout_s=30)
     joining.result(30)
+    return group
 
+
+def bucket_of(params: list) -> dict:
+    """The request fields of one flattened bucket holding these (name, parameter) pairs."""
+    names = [n for n, _ in params]
+    return {"names": names, "dtypes": ["float32"] * len(names), "shapes": [list(p.shape) for _, p in params],
+            "load_format": "flattened_bucket"}  # fmt: skip
+
+
+def send_bucket(server, group, name: str, params: list, version: str) -> None:
+    """Every parameter in one flattened bucket: the server's request, and trainer rank 0's broadcast."""
+    payload = {**bucket_of(params), "group_name": name, "weight_version": version}
+    reply = server.submit(server.all_servers("/update_weights_from_distributed", payload))
+    dist.broadcast(torch.cat([p.detach().view(-1).view(torch.uint8) for _, p in params]), group=group, group_src=0)
+    reply.result(30)
+
+
+def test_flattened_and_per_tensor_updates_over_gloo(server, toy_weights):
+    group = join_group(server, "t")
     torch.manual_seed(1)
     fresh = list(AutoModelForCausalLM.from_pretrained(toy_weights).named_parameters())
     for _, p in fresh:
         p.data.normal_()
     names = [n for n, _ in fresh]
-    meta = {"names": names, "dtypes": ["float32"] * len(names), "shapes": [list(p.shape) for _, p in fresh]}
-    payload = {**meta, "group_name": "t", "load_format": "flattened_bucket", "weight_version": "5"}
-    reply = server.submit(server.all_servers("/update_weights_from_distributed", payload))
-    dist.broadcast(torch.cat([p.detach().view(-1).view(torch.uint8) for _, p in fresh]), group=group, group_src=0)
-    reply.result(30)
+    send_bucket(server, group, "t", fresh, "5")
     for name, p in fresh:
         got = server.call_all("/get_weights_by_name", {"name": name, "truncate_size": 10_000})[0]
         assert torch.equal(torch.tensor(got), p.detach()), name
@@ -200,19 +216,9 @@ def test_a_receive_the_trainer_gave_up_on_ends_when_its_group_is_destroyed(serve
     update. (Before, the wait held the weights' locks until the group's 600 s timeout, and the trainer's retry
     waited behind it: CI's async crash test died so.)"""
 
-    def join(name: str):
-        port = free_port()
-        body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
-        joining = server.submit(server.all_servers("/init_weights_update_group", {**body, "group_name": name}))
-        group = init_weight_update_group("127.0.0.1", port, 0, 2, name, "gloo", timeout_s=30)
-        joining.result(30)
-        return group
-
     fresh = list(AutoModelForCausalLM.from_pretrained(toy_weights).named_parameters())
-    names = [n for n, _ in fresh]
-    meta = {"names": names, "dtypes": ["float32"] * len(names), "shapes": [list(p.shape) for _, p in fresh]}
-    join("abandoned")
-    payload = {**meta, "group_name": "abandoned", "load_format": "flattened_bucket"}
+    join_group(server, "abandoned")
+    payload = {**bucket_of(fresh), "group_name": "abandoned"}
     waiting = server.submit(server.all_servers("/update_weights_from_distributed", payload))
     time.sleep(2)  # the server is in the broadcast now (its request arrived well before); the trainer sends nothing
     assert not waiting.done()
@@ -221,14 +227,11 @@ def test_a_receive_the_trainer_gave_up_on_ends_when_its_group_is_destroyed(serve
         waiting.result(10)
     assert len(gen(server, {"max_new_tokens": 2})["output_ids"]) >= 1
 
-    group = join("next")
+    group = join_group(server, "next")
     for _, p in fresh:
         p.data.uniform_()
-    payload = {**meta, "group_name": "next", "load_format": "flattened_bucket", "weight_version": "6"}
-    reply = server.submit(server.all_servers("/update_weights_from_distributed", payload))
-    dist.broadcast(torch.cat([p.detach().view(-1).view(torch.uint8) for _, p in fresh]), group=group, group_src=0)
-    reply.result(30)
-    got = server.call_all("/get_weights_by_name", {"name": names[-1], "truncate_size": 10_000})[0]
+    send_bucket(server, group, "next", fresh, "6")
+    got = server.call_all("/get_weights_by_name", {"name": fresh[-1][0], "truncate_size": 10_000})[0]
     assert torch.equal(torch.tensor(got), fresh[-1][1].detach()) and server.weight_versions() == ["6"]
     with pytest.raises(ServerError, match="no weight update group named 'abandoned'"):
         server.call_all("/destroy_weights_update_group", {"group_name": "abandoned"})

@@ -141,9 +141,7 @@ class BroadcastTransport(Transport):
     def _abandon_group(self) -> None:
         """A failed group is never reused (the next update forms a new one), and the live servers are asked to
         destroy it, which ends a receive still waiting in it; a server that cannot is left to the next update."""
-        self.group = None
-        if not self.rank0 or not self.members:
-            return
+        self.group = None  # (rank 0 only: the other ranks return before they could fail)
         live = [url for url in self.members if url not in self.client.down]
         body = {"group_name": self.group_name}
 
