@@ -289,6 +289,14 @@ def test_fleet_sees_a_dead_server_by_its_process_and_replaces_it_in_the_backgrou
         while victim not in fleet.exited() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert fleet.exited() == {victim}
+        client = RolloutClient(fleet.urls, timeout_s=5, gone=fleet.gone)
+        try:  # a refused connection to a server whose process exited is final: no retries' 3.5 s of back-off
+            start = time.perf_counter()
+            with pytest.raises(ServerError, match="/pause_generation: connection failed"):
+                client.run(client.request(victim, "/pause_generation", {}))
+            assert time.perf_counter() - start < 1.5
+        finally:
+            client.close()
         change = fleet.heal(fleet.exited())
         assert change.urls == [survivor] and change.joined == [] and change.numbers == [1]
         assert len(fleet.starting) == 1, "heal returned before the replacement answered"

@@ -12,7 +12,7 @@ import concurrent.futures
 import logging
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,7 @@ class RolloutClient:
         retries: int = 3,
         api_key: str | None = None,
         route: str = "least_loaded",
+        gone: Callable[[str], bool] | None = None,
     ):
         if not urls:
             raise ValueError("RolloutClient needs at least one server URL")
@@ -74,6 +75,9 @@ class RolloutClient:
         self.timeout_s = timeout_s
         self.retries = retries
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.gone = gone
+        """Whether a server's process is known to have exited (the fleet that started it): its refused connection is
+        final, not retried. None: retried (external servers)."""
         self.route = route
         """group: requests with the same `route_key` go to one server (`rollout.route`); else least loaded."""
         self.routes: OrderedDict[object, str] = OrderedDict()  # route key -> server, the most recent last
@@ -144,14 +148,17 @@ class RolloutClient:
                     resent = True
                     continue
                 attempt += 1
-                # A server another request found gone is not retried: the retries' 3.5 s of a /pause_generation
-                # to a killed server were the whole stall of the update after its death.
-                if attempt >= attempts or url in self.down:
+                # A server found gone (by another request, or by its process) is not retried: the retries' 3.5 s
+                # of a /pause_generation to a killed server were the whole stall of the update after its death.
+                if attempt >= attempts or url in self.down or await self._gone(url):
                     message = f"connection failed: {e!r}; is the server running?"
                     raise ServerError(url, path, message, down=True) from e
                 await asyncio.sleep(0.5 * 2 ** (attempt - 1))
             except TimeoutError as e:
                 raise ServerError(url, path, f"no answer within {timeout.total:.0f}s", down=True) from e
+
+    async def _gone(self, url: str) -> bool:
+        return self.gone is not None and await asyncio.to_thread(self.gone, url)  # (a Ray fleet asks its actors)
 
     async def generate(self, payload: dict, route_key: object = None) -> dict:
         """POST /generate to a live server, within the concurrency limit: with `route` group, the server

@@ -94,4 +94,7 @@ def start_rollout_servers(cfg: Config, model_dir: str, run_dir: Path) -> tuple[F
     client of them: every rank generates through its own, only rank 0's talks to the servers about weights."""
     r = cfg.rollout
     fleet = start_fleet_for_ranks(r, model_dir, run_dir, cfg.seed, r.engine, multi_node=bool(cfg.trainer.hostfile))
-    return fleet, RolloutClient(fleet.urls, r.max_concurrency, r.request_timeout_s, api_key=r.api_key, route=r.route)
+    client = RolloutClient(
+        fleet.urls, r.max_concurrency, r.request_timeout_s, api_key=r.api_key, route=r.route, gone=fleet.gone
+    )
+    return fleet, client

@@ -196,6 +196,9 @@ class Fleet(ABC):
         """Servers known to be down without asking them over HTTP; None: ask them (external servers)."""
         return None
 
+    def gone(self, url: str) -> bool:
+        return url in (self.exited() or ())
+
     def set_aside(self, url: str) -> Any:
         """Take a dead server out of the fleet; returns its slot (what its replacement takes), None: none starts."""
         raise NotImplementedError(f"{type(self).__name__} cannot restart servers")
