@@ -61,10 +61,13 @@ def old_from_update(cfg: Config) -> bool:
 
 
 def resolve_sync(cfg: Config) -> SyncConfig:
-    """sync.type (auto = ipc when colocated on GPUs, else broadcast), sync.lora (auto = the adapter alone where
-    dsrl starts the servers and they read its files, merged over CUDA IPC or to FP8 servers: docs/benchmarks.md
-    "LoRA") and sync.probe_tolerance (its default for --rollout.precision)."""
+    """sync.bucket_bytes (None: 1 GiB on GPUs, 256 MiB on CPU), sync.type (auto = ipc when colocated on GPUs, else
+    broadcast), sync.lora (auto = the adapter alone where dsrl starts the servers and they read its files, merged
+    over CUDA IPC or to FP8 servers: docs/benchmarks.md "LoRA") and sync.probe_tolerance (its default for
+    --rollout.precision)."""
     s = cfg.sync
+    if s.bucket_bytes is None:
+        s = replace(s, bucket_bytes=1 << 30 if use_cuda(cfg) else 256 << 20)
     if s.probe_tolerance is None:
         s = replace(s, probe_tolerance=PROBE_TOLERANCE[cfg.rollout.precision])
     if s.type == "auto":
@@ -133,6 +136,8 @@ def resolve(cfg: Config, model_dir: str) -> tuple[Config, list[str]]:
         ("rollout.engine", r.engine, rollout.engine), ("rollout.fleet", r.fleet, rollout.fleet),
         ("sync.type", cfg.sync.type, out.sync.type), ("sync.lora", cfg.sync.lora, out.sync.lora),
     ) if old == "auto"]  # fmt: skip
+    if cfg.sync.bucket_bytes is None:
+        lines.append(f"sync.bucket_bytes {out.sync.bucket_bytes >> 20} MiB")
     if t.old_logprobs == "auto":
         own = "from the update's own forward pass" if old_from_update(cfg) else "recomputed before the update"
         lines.append(f"trainer.old_logprobs {own} (one optimizer step a batch: {old_from_update(cfg)})")

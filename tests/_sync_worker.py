@@ -133,7 +133,7 @@ def update_sequences(cfg: Config, actor, fleet, client: RecordingClient, run_dir
         "disaggregate": {"placement": "disaggregate"},
         "pause": {"placement": "disaggregate", "interrupt": "pause", "pause_mode": "retract"},
     }
-    cfg.sync = SyncConfig(type="broadcast", verify="probe", probe_tolerance=1e-4)
+    cfg.sync = SyncConfig(type="broadcast", bucket_bytes=256 << 20, verify="probe", probe_tolerance=1e-4)
     transport = make_transport(cfg.sync, client, run_dir, "gloo")
     out = {}
     for version, (mode, fields) in enumerate(modes.items(), start=10):
@@ -153,7 +153,7 @@ def failure_on_rank0(cfg: Config, actor, fleet, client: RecordingClient, run_dir
     """A server that refuses the update (its weights released behind dsrl's back) fails it on rank 0;
     every rank must raise, after the one retry, rather than go on alone."""
     cfg.rollout = replace(cfg.rollout, placement="disaggregate", interrupt="partial")
-    cfg.sync = SyncConfig(type="broadcast", timeout_s=30)
+    cfg.sync = SyncConfig(type="broadcast", bucket_bytes=256 << 20, timeout_s=30)
     transport = make_transport(cfg.sync, client, run_dir, "gloo")
     if dist.get_rank() == 0:
         client.call_all("/release_memory_occupation", {"tags": ["weights"]})

@@ -186,7 +186,9 @@ def rank_main(args) -> None:
     total = sum(param_bytes(p) for p in actor.module.parameters())
     rows = []
     kind = {"cpu": "broadcast", "ipc": "ipc", "nccl": "broadcast"}[args.mode]
-    transport = make_transport(SyncConfig(type=kind), client, workdir, "nccl" if gpu else "gloo")
+    transport = make_transport(
+        SyncConfig(type=kind, bucket_bytes=256 << 20), client, workdir, "nccl" if gpu else "gloo"
+    )
     # The update as training runs it (heal, send, version check), without offloading the trainer's states:
     # the figure is the sync's own. Versions count up across bucket sizes.
     weights = WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor]))
