@@ -167,7 +167,7 @@ def test_zero_offload_preflight_names_the_host_share_that_fits(monkeypatch):
     from accelerate import init_empty_weights
 
     from dsrl.config import Config, DataConfig, ModelConfig
-    from dsrl.zero.engine import HOST_BYTES_PER_PARAM, check_host_memory
+    from dsrl.zero.memory import HOST_BYTES_PER_PARAM, check_host_memory
 
     path = str(ROOT / "examples/toy/model")
     with init_empty_weights():
@@ -186,6 +186,46 @@ def test_zero_offload_preflight_names_the_host_share_that_fits(monkeypatch):
         check_host_memory(cfg, path, world=1)
     cfg.trainer.offload_optimizer_ratio = 0.4
     check_host_memory(cfg, path, world=1)
+
+
+def test_a_model_whose_states_cannot_fit_the_gpu_is_refused_naming_the_offload_that_fits(monkeypatch):
+    """On a GPU (a fake one: trainer.device cuda, and its memory) too small for a rank's share of the states (bf16
+    weights and grads, 4 bytes; fp32 master weights and Adam's moments, 12): refused before any weight is loaded,
+    naming the ZeRO-Offload share that fits, room for a checkpointed micro-batch included when the budget is set;
+    that share then starts. Where even the weights and grads exceed it, more GPUs."""
+    from accelerate import init_empty_weights
+
+    from dsrl.config import Config, DataConfig, ModelConfig
+    from dsrl.zero.memory import activation_bytes, check_device_memory
+
+    path = str(ROOT / "examples/toy/model")
+    with init_empty_weights():
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(toy.build_model_config()).parameters())
+    cfg = Config(model=ModelConfig(path=path), data=DataConfig(train_path="unused.jsonl"))
+    cfg.trainer.device, cfg.algorithm.kl_coef, cfg.trainer.max_tokens_per_micro_batch = "cuda", 0.0, None
+
+    def gpu(room):  # a GPU whose room beside the margin (5% + 4 GiB) is `room` bytes (fake)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, int((room + (4 << 30)) / 0.95)))
+
+    gpu(4 * n + 12 * n * 0.57)  # the states fit with 43% of the optimizer's 12 bytes on the host: 45% offered
+    with pytest.raises(MemoryError, match=r"share of the trainers' states is .* Fits: --trainer.offload_optimizer "
+                                          r"true --trainer.offload_optimizer_ratio 0.45; or a smaller"):  # fmt: skip
+        check_device_memory(cfg, path, world=1)
+    cfg.trainer.offload_optimizer, cfg.trainer.offload_optimizer_ratio = True, 0.45
+    check_device_memory(cfg, path, world=1)
+    cfg.trainer.offload_optimizer, cfg.trainer.max_tokens_per_micro_batch = False, 16
+    cfg.data.max_prompt_tokens = cfg.rollout.max_new_tokens = 8
+    acts = activation_bytes(AutoModelForCausalLM.from_config(toy.build_model_config()).config, 16, True, 2)
+    gpu(4 * n + 12 * n * 0.57 + acts)  # room for the micro-batch too: the same share
+    budget = r"moments\) and a micro-batch of 16 tokens checkpointed .*_ratio 0.45; or a smaller --trainer.max_tok"
+    with pytest.raises(MemoryError, match=budget):
+        check_device_memory(cfg, path, world=1)
+    cfg.trainer.offload_optimizer, cfg.trainer.offload_optimizer_ratio = True, 0.2
+    gpu(3 * n)
+    with pytest.raises(MemoryError, match=r"80% of the fp32 master weights .* Fits: more GPUs"):
+        check_device_memory(cfg, path, world=1)
+    cfg.trainer.device = "cpu"  # (CPU runs: the host's share is checked by check_host_memory)
+    check_device_memory(cfg, path, world=1)
 
 
 def test_gradient_checkpointing_auto_turns_on_for_an_update_whose_micro_batch_would_not_fit(caplog):

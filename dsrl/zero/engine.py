@@ -9,7 +9,6 @@ from io import StringIO
 from pathlib import Path
 
 import deepspeed
-import psutil
 import torch
 import torch.distributed as dist
 from torch.utils.cpp_extension import _get_build_directory
@@ -17,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from transformers.integrations import HfDeepSpeedConfig
 
 from dsrl import moe
-from dsrl.auto import bf16, count_params, device_memory, packs, replicated_base, use_cuda
+from dsrl.auto import bf16, device_memory, packs, replicated_base, use_cuda
 from dsrl.config import Config, ModelConfig, critic_on_actor_base
 from dsrl.rundir import report_writes
 from dsrl.zero import varlen
@@ -308,35 +307,3 @@ def reload_states(engine) -> None:
     for p in frozen_replicated(engine):
         p.data = p.data.to(engine.device, non_blocking=True)
     torch.cuda.synchronize()
-
-
-HOST_BYTES_PER_PARAM = 16
-"""ZeRO-Offload's host memory per trained parameter: the fp32 master copy, Adam's two moments, fp32 grads."""
-
-
-def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
-    """With --trainer.offload_optimizer the optimizer states live in this node's host memory (pinned on GPUs):
-    refuse to start, naming the numbers, when they cannot fit, rather than be killed by the kernel minutes in
-    (a rank's "return code = -9" said nothing). Counted from the config, before any weight is loaded."""
-    if not cfg.trainer.offload_optimizer:
-        return
-    params = count_params(cfg, model_dir)
-    # the critic is as large, and trained too (with LoRA it is an adapter on the actor's base)
-    trainers = 2 if cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg) else 1
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    whole = params * trainers * HOST_BYTES_PER_PARAM * local / world
-    ratio = cfg.trainer.offload_optimizer_ratio
-    memory = psutil.virtual_memory()
-    margin = 0.1 * memory.total + (8 << 30)  # the ranks' own processes, the servers' host side, the page cache
-    if whole * ratio + margin > memory.available:
-        fits = int(max(0.0, memory.available - margin) / whole * 20) / 20  # rounded down to 0.05
-        hint = f"--trainer.offload_optimizer_ratio {fits:.2f} (the rest on the GPUs)" if fits > 0 else "more nodes"
-        raise MemoryError(
-            f"--trainer.offload_optimizer: {ratio:.0%} of the optimizer states of {params * trainers / 1e9:.2f}B "
-            f"trained parameters need {whole * ratio / 1e9:.1f} GB of this node's host memory ({HOST_BYTES_PER_PARAM} "
-            f"bytes each: fp32 weights, Adam's two moments, fp32 grads; {local} of {world} ranks here) + "
-            f"{margin / 1e9:.1f} GB margin, and {memory.available / 1e9:.1f} GB of {memory.total / 1e9:.1f} GB are "
-            f"available. Fits: {hint}; or train on more nodes (the states split over ranks), or a smaller model"
-        )
-    log.info("ZeRO-Offload: %.1f GB of optimizer states on the host (%.0f%%), %.1f GB available",
-             whole * ratio / 1e9, 100 * ratio, memory.available / 1e9)  # fmt: skip

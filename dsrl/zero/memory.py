@@ -15,12 +15,15 @@ allocator's slack, is `margin` for both. A wake that would not fit is refused be
 """
 
 import logging
+import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import torch
 
-from dsrl.auto import bf16, device_memory, use_cuda
+from dsrl.auto import bf16, count_params, device_memory, use_cuda
 from dsrl.config import Config, critic_on_actor_base, reward_beside_rollouts
 from dsrl.moe import is_moe
 from dsrl.zero.actor import LOGPROB_CHUNK
@@ -81,6 +84,75 @@ def trainers_state_bytes(cfg: Config, model: torch.nn.Module, critic: bool) -> f
     if cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg):
         states *= 2
     return states
+
+
+HOST_BYTES_PER_PARAM = 16
+"""ZeRO-Offload's host memory per trained parameter: the fp32 master copy, Adam's two moments, fp32 grads."""
+
+
+def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
+    """With --trainer.offload_optimizer the optimizer states live in this node's host memory (pinned on GPUs):
+    refuse to start, naming the numbers, when they cannot fit, rather than be killed by the kernel minutes in
+    (a rank's "return code = -9" said nothing). Counted from the config, before any weight is loaded."""
+    if not cfg.trainer.offload_optimizer:
+        return
+    params = count_params(cfg, model_dir)
+    # the critic is as large, and trained too (with LoRA it is an adapter on the actor's base)
+    trainers = 2 if cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg) else 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    whole = params * trainers * HOST_BYTES_PER_PARAM * local / world
+    ratio = cfg.trainer.offload_optimizer_ratio
+    memory = psutil.virtual_memory()
+    spare = 0.1 * memory.total + (8 << 30)  # the ranks' own processes, the servers' host side, the page cache
+    if whole * ratio + spare > memory.available:
+        fits = int(max(0.0, memory.available - spare) / whole * 20) / 20  # rounded down to 0.05
+        hint = f"--trainer.offload_optimizer_ratio {fits:.2f} (the rest on the GPUs)" if fits > 0 else "more nodes"
+        raise MemoryError(
+            f"--trainer.offload_optimizer: {ratio:.0%} of the optimizer states of {params * trainers / 1e9:.2f}B "
+            f"trained parameters need {whole * ratio / 1e9:.1f} GB of this node's host memory ({HOST_BYTES_PER_PARAM} "
+            f"bytes each: fp32 weights, Adam's two moments, fp32 grads; {local} of {world} ranks here) + "
+            f"{spare / 1e9:.1f} GB margin, and {memory.available / 1e9:.1f} GB of {memory.total / 1e9:.1f} GB are "
+            f"available. Fits: {hint}; or train on more nodes (the states split over ranks), or a smaller model"
+        )
+    log.info("ZeRO-Offload: %.1f GB of optimizer states on the host (%.0f%%), %.1f GB available",
+             whole * ratio / 1e9, 100 * ratio, memory.available / 1e9)  # fmt: skip
+
+
+def check_device_memory(cfg: Config, model_dir: str, world: int) -> None:
+    """On GPUs: refuse to start, naming the numbers and the share of ZeRO-Offload that fits, when this rank's share of
+    the trainers' states (`trainers_state_bytes`' count), the margin and, with a token budget, a checkpointed
+    micro-batch exceed its GPU: the first update would run out of memory after the servers' start and a generation.
+    Counted from the config, before any weight loads."""
+    if not use_cuda(cfg) or cfg.model.lora_rank > 0:
+        return
+    params, (total, _) = count_params(cfg, model_dir) / world, device_memory(cfg)
+    trained = params * (2 if cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg) else 1)
+    weights = trained + (params if cfg.algorithm.kl_coef > 0 else 0)  # (the reference model's)
+    width, room = 2 if bf16(cfg) else 4, total - margin(total)
+    ratio = cfg.trainer.offload_optimizer_ratio if cfg.trainer.offload_optimizer else 0.0
+    fixed = weights * width + trained * width  # what stays on the GPU whatever is offloaded: weights, grads
+    states = fixed + trained * 12 * (1 - ratio)  # and the fp32 master copy and Adam's moments left on it
+    t, acts, tokens = cfg.trainer, 0.0, ""  # with a token budget, a checkpointed micro-batch must fit too
+    if isinstance(t.max_tokens_per_micro_batch, int):
+        from transformers import AutoConfig
+
+        longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+        n = largest_micro_batch(t.max_tokens_per_micro_batch, t.micro_batch_size, longest)
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+        acts = activation_bytes(config, n, True, width)
+        tokens = f" and a micro-batch of {n} tokens checkpointed ({acts / GB:.1f} GB)"
+    if states + acts <= room:
+        return
+    fits = math.ceil((1 - (room - acts - fixed) / (trained * 12)) * 20) / 20  # the host's share, up to 0.05
+    hint = f"--trainer.offload_optimizer true --trainer.offload_optimizer_ratio {fits:.2f}" if fits <= 1 else (
+        "more GPUs (ZeRO-3 splits the states over the ranks)")  # fmt: skip
+    raise MemoryError(
+        f"this rank's share of the trainers' states is {states / GB:.1f} GB ({trained * world / 1e9:.2f}B trained "
+        f"parameters over {world} rank(s): weights and grads, and {1 - ratio:.0%} of the fp32 master weights and "
+        f"Adam's moments){tokens}, and with the margin {margin(total) / GB:.1f} GB they exceed "
+        f"the GPU's {total / GB:.1f} GB: the first update cannot fit. Fits: {hint}; or "
+        f"{'a smaller --trainer.max_tokens_per_micro_batch, ' if acts else ''}a smaller model"
+    )
 
 
 def server_weight_bytes(cfg: Config, model: torch.nn.Module) -> float:
