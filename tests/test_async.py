@@ -76,7 +76,7 @@ def test_abort_reaches_requests_still_waiting_for_a_concurrency_slot(slow_server
 
 def manager_for(
     client, tmp_path, k: int, interrupt: str, groups: int, n: int, lengths: list[int], seed: int, ahead=None
-):
+):  # (each row's max_new_tokens its length; at most max(lengths))
     rows = [
         {**row, "sampling_params": {"max_new_tokens": length, "ignore_eos": True}}
         for row, length in zip(toy.make_rows(len(lengths), seed), lengths)
@@ -87,7 +87,7 @@ def manager_for(
     cfg.data.shuffle = False
     cfg.rollout.prompts_per_step, cfg.rollout.n_samples = groups, n
     cfg.rollout.max_staleness, cfg.rollout.interrupt, cfg.rollout.placement = k, interrupt, "disaggregate"
-    cfg.rollout.max_new_tokens, cfg.rollout.max_ahead = 16, ahead
+    cfg.rollout.max_new_tokens, cfg.rollout.max_ahead = max(lengths), ahead
     dataset = PromptDataset(cfg.data, TOKENIZER)
     stream = PromptStream(dataset, groups, rank=0, world=1)
     cfg.algorithm.reward_workers = 0  # in a thread: these managers come and go by the dozen
@@ -106,22 +106,23 @@ def test_partial_update_interrupts_requests_in_flight_and_resumes_them(slow_serv
     once aborted nothing), and each sample then finishes under the new weights from where it stopped."""
     client = slow_server
     simulated_update(client, 0)
-    lengths = [1, 1] + [16] * 30  # the first batch is short; the groups admitted after it are still running
+    lengths = [1, 1] + [48] * 30  # the first batch is short; the groups admitted after it are still running
     manager, _ = manager_for(client, tmp_path, k=2, interrupt="partial", groups=2, n=2, lengths=lengths, seed=0)
     manager.start()
     try:
         manager.collect(0)
-        manager.before_update()
+        time.sleep(0.03)  # the running 48-token requests some tokens in (3 ms a step; a loaded machine's client may
+        manager.before_update()  # send them after the first batch is done): resumed at the update, not restarted
         simulated_update(client, 1)
         manager.after_update(1)
         stats = manager.take_stats()
-        samples = manager.collect(1).samples
+        samples = manager.collect(1).samples + manager.collect(2).samples  # k = 2: the interrupted are in either
     finally:
         manager.stop()
     assert stats.interrupted > 0, "no request was in flight at the update, or the abort did not reach it"
     assert stats.resumed + stats.restarted == stats.interrupted
     spanned = [s for s in samples if len({v for _, v in s.spans}) == 2]
-    assert spanned and all(len(s.response_ids) == 16 for s in spanned)
+    assert spanned and all(len(s.response_ids) == 48 for s in spanned)
 
 
 def test_greedy_request_paused_in_place_yields_the_uninterrupted_tokens(slow_server):
