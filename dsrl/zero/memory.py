@@ -130,8 +130,8 @@ def check_device_memory(cfg: Config, model_dir: str, world: int) -> None:
     weights = trained + (params if cfg.algorithm.kl_coef > 0 else 0)  # (the reference model's)
     width, room = 2 if bf16(cfg) else 4, total - margin(total)
     ratio = cfg.trainer.offload_optimizer_ratio if cfg.trainer.offload_optimizer else 0.0
-    fixed = weights * width + trained * width  # what stays on the GPU whatever is offloaded: weights, grads
-    states = fixed + trained * 12 * (1 - ratio)  # and the fp32 master copy and Adam's moments left on it
+    states = state_bytes(cfg, weights, trained)
+    fixed = states - trained * 12 * (1 - ratio)  # all but the fp32 master copy and Adam's moments: weights, grads
     t, acts, tokens = cfg.trainer, 0.0, ""  # with a token budget, a checkpointed micro-batch must fit too
     if isinstance(t.max_tokens_per_micro_batch, int):
         from transformers import AutoConfig
