@@ -28,7 +28,7 @@ from dsrl.config import Config
 from dsrl.metrics import Timer
 from dsrl.serving.client import RolloutClient, ServerError
 from dsrl.zero.engine import free_cached_memory, offload_states, reload_states
-from dsrl.zero.memory import GB, server_weight_bytes
+from dsrl.zero.memory import GB, MemoryPlan, server_weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +61,14 @@ class ServerMemory:
 
 class GpuLending:
     def __init__(
-        self, cfg: Config, client: RolloutClient, trainers: list, offload: str | None = None, reward=None, fleet=None
-    ):
-        """`trainers`: the engines with states (actor, critic); `reward` (rank 0): the reward model's servers;
-        `fleet` (rank 0): the rollout servers' (a replacement or a new server joins asleep, as the others are)."""
-        self.trainers, self.offload = trainers, offload
+        self, cfg: Config, client: RolloutClient, trainers: list, plan: MemoryPlan | None = None, reward=None,
+        fleet=None,
+    ):  # fmt: skip
+        """`trainers`: the engines with states (actor, critic); `plan`: the memory plan's decisions; `reward` (rank 0):
+        the reward model's servers; `fleet` (rank 0): the rollout servers' (a replacement or a new server joins
+        asleep, as the others are)."""
+        plan = plan or MemoryPlan()
+        self.trainers, self.offload = trainers, plan.offload
         self.colocated = cfg.rollout.placement == "colocate"
         self.ahead = self.colocated and cfg.rollout.max_staleness > 0
         """One-step-off colocated: the servers generate the next batch beside the last optimizer step."""
@@ -77,11 +80,18 @@ class GpuLending:
         self.servers = [self.memory, *([reward] if reward is not None else [])] if dist.get_rank() == 0 else []
         """The tenants, in the order they go to sleep (they wake the other way round)."""
         self.fleet = fleet if self.colocated and dist.get_rank() == 0 else None
-        if self.fleet is not None:
-            self.fleet.prepare_join = lambda url: self.memory.put_to_sleep(url, self.sleep_tags)
         self.startup_timeout_s = cfg.rollout.startup_timeout_s
         self.measured = self.colocated and use_cuda(cfg)
         """Colocated on GPUs: every rank measures what the servers on its GPU release, and checks a wake has room."""
+        self.replace_beside = plan.replacement is not None
+        """A dead server's replacement starts beside the update (the plan found room), or the trainers wait for it."""
+        if self.fleet is not None:
+            self.fleet.prepare_join = lambda url: self.memory.put_to_sleep(url, self.sleep_tags)
+            if self.replace_beside and self.measured:  # its KV cache no larger than the others'
+                info = client.run(client.request(client.live_urls()[0], "/server_info", method="GET"))
+                tokens = info.get("max_total_num_tokens") if isinstance(info, dict) else None
+                self.fleet.replacement_args = {**plan.replacement, "max_total_tokens": tokens}
+                self.replace_beside = bool(tokens)  # (no cap to give it: the trainers wait for it, as before)
         self.asleep = 0.0
         """Bytes the servers released on this rank's GPU at the last `to_trainers`."""
         self.sleeping: set[str] = set()
@@ -90,8 +100,9 @@ class GpuLending:
 
     def to_trainers(self) -> None:
         """Colocated, once every rank has its samples: the servers give their memory to the trainers. A replacement
-        still starting holds its GPU's memory, and sizes its KV cache from what it finds free: the trainers wait."""
-        if self.fleet is not None and self.fleet.starting:
+        still starting holds its GPU's memory: where the plan found no room for it beside the update, the trainers
+        wait until it started and released it."""
+        if self.fleet is not None and self.fleet.starting and not self.replace_beside:
             log.warning("waiting for %d replacement rollout server(s) to start: colocated, each must release its "
                         "memory before the trainers take the GPU", len(self.fleet.starting))  # fmt: skip
             self.fleet.await_replacements(self.startup_timeout_s)

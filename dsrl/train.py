@@ -160,10 +160,10 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     start_step, rank_state = trainer.resume(run_dir)
     if rank == 0:
         rundir.trim_trace(run_dir / "trained_prompts.jsonl", start_step)
-    offload, plan = plan_memory(cfg, trainer.engines)  # do they lend the GPU to the servers?
-    log_decisions(decided + ([plan] if plan else []))
-    for engine in trainer.engines if offload else []:  # before any server starts: it sizes its KV cache from the
-        offload_states(engine, offload, params=False)  # memory it finds free
+    plan = plan_memory(cfg, trainer.engines)  # do they lend the GPU to the servers?
+    log_decisions(decided + ([plan.line] if plan.line else []))
+    for engine in trainer.engines if plan.offload else []:  # before any server starts: it sizes its KV cache from
+        offload_states(engine, plan.offload, params=False)  # the memory it finds free
     if cfg.sync.lora == "adapter":
         cfg = lora_servers(cfg, target_modules(trainer.actor.module))
     if trainer.routing_replay and fleet_kind(cfg.rollout) != "external":
@@ -173,7 +173,7 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     reward_model = start_reward_model(cfg, tokenizer, client, run_dir, rank == 0)
     rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env), model=reward_model)
     rewarder.restore((rank_state or {}).get("rewarder"))
-    gpu = GpuLending(cfg, client, trainer.engines, offload, reward_model if rank == 0 else None, fleet)
+    gpu = GpuLending(cfg, client, trainer.engines, plan, reward_model if rank == 0 else None, fleet)
     backend, fp8 = "nccl" if use_cuda(cfg) else "gloo", cfg.rollout.precision == "fp8"
     transport = make_transport(cfg.sync, client, run_dir, backend, cfg.rollout.tp_size, fp8)
     rollouts = schedule(client, cfg, dataset, rewarder, rank, world, runner, rank_state, start_step)

@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+from dataclasses import astuple
 from types import SimpleNamespace
 
 import pytest
@@ -291,23 +292,53 @@ def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_f
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, total))
 
     gpu(int(((4 << 30) + states * 1.01) / 0.45))  # servers 50%, margin 5% + 4 GiB: the states just fit
-    assert plan_memory(cfg, engines)[0] is None
+    assert plan_memory(cfg, engines).offload is None
     gpu(int(((4 << 30) + states * 0.99) / 0.45))  # half of them (the moments) off the GPU is enough
-    offload, why = plan_memory(cfg, engines)
+    offload, why, _ = astuple(plan_memory(cfg, engines))
     assert offload == "moments" and f"Adam's moments ({states / 2 / 1e9:.1f} GB) leave the GPU" in why
     gpu(int(((4 << 30) + states * 0.49) / 0.45))  # not even half fits beside the servers
-    offload, why = plan_memory(cfg, engines)
+    offload, why, _ = astuple(plan_memory(cfg, engines))
     assert offload == "all" and f"trainers' states {states / 1e9:.1f} GB" in why and "leave the GPU" in why
     cfg.trainer.offload_states = "moments"  # given: as given, whatever fits
-    assert plan_memory(cfg, engines)[0] == "moments"
+    assert plan_memory(cfg, engines).offload == "moments"
     cfg.trainer.offload_states = "auto"
     cfg.rollout.max_staleness = 1  # one-step-off: the states cannot leave while the optimizer steps
     with pytest.raises(MemoryError, match=r"--rollout.max_staleness 1 \(colocated\).*lower --rollout.mem_fr"):
         plan_memory(cfg, engines)
     cfg.rollout.max_staleness = 0
     cfg.trainer.offload_optimizer = True  # 4 of the 16 bytes stay: weights and grads
-    offload, why = plan_memory(cfg, engines)
+    offload, why, _ = astuple(plan_memory(cfg, engines))
     assert offload is None and f"trainers' states {states / 4 / 1e9:.1f} GB" in why and "ZeRO-Offload" in why
+
+
+def test_a_dead_servers_replacement_starts_beside_the_update_only_where_the_plan_finds_room(monkeypatch):
+    """Colocated on a GPU, a replacement that starts while the trainers update finds their peak taken: where the
+    peak, a server's share and the margin fit, it starts then, with a mem_fraction_static raised by the peak's
+    fraction of the GPU (SGLang sizes its KV cache from the memory free at its start; `GpuLending` caps it at the
+    others' KV tokens); where they do not, the plan says the trainers wait for it."""
+    from accelerate import init_empty_weights
+
+    from dsrl.config import Config, DataConfig, ModelConfig
+    from dsrl.zero.memory import margin, plan_memory, update_peak
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(toy.build_model_config()).to(torch.bfloat16)
+    cfg = Config(model=ModelConfig(path="unused"), data=DataConfig(train_path="unused.jsonl"))
+    cfg.rollout.placement, cfg.rollout.mem_fraction_static, cfg.trainer.device = "colocate", 0.4, "cuda"
+    engines = [SimpleNamespace(module=model)]
+    peak = update_peak(cfg, engines[0])[0]
+    room = (peak + (4 << 30)) / 0.55  # the GPU where peak + 40 % + the margin (5 % and 4 GiB) just fill it
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, int(room * 1.01)))
+    plan = plan_memory(cfg, engines)
+    fraction = plan.replacement["mem_fraction_static"]
+    assert fraction == pytest.approx(0.4 + peak / (room * 1.01), abs=1e-3) and "starts beside it" in plan.line
+    total = room * 1.01  # SGLang's static budget, the fraction of what is free at its start, is the others' at least
+    assert (total - peak) * fraction >= 0.4 * total and peak + 0.4 * total + margin(total) <= total
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, int(room * 0.99)))
+    plan = plan_memory(cfg, engines)
+    assert plan.replacement is None and "waits for the servers' turn" in plan.line
+    cfg.trainer.device = "cpu"  # no GPU to share: a replacement always starts at once, as the others did
+    assert plan_memory(cfg, engines).replacement == {}
 
 
 def test_the_memory_plans_update_peak_is_set_by_the_micro_batch_not_the_batch():

@@ -1,6 +1,7 @@
 """Which servers a run gets: external URLs, Ray actors (`ray_fleet.py`), or subprocesses here (`servers.py`)."""
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 from dsrl.auto import fleet_kind
@@ -53,9 +54,10 @@ def start_fleet(
     log_dir.mkdir(parents=True, exist_ok=True)
     env, host, ports = server_env(engine), server_host(cfg, multi_node), {}
 
-    def launch(i: int) -> ServerProcess:
+    def launch(i: int, args: dict | None = None) -> ServerProcess:
         port = ports[i] = (ports.get(i) if role == "reward" else None) or free_port(host)
-        cmd = server_command(cfg, engine, model_path, host, port, seed + i, cfg.first_gpu + i * cfg.tp_size, log_dir)
+        given = replace(cfg, server_args={**cfg.server_args, **args}) if args else cfg
+        cmd = server_command(given, engine, model_path, host, port, seed + i, cfg.first_gpu + i * cfg.tp_size, log_dir)
         log.info("starting %s server %d: %s", role, i, " ".join(cmd))
         prefix = "reward_" if role == "reward" else ""
         return spawn(cmd, env, log_dir / f"{prefix}server_{i}.log", f"http://{host}:{port}")

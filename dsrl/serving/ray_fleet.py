@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import ray
@@ -143,10 +143,11 @@ class RayFleet(Fleet):
             namespace=self.namespace,
         ).remote()
 
-    def _start(self, actors: list, numbers: list[int]) -> list[str]:
+    def _start(self, actors: list, numbers: list[int], args: dict | None = None) -> list[str]:
         logs = [str(self.run_dir / "logs" / f"server_{n}.log") for n in numbers]
+        cfg = replace(self.cfg, server_args={**self.cfg.server_args, **args}) if args else self.cfg
         refs = [
-            a.start.remote(self.cfg, self.engine, self.model_path, p, self.seed + n)
+            a.start.remote(cfg, self.engine, self.model_path, p, self.seed + n)
             for a, p, n in zip(actors, logs, numbers)
         ]
         started = ray.get(refs, timeout=self.cfg.startup_timeout_s + 60)
@@ -199,7 +200,7 @@ class RayFleet(Fleet):
 
     def await_started(self, handle: tuple[int, object]) -> str:
         number, actor = handle
-        return self._start([actor], [number])[0]
+        return self._start([actor], [number], self.replacement_args)[0]
 
     def adopt(self, slot: tuple[int, PlacementGroup, int], handle: tuple[int, object], url: str) -> None:
         self.actors.append(handle[1])

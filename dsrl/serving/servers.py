@@ -260,6 +260,9 @@ class Fleet(ABC):
         """Called with a replacement's URL once it answers, before it joins (colocated: it releases its memory)."""
         self.deaths = self.restarts = 0
         """Servers found dead, and replacements that joined, since the run started (`fleet/` metrics)."""
+        self.replacement_args: dict = {}
+        """Server arguments a replacement starts with over the others' (colocated: its KV cache's size beside the
+        trainers, `dsrl.zero.memory.MemoryPlan.replacement`)."""
 
     def restart_later(self, url: str) -> None:
         """Set the dead server at `url` aside and start its replacement, which joins at the first `heal` after it
@@ -354,7 +357,7 @@ class ServerFleet(Fleet):
 
     urls: list[str]
     processes: list[ServerProcess] = field(default_factory=list)
-    launch: Callable[[int], ServerProcess] | None = None  # starts server i
+    launch: Callable[..., ServerProcess] | None = None  # starts server i: launch(i, server_args over the others')
     startup_timeout_s: float = 300.0
     detached: list[ServerProcess] = field(default_factory=list)
     """Servers that left, until `stop_server`."""
@@ -379,7 +382,7 @@ class ServerFleet(Fleet):
         return self.index(old)
 
     def start_replacement(self, slot: int) -> ServerProcess:
-        return self.launch(slot)
+        return self.launch(slot, self.replacement_args) if self.replacement_args else self.launch(slot)
 
     def await_started(self, handle: ServerProcess) -> str:
         wait_healthy(handle, self.startup_timeout_s)

@@ -7,17 +7,18 @@ Colocated on a GPU, the trainers and the rollout servers take turns (`dsrl.lendi
     trainers update      the trainers' states + the activations of the largest micro-batch (its tokens, not the
                          batch's: nothing of a micro-batch outlives it) + what the sleeping servers keep + margin
 
-`plan_memory` decides trainer.offload_states (auto: the least that lets the servers fit) and states both sums
-for the batch configured (its longest prompt and response); `AutoCheckpointing` decides the layers' checkpointing
-per update, from that update's largest micro-batch. The margin, for the servers' activations, CUDA graphs and the
-allocator's slack, is `margin` for both. A wake that would not fit is refused before it is asked for
-(`dsrl.lending.GpuLending`), with the numbers, rather than leave a server to die of it.
+`plan_memory` decides trainer.offload_states (auto: the least that lets the servers fit), states both sums for the
+batch configured (its longest prompt and response), and whether a dead server's replacement can start beside the
+update (its share beside the update's peak: then the trainers need not wait for it); `AutoCheckpointing` decides
+the layers' checkpointing per update, from that update's largest micro-batch. The margin, for the servers'
+activations, CUDA graphs and the allocator's slack, is `margin` for all. A wake that would not fit is refused
+before it is asked for (`dsrl.lending.GpuLending`), with the numbers, rather than leave a server to die of it.
 """
 
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
@@ -234,16 +235,29 @@ def update_peak(cfg: Config, engine) -> tuple[float, int, bool]:
     return states + activation_bytes(engine.module.config, tokens, on, 2 if bf16(cfg) else 4), tokens, on
 
 
-def plan_memory(cfg: Config, engines: list) -> tuple[str | None, str | None]:
-    """trainer.offload_states, colocated on GPUs: what of the trainers' states leaves the GPU while the servers
-    generate (None: nothing; "moments": Adam's two moments; "all"), and the plan's line for the log (None: not
-    colocated on GPUs, nothing to plan). auto keeps them when this rank's states (parameters, fp32 master copy,
-    Adam's two moments, gradients) plus the servers' share and the margin fit in the GPU's memory; else moves the
-    moments alone when that is enough; else all. Moving them costs seconds per step at 7B, so the least that fits
-    moves. The line states the update's peak beside it (`update_peak`)."""
+@dataclass
+class MemoryPlan:
+    offload: str | None = None
+    """What of the trainers' states leaves the GPU while the servers generate (None: nothing; "moments": Adam's two
+    moments; "all")."""
+    line: str | None = None
+    """The plan for the log (None: not colocated on GPUs, nothing to plan)."""
+    replacement: dict | None = field(default_factory=dict)
+    """Colocated, the server arguments a replacement for a dead server starts with beside the trainers ({}: as the
+    others'; None: no room beside the update's peak, the trainers wait until it started and released its memory).
+    SGLang sizes its KV cache from the memory free at its start: beside a trainer it starts with a larger
+    mem_fraction_static, capped at the others' KV tokens (`GpuLending` adds the cap, max_total_tokens)."""
+
+
+def plan_memory(cfg: Config, engines: list) -> MemoryPlan:
+    """trainer.offload_states, colocated on GPUs, and whether a replacement server fits beside the update
+    (`MemoryPlan`). auto keeps the states when this rank's (parameters, fp32 master copy, Adam's two moments,
+    gradients) plus the servers' share and the margin fit in the GPU's memory; else moves the moments alone when that
+    is enough; else all. Moving them costs seconds per step at 7B, so the least that fits moves. The line states the
+    update's peak beside it (`update_peak`)."""
     choice = cfg.trainer.offload_states
     if cfg.rollout.placement != "colocate" or not use_cuda(cfg):
-        return None, None
+        return MemoryPlan()
     params = [p for engine in engines for p in engine.module.parameters()]
     weights = sum(getattr(p, "ds_tensor", p).numel() for p in params)  # (this rank's ZeRO-3 partitions)
     trained = sum(getattr(p, "ds_tensor", p).numel() for p in params if p.requires_grad)  # (LoRA: the adapters)
@@ -260,23 +274,35 @@ def plan_memory(cfg: Config, engines: list) -> tuple[str | None, str | None]:
             "(--trainer.offload_optimizer), or use --rollout.max_staleness 0"
         )
     peak, tokens, checkpointed = update_peak(cfg, engines[0])
-    why = (f"generating: trainers' states {states / GB:.1f} GB + servers {servers / GB:.1f} GB (the reward model's "
-           f"{reward / GB:.1f}) + margin {spare / GB:.1f} GB {'fit in' if keep else 'exceed'} the GPU's "
-           f"{total / GB:.1f} GB; updating: at most {peak / GB:.1f} GB (states and a micro-batch of {tokens} tokens, "
-           f"layers {'checkpointed' if checkpointed else 'not checkpointed'})")  # fmt: skip
+    share = cfg.rollout.mem_fraction_static * total
+    fraction = cfg.rollout.mem_fraction_static + peak / total  # (a KV cache as the others' beside up to the peak)
+    beside = peak + share + spare < total
+    replacement = {"mem_fraction_static": round(fraction, 3)} if beside else None
+    restart = (
+        f"starts beside it (mem_fraction_static {fraction:.3f}, at most the others' KV tokens)"
+        if beside
+        else "waits for the servers' turn (a server's share beside the update's peak exceeds the GPU)"
+    )
+    why = (
+        f"generating: trainers' states {states / GB:.1f} GB + servers {servers / GB:.1f} GB (the reward model's "
+        f"{reward / GB:.1f}) + margin {spare / GB:.1f} GB {'fit in' if keep else 'exceed'} the GPU's "
+        f"{total / GB:.1f} GB; updating: at most {peak / GB:.1f} GB (states and a micro-batch of {tokens} tokens, "
+        f"layers {'checkpointed' if checkpointed else 'not checkpointed'}); a dead server's replacement {restart}"
+    )
     moments = 8 * trained  # (fp32 exp_avg and exp_avg_sq)
+
+    def plan(offload: str | None, line: str) -> MemoryPlan:
+        return MemoryPlan(offload, f"memory plan: {line}", replacement)
+
     if choice != "auto":
         offload = {"always": "all", "moments": "moments", "never": None}[choice]
-        return offload, f"memory plan: trainer.offload_states {choice} (given); {why}"
+        return plan(offload, f"trainer.offload_states {choice} (given); {why}")
     if cfg.trainer.offload_optimizer:  # DeepSpeed moves states between phases for FusedAdam only, not CPU Adam
         hint = "" if keep else ": raise --trainer.offload_optimizer_ratio or lower mem_fraction_static"
-        return None, f"memory plan: trainer.offload_states never, with ZeRO-Offload ({why}{hint})"
+        return plan(None, f"trainer.offload_states never, with ZeRO-Offload ({why}{hint})")
     if keep:
-        return None, f"memory plan: trainer.offload_states never, the states stay on the GPU ({why})"
+        return plan(None, f"trainer.offload_states never, the states stay on the GPU ({why})")
     if states - moments + servers + spare < total:
-        return "moments", (f"memory plan: trainer.offload_states moments, Adam's moments ({moments / GB:.1f} GB) "
-                           f"leave the GPU while the servers generate, the rest stays ({why})")  # fmt: skip
-    return (
-        "all",
-        f"memory plan: trainer.offload_states always, the states leave the GPU while the servers generate ({why})",
-    )
+        return plan("moments", f"trainer.offload_states moments, Adam's moments ({moments / GB:.1f} GB) leave the "
+                               f"GPU while the servers generate, the rest stays ({why})")  # fmt: skip
+    return plan("all", f"trainer.offload_states always, the states leave the GPU while the servers generate ({why})")
