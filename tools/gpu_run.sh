@@ -475,7 +475,7 @@ print('verl stack: verl', verl.__version__, 'sglang', sglang.__version__, 'trans
           --name "$name" --out "$OUT" "${flags[@]}" -- ${SOAK_EXTRA:-} ${!extra_var:-}
         grep -a -A4 "^soak $name" "$OUT/soak_$name.log" | tee -a "$SUMMARY"
         grep -a "Error\|error:" "$OUT/run_$name.log" | tail -3 | cut -c1-300 | tee -a "$SUMMARY"
-        grep -a "memory plan" "$OUT/run_$name.log" | head -1 | cut -c1-400 | tee -a "$SUMMARY"
+        grep -a "memory plan" "$OUT/run_$name.log" | head -1 | cut -c1-800 | tee -a "$SUMMARY"
         mkdir -p "$OUT/soak_servers"; for f in /tmp/soak/$name/run/logs/*server_*.log; do
           [ -f "$f" ] && tail -c 300000 "$f" > "$OUT/soak_servers/${name}_$(basename "$f")"; done
         rm -rf /tmp/soak/$name/run/checkpoints /tmp/soak/$name/run/hf  # (7B's checkpoint is ~110 GB: the disk is 235)
