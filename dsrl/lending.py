@@ -28,7 +28,7 @@ from dsrl.config import Config
 from dsrl.metrics import Timer
 from dsrl.serving.client import RolloutClient, ServerError
 from dsrl.zero.engine import free_cached_memory, offload_states, reload_states
-from dsrl.zero.memory import GB, MemoryPlan, server_weight_bytes
+from dsrl.zero.memory import GB, PEAK_SLACK, MemoryPlan, replacement_room, server_weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -83,28 +83,32 @@ class GpuLending:
         self.startup_timeout_s = cfg.rollout.startup_timeout_s
         self.measured = self.colocated and use_cuda(cfg)
         """Colocated on GPUs: every rank measures what the servers on its GPU release, and checks a wake has room."""
-        self.replace_beside = plan.replacement is not None
-        """A dead server's replacement starts beside the update (the plan found room), or the trainers wait for it."""
+        self.weight_bytes = server_weight_bytes(cfg, trainers[0].module) if self.measured else 0.0
+        self.share = cfg.rollout.mem_fraction_static * (torch.cuda.mem_get_info()[1] if self.measured else 0)
+        self.peak = PEAK_SLACK * plan.peak
+        """What a GPU holds at the update's peak, the largest of every rank's: measured at each update's end (the
+        allocator keeps its blocks until `to_servers`), the plan's estimate until then."""
+        self.kv_tokens = 0
+        """(rank 0) The servers' KV cache in tokens: a replacement beside the trainers gets no more."""
         if self.fleet is not None:
             self.fleet.prepare_join = lambda url: self.memory.put_to_sleep(url, self.sleep_tags)
-            if self.replace_beside and self.measured:  # its KV cache no larger than the others'
+            if self.measured:
                 info = client.run(client.request(client.live_urls()[0], "/server_info", method="GET"))
-                tokens = info.get("max_total_num_tokens") if isinstance(info, dict) else None
-                self.fleet.replacement_args = {**plan.replacement, "max_total_tokens": tokens}
-                self.replace_beside = bool(tokens)  # (no cap to give it: the trainers wait for it, as before)
+                self.kv_tokens = info.get("max_total_num_tokens", 0) if isinstance(info, dict) else 0
+                self.size_replacements()
         self.asleep = 0.0
         """Bytes the servers released on this rank's GPU at the last `to_trainers`."""
         self.sleeping: set[str] = set()
         """The tags the servers released and have not taken back (the same on every rank)."""
-        self.weight_bytes = server_weight_bytes(cfg, trainers[0].module) if self.measured else 0.0
 
     def to_trainers(self) -> None:
         """Colocated, once every rank has its samples: the servers give their memory to the trainers. A replacement
-        still starting holds its GPU's memory: where the plan found no room for it beside the update, the trainers
-        wait until it started and released it."""
-        if self.fleet is not None and self.fleet.starting and not self.replace_beside:
-            log.warning("waiting for %d replacement rollout server(s) to start: colocated, each must release its "
-                        "memory before the trainers take the GPU", len(self.fleet.starting))  # fmt: skip
+        still starting beside them has its KV cache capped at the room their update leaves (`size_replacements`);
+        one started without (too little room) holds what it finds free: the trainers wait until it released it."""
+        if self.fleet is not None and self.fleet.unsized:
+            log.warning("waiting for %d replacement rollout server(s) to start: colocated, with too little room beside "
+                        "the update's peak, each must release its memory before the trainers take the GPU",
+                        len(self.fleet.unsized))  # fmt: skip
             self.fleet.await_replacements(self.startup_timeout_s)
         before = self.free_bytes(barrier_after=True)  # (rank 0 releases every GPU's servers)
         for tenant in self.servers:
@@ -152,8 +156,28 @@ class GpuLending:
         with agreed("waking the servers to generate ahead", (ServerError,)):
             self.wake("kv_cache")
 
+    def size_replacements(self) -> None:
+        """(rank 0) A dead server's replacement starts beside the trainers, its KV cache capped at the room their
+        peak leaves (`replacement_room`; SGLang sizes it from the memory free at its start, which the trainers
+        change); where that is less than half the others', it starts as they did and the trainers wait for it."""
+        total = torch.cuda.mem_get_info()[1]
+        cell = (self.share - self.weight_bytes) / max(self.kv_tokens, 1)  # (a token's KV bytes, or a little more)
+        tokens = min(self.kv_tokens, int(replacement_room(total, self.peak, self.weight_bytes) / cell))
+        beside = self.kv_tokens > 0 and tokens >= self.kv_tokens / 2
+        self.fleet.replacement_args = {"mem_fraction_static": 0.95, "max_total_tokens": tokens} if beside else None
+
+    def measure_peak(self) -> None:
+        """At the update's end, before anything leaves: what each GPU holds (the allocator's blocks), the largest."""
+        held = torch.tensor([float(torch.cuda.memory_reserved())], device="cuda")
+        dist.all_reduce(held, op=dist.ReduceOp.MAX)
+        self.peak = held.item()
+        if self.fleet is not None:
+            self.size_replacements()
+
     def for_update(self, timer: Timer) -> None:
         """In the weight update, before the send: the trainers' optimizer states off the GPU, the weights back."""
+        if self.measured and self.sleeping:  # (after an update: the servers slept for it)
+            self.measure_peak()
         if self.offload:
             with timer("offload"):
                 self.offload_trainers(params=False)

@@ -311,34 +311,42 @@ def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_f
     assert offload is None and f"trainers' states {states / 4 / 1e9:.1f} GB" in why and "ZeRO-Offload" in why
 
 
-def test_a_dead_servers_replacement_starts_beside_the_update_only_where_the_plan_finds_room(monkeypatch):
-    """Colocated on a GPU, a replacement that starts while the trainers update finds their peak taken: where the
-    peak, a server's share and the margin fit, it starts then, with a mem_fraction_static raised by the peak's
-    fraction of the GPU (SGLang sizes its KV cache from the memory free at its start; `GpuLending` caps it at the
-    others' KV tokens); where they do not, the plan says the trainers wait for it."""
+def test_a_dead_servers_replacement_starts_beside_the_update_with_its_kv_cache_capped_at_the_room_left(monkeypatch):
+    """Colocated on a GPU, a replacement that starts while the trainers update would size its KV cache from the memory
+    it finds free, which the trainers change: it starts with its cache capped at what the update's peak leaves (on a
+    2 x H200 run the plan's 71.8 GB peak was 93 GB held, and an uncapped replacement beside it ended the run out of
+    memory). Before a step measured the peak, the plan's estimate (with PEAK_SLACK) counts; where the room is less than
+    half the others' cache, it starts as they did and the trainers wait for it."""
     from accelerate import init_empty_weights
 
     from dsrl.config import Config, DataConfig, ModelConfig
-    from dsrl.zero.memory import margin, plan_memory, update_peak
+    from dsrl.lending import GpuLending
+    from dsrl.serving.servers import ServerFleet
+    from dsrl.zero.memory import margin, plan_memory, server_weight_bytes, update_peak
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(toy.build_model_config()).to(torch.bfloat16)
     cfg = Config(model=ModelConfig(path="unused"), data=DataConfig(train_path="unused.jsonl"))
     cfg.rollout.placement, cfg.rollout.mem_fraction_static, cfg.trainer.device = "colocate", 0.4, "cuda"
     engines = [SimpleNamespace(module=model)]
-    peak = update_peak(cfg, engines[0])[0]
-    room = (peak + (4 << 30)) / 0.55  # the GPU where peak + 40 % + the margin (5 % and 4 GiB) just fill it
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, int(room * 1.01)))
+    total, weights = 150e9, server_weight_bytes(cfg, model)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, int(total)))
     plan = plan_memory(cfg, engines)
-    fraction = plan.replacement["mem_fraction_static"]
-    assert fraction == pytest.approx(0.4 + peak / (room * 1.01), abs=1e-3) and "starts beside it" in plan.line
-    total = room * 1.01  # SGLang's static budget, the fraction of what is free at its start, is the others' at least
-    assert (total - peak) * fraction >= 0.4 * total and peak + 0.4 * total + margin(total) <= total
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, int(room * 0.99)))
-    plan = plan_memory(cfg, engines)
-    assert plan.replacement is None and "waits for the servers' turn" in plan.line
-    cfg.trainer.device = "cpu"  # no GPU to share: a replacement always starts at once, as the others did
-    assert plan_memory(cfg, engines).replacement == {}
+    assert plan.peak == update_peak(cfg, engines[0])[0] and "a dead server's replacement starts beside it" in plan.line
+    gpu = GpuLending.__new__(GpuLending)  # (rank 0's sizing alone: no servers to ask, no ranks to reduce over)
+    gpu.fleet, gpu.weight_bytes, gpu.share, gpu.kv_tokens = ServerFleet(urls=[]), weights, 0.4 * total, 1_000_000
+    cell = (0.4 * total - weights) / 1_000_000
+    capped = int((total - 93e9 - margin(total) - weights) / cell)
+    for held, tokens in ((60e9, 1_000_000), (93e9, capped), (120e9, None)):
+        gpu.peak = held
+        gpu.size_replacements()
+        args = gpu.fleet.replacement_args
+        if tokens is None:  # less than half the others' cache fits: it starts as they did, and the trainers wait
+            assert args is None
+        else:  # SGLang's profile (0.95 of what is free at its start, less its weights) is above the cap: it binds
+            assert args == {"mem_fraction_static": 0.95, "max_total_tokens": tokens}
+            assert held + weights + tokens * cell + margin(total) <= total
+            assert 0.95 * (total - held) - weights >= tokens * cell
 
 
 def test_the_memory_plans_update_peak_is_set_by_the_micro_batch_not_the_batch():

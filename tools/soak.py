@@ -90,6 +90,9 @@ def summary(name: str, run_dir: Path, rc, kill_step: int | None, started: float,
         "step_median_s": round(statistics.median(times), 2) if times else None,
         "step_max_s": round(max(times), 2) if times else None,
         "update_peak_gb": {k: round(v, 1) for k, v in sorted(peaks.items())},
+        "update_peak_by_step_gb": {tag.rsplit("/", 1)[-1]: [round(v[k], 1) for k in sorted(v)] for tag, v in s.items()
+                                   if tag.startswith("memory/update_peak")},  # fmt: skip
+        "step_s": [round(steps[k], 2) for k in sorted(steps)],
         "phases_s": {p: steady_median(s[f"timing/{p}"]) for p in PHASES if f"timing/{p}" in s},
         "medians": {k: steady_median(s[k]) for k in MEDIANS if k in s},
         "first_step": {k: round(s[k][min(s[k])], 4) for k in MEDIANS if k in s},

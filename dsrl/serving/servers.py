@@ -260,9 +260,11 @@ class Fleet(ABC):
         """Called with a replacement's URL once it answers, before it joins (colocated: it releases its memory)."""
         self.deaths = self.restarts = 0
         """Servers found dead, and replacements that joined, since the run started (`fleet/` metrics)."""
-        self.replacement_args: dict = {}
+        self.replacement_args: dict | None = {}
         """Server arguments a replacement starts with over the others' (colocated: its KV cache's size beside the
-        trainers, `dsrl.zero.memory.MemoryPlan.replacement`)."""
+        trainers, `GpuLending.size_replacements`); None: as the others', and colocated trainers wait for it."""
+        self.unsized: list = []
+        """The replacements starting with the others' arguments (None above): colocated, the trainers wait for them."""
 
     def restart_later(self, url: str) -> None:
         """Set the dead server at `url` aside and start its replacement, which joins at the first `heal` after it
@@ -274,6 +276,8 @@ class Fleet(ABC):
     def _start_in_background(self, slot: Any) -> None:
         handle = self.start_replacement(slot)
         self.starting.append(handle)
+        if self.replacement_args is None:
+            self.unsized.append(handle)
         threading.Thread(target=self._await_replacement, args=(slot, handle), daemon=True, name="replace").start()
 
     def _await_replacement(self, slot: Any, handle: Any) -> None:
@@ -320,6 +324,7 @@ class Fleet(ABC):
             if "started" in r or "failed" in r:
                 slot, handle, *url = r.get("started") or r["failed"]
                 self.starting.remove(handle)
+                self.unsized = [h for h in self.unsized if h is not handle]
                 if url:
                     self.adopt(slot, handle, url[0])
                     self.restarts += 1

@@ -61,10 +61,14 @@ class IpcTransport(Transport):
             offset += n
         return serialize({"flattened_tensor": bucket.flat, "metadata": metadata})
 
-    def _handles(self, bucket: FlatBucket) -> list[str] | None:
-        """Every rank's handle to its copy of `bucket`, on rank 0 in rank order (None elsewhere)."""
+    def _handles(self, bucket: FlatBucket) -> list[str | None] | None:
+        """Every rank's handle to its copy of `bucket`, on rank 0 in rank order (None elsewhere). A rank whose GPU
+        has no server (it died; its replacement is starting) makes none: torch keeps a block whose handle was made
+        until a receiver lets it go, and with no receiver that was a whole copy of the weights a sync, for good."""
         torch.cuda.current_stream().synchronize()  # the server reads it from another process
-        handle = self._handle(bucket)
+        numbers = self.numbers if self.numbers is not None else range(len(self.client.urls))
+        served = dist.get_rank() // self.tp_size in numbers
+        handle = self._handle(bucket) if served else None
         if dist.get_world_size() == 1:
             return [handle]
         handles = [None] * dist.get_world_size() if self.rank0 else None

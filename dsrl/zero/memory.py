@@ -9,7 +9,7 @@ Colocated on a GPU, the trainers and the rollout servers take turns (`dsrl.lendi
 
 `plan_memory` decides trainer.offload_states (auto: the least that lets the servers fit), states both sums for the
 batch configured (its longest prompt and response), and whether a dead server's replacement can start beside the
-update (its share beside the update's peak: then the trainers need not wait for it); `AutoCheckpointing` decides
+update (`replacement_room`: then the trainers need not wait for it); `AutoCheckpointing` decides
 the layers' checkpointing per update, from that update's largest micro-batch. The margin, for the servers'
 activations, CUDA graphs and the allocator's slack, is `margin` for all. A wake that would not fit is refused
 before it is asked for (`dsrl.lending.GpuLending`), with the numbers, rather than leave a server to die of it.
@@ -18,7 +18,7 @@ before it is asked for (`dsrl.lending.GpuLending`), with the numbers, rather tha
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -242,11 +242,19 @@ class MemoryPlan:
     moments; "all")."""
     line: str | None = None
     """The plan for the log (None: not colocated on GPUs, nothing to plan)."""
-    replacement: dict | None = field(default_factory=dict)
-    """Colocated, the server arguments a replacement for a dead server starts with beside the trainers ({}: as the
-    others'; None: no room beside the update's peak, the trainers wait until it started and released its memory).
-    SGLang sizes its KV cache from the memory free at its start: beside a trainer it starts with a larger
-    mem_fraction_static, capped at the others' KV tokens (`GpuLending` adds the cap, max_total_tokens)."""
+    peak: float = 0.0
+    """The update's peak on a rank, as `update_peak` estimates it (bytes; 0: not colocated on GPUs)."""
+
+
+PEAK_SLACK = 1.3
+"""What the device holds at the update's peak, over `update_peak`'s estimate, before a step has measured it: the
+allocator's cache and what the estimate leaves out (1.5B, 2 ranks on 2 x H200: 93 GB in use against 71.8)."""
+
+
+def replacement_room(total: float, peak: float, weights: float) -> float:
+    """Bytes a dead server's replacement has for its KV cache beside a trainer rank at its update's peak `peak` (what
+    the device holds then), its `weights` and the margin."""
+    return total - peak - margin(total) - weights
 
 
 def plan_memory(cfg: Config, engines: list) -> MemoryPlan:
@@ -274,25 +282,18 @@ def plan_memory(cfg: Config, engines: list) -> MemoryPlan:
             "(--trainer.offload_optimizer), or use --rollout.max_staleness 0"
         )
     peak, tokens, checkpointed = update_peak(cfg, engines[0])
-    share = cfg.rollout.mem_fraction_static * total
-    fraction = cfg.rollout.mem_fraction_static + peak / total  # (a KV cache as the others' beside up to the peak)
-    beside = peak + share + spare < total
-    replacement = {"mem_fraction_static": round(fraction, 3)} if beside else None
-    restart = (
-        f"starts beside it (mem_fraction_static {fraction:.3f}, at most the others' KV tokens)"
-        if beside
-        else "waits for the servers' turn (a server's share beside the update's peak exceeds the GPU)"
-    )
+    room = replacement_room(total, PEAK_SLACK * peak, server_weight_bytes(cfg, engines[0].module))
     why = (
         f"generating: trainers' states {states / GB:.1f} GB + servers {servers / GB:.1f} GB (the reward model's "
         f"{reward / GB:.1f}) + margin {spare / GB:.1f} GB {'fit in' if keep else 'exceed'} the GPU's "
         f"{total / GB:.1f} GB; updating: at most {peak / GB:.1f} GB (states and a micro-batch of {tokens} tokens, "
-        f"layers {'checkpointed' if checkpointed else 'not checkpointed'}); a dead server's replacement {restart}"
+        f"layers {'checkpointed' if checkpointed else 'not checkpointed'}); a dead server's replacement starts "
+        f"beside it with a KV cache of at most {max(room, 0) / GB:.1f} GB (measured from the second step)"
     )
     moments = 8 * trained  # (fp32 exp_avg and exp_avg_sq)
 
     def plan(offload: str | None, line: str) -> MemoryPlan:
-        return MemoryPlan(offload, f"memory plan: {line}", replacement)
+        return MemoryPlan(offload, f"memory plan: {line}", peak)
 
     if choice != "auto":
         offload = {"always": "all", "moments": "moments", "never": None}[choice]
