@@ -7,9 +7,8 @@
                     generated beside the optimizer step
     for_update      in the weight update, before the send: offloaded trainers' optimizer states leave, the
                     servers' weights come back
-    to_servers      in the weight update, after its checks: the trainers' parameters leave (offloaded "all"), the
-                    servers' KV cache comes back (the reward model's whole); the allocator's cached blocks go back to
-                    the driver only where the wake needs their room
+    to_servers      in the weight update, after its checks: the trainers' parameters leave (offloaded "all"; else
+                    the allocator's cached blocks), the servers' KV cache comes back (the reward model's whole)
 
 A tenant of `servers` has `release(tags)` and `resume(tag)`; a new one is one more entry. Disaggregated nothing was
 released, so nothing wakes; `offload` (None, "moments" or "all") is decided at start-up (the memory plan,
@@ -29,7 +28,7 @@ from dsrl.config import Config
 from dsrl.metrics import Timer
 from dsrl.serving.client import RolloutClient, ServerError
 from dsrl.zero.engine import free_cached_memory, offload_states, reload_states
-from dsrl.zero.memory import GB, PEAK_SLACK, MemoryPlan, margin, replacement_room, server_weight_bytes
+from dsrl.zero.memory import GB, PEAK_SLACK, MemoryPlan, replacement_room, server_weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +137,8 @@ class GpuLending:
         self.sleeping.discard(tag)
         weights = self.weight_bytes if "weights" in self.sleep_tags else 0.0
         need = weights if tag == "weights" else max(0.0, self.asleep - weights)
-        free, total = torch.cuda.mem_get_info()
-        if free < need + margin(total):  # (room for what the servers allocate as they run, too)
-            free_cached_memory()  # (0.06-0.2 s a step at 1.5B: not where the trainers' cache can stay)
+        if torch.cuda.mem_get_info()[0] < need:
+            free_cached_memory()
         free, held = torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated()
         with agreed(f"waking the rollout servers' {tag}", (MemoryError,)):
             if free < need:
@@ -188,9 +186,12 @@ class GpuLending:
 
     def to_servers(self, timer: Timer) -> None:
         """In the weight update, after its checks: the KV cache needs the memory the trainers' parameters held."""
-        if self.colocated and self.offload == "all":
+        if self.colocated:
             with timer("offload"):
-                self.offload_trainers(params=True)
+                if self.offload == "all":
+                    self.offload_trainers(params=True)
+                else:
+                    free_cached_memory()
         with timer("wake"):
             self.wake("kv_cache")
 
