@@ -59,6 +59,15 @@ class ServerMemory:
                 self.released[url].discard(tag)
 
 
+def kv_tokens(client: RolloutClient) -> int:
+    """The servers' KV cache in tokens, as SGLang's /server_info says it (0: not said, e.g. an SGLang before 0.5)."""
+    try:
+        info = client.run(client.request(client.live_urls()[0], "/server_info", method="GET"))
+    except ServerError:
+        return 0
+    return int(info.get("max_total_num_tokens", 0)) if isinstance(info, dict) else 0
+
+
 class GpuLending:
     def __init__(
         self, cfg: Config, client: RolloutClient, trainers: list, plan: MemoryPlan | None = None, reward=None,
@@ -93,8 +102,7 @@ class GpuLending:
         if self.fleet is not None:
             self.fleet.prepare_join = lambda url: self.memory.put_to_sleep(url, self.sleep_tags)
             if self.measured:
-                info = client.run(client.request(client.live_urls()[0], "/server_info", method="GET"))
-                self.kv_tokens = info.get("max_total_num_tokens", 0) if isinstance(info, dict) else 0
+                self.kv_tokens = kv_tokens(client)
                 self.size_replacements()
         self.asleep = 0.0
         """Bytes the servers released on this rank's GPU at the last `to_trainers`."""
