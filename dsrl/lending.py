@@ -95,8 +95,9 @@ class GpuLending:
         self.weight_bytes = server_weight_bytes(cfg, trainers[0].module) if self.measured else 0.0
         self.share = cfg.rollout.mem_fraction_static * (torch.cuda.mem_get_info()[1] if self.measured else 0)
         self.peak = PEAK_SLACK * plan.peak
-        """What a GPU holds at the update's peak, the largest of every rank's: measured at each update's end (the
-        allocator keeps its blocks until `to_servers`), the plan's estimate until then."""
+        """What a GPU holds at the update's peak, the largest of every rank's and step's: measured at each update's end
+        (the allocator keeps its blocks until `to_servers`), the plan's estimate until then (`measured_peak`)."""
+        self.measured_peak = False
         self.kv_tokens = 0
         """(rank 0) The servers' KV cache in tokens: a replacement beside the trainers gets no more."""
         if self.fleet is not None:
@@ -178,7 +179,8 @@ class GpuLending:
         """At the update's end, before anything leaves: what each GPU holds (the allocator's blocks), the largest."""
         held = torch.tensor([float(torch.cuda.memory_reserved())], device="cuda")
         dist.all_reduce(held, op=dist.ReduceOp.MAX)
-        self.peak = held.item()
+        self.peak = max(held.item(), self.peak if self.measured_peak else 0.0)  # (the largest since the first)
+        self.measured_peak = True
         if self.fleet is not None:
             self.size_replacements()
 
