@@ -22,7 +22,7 @@ from dsrl.rundir import report_writes
 from dsrl.zero import varlen
 from dsrl.zero.critic import PolicyAndValue
 from dsrl.zero.lora import add_adapters, add_in_place, lora_config
-from dsrl.zero.memory import AutoCheckpointing, awake_server_bytes, trainers_state_bytes
+from dsrl.zero.memory import AutoCheckpointing, awake_server_bytes, trainers_state_bytes, whole_numel
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def with_lora(model: torch.nn.Module, cfg: Config, checkpointing: bool, replicat
     model.enable_input_require_grads()  # a gradient into layer 0 from frozen embeddings (`gather_per_layer`)
     model = add_lora(model, cfg.model, critic_on_actor_base(cfg), checkpointing)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    total = whole_numel(model)
     dtype = next(p.dtype for p in model.parameters() if p.requires_grad)
     log.info("LoRA rank %d: %s trained parameters of %s (%.2f%%, %s), the base frozen", cfg.model.lora_rank,
              f"{trained:,}", f"{total:,}", 100 * trained / total, dtype)  # fmt: skip

@@ -158,11 +158,16 @@ def check_device_memory(cfg: Config, model_dir: str, world: int) -> None:
     )
 
 
+def whole_numel(model: torch.nn.Module) -> int:
+    """The model's parameters, whole (ZeRO-3's partitions counted as the tensors they split)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
 def server_weight_bytes(cfg: Config, model: torch.nn.Module) -> float:
     """This GPU's share of a colocated server's copy of `model`: bf16, or about a byte a weight with --rollout.precision
     fp8 (its linear layers' weights; the embeddings and norms stay bf16)."""
     width = 1 if cfg.rollout.precision == "fp8" else 2
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) * width / cfg.rollout.tp_size
+    return whole_numel(model) * width / cfg.rollout.tp_size
 
 
 def awake_server_bytes(cfg: Config, model: torch.nn.Module) -> float:
@@ -241,9 +246,8 @@ def update_peak(cfg: Config, engine) -> tuple[float, int, bool]:
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     t, width = cfg.trainer, 2 if bf16(cfg) else 4
     tokens = largest_micro_batch(t.max_tokens_per_micro_batch, t.micro_batch_size, longest)
-    params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     world = dist.get_world_size() if dist.is_initialized() else 1
-    buffers = zero3_buffer_bytes(params, width, world)
+    buffers = zero3_buffer_bytes(whole_numel(engine.module), width, world)
     auto = getattr(engine, "auto_checkpointing", None)
     if auto is not None:
         on, acts = auto.needs(tokens)
