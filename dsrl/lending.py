@@ -17,6 +17,7 @@ stops the run with the numbers, before the server is asked (SGLang dies of a wak
 """
 
 import logging
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -226,9 +227,13 @@ class GpuLending:
             reload_states(engine)
 
     @contextmanager
-    def trainers_on_gpu(self):
-        """The trainers' states on the GPU for the block (a checkpoint reads them), then off it again."""
-        self.trainers_back()
+    def trainers_on_gpu(self, resync: Callable[[], object]):
+        """The trainers' states on the GPU for the block (a checkpoint reads them). Where they left it for the
+        servers, the servers give the GPU back first, as for an update (the states did not fit beside them: a 7B run
+        with its moments on the host died of the reload at its end); `resync` sends them their weights again after."""
+        if not self.offload:
+            yield
+            return
+        self.to_trainers()
         yield
-        if self.offload:
-            self.offload_trainers(params=True)
+        resync()  # (a weight update: the states leave again, the servers wake)

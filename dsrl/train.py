@@ -214,7 +214,7 @@ def stop_if_asked(run: Run, step: int, saved: bool) -> None:
 
 def checkpoint(run: Run, step: int) -> None:
     started = time.monotonic()
-    with run.gpu.trainers_on_gpu():  # with this rank's state: the schedule's and the rewarder's
+    with run.gpu.trainers_on_gpu(resync=lambda: sync(run, step)):  # with the rank's state: schedule's, rewarder's
         run.trainer.save(run.run_dir, step, {"rollouts": run.rollouts.state(), "rewarder": run.rewarder.state()})
     if run.rank == 0:
         log.info("checkpoint step_%d written in %.1f s", step, time.monotonic() - started)
@@ -277,7 +277,8 @@ def finish(run: Run, metrics: dict[str, float]) -> None:
         log.info("final metrics: %s", json.dumps({k: round(v, 6) for k, v in sorted(metrics.items())}))
         (run.run_dir / "final_metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
     run.rollouts.stop()
-    run.gpu.trainers_back()
+    if run.gpu.offload:  # the servers give the GPU back to the states that left it for them (the export gathers)
+        run.gpu.to_trainers()
     if run.cfg.logging.export_hf:
         started = time.monotonic()
         run.trainer.export(run.run_dir / "hf", run.rank)
