@@ -33,8 +33,8 @@
 #                         against bf16 on the tail workload, and on the GPU toy; FP8_MODEL=7b with FP8_RUNS: see the stage)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py;
 #                                                         ASYNC_EXTRA="--rollout.max_concurrency 768" passes flags on)
-# Pure-Python wheels the image lacks travel in .whl/ (carried; `setup` installs them into /tmp/site): peft, and
-# liger-kernel for --model.liger_kernel / bench_trainer --liger (`pip download --no-deps liger-kernel -d .whl`).
+# Wheels the image lacks travel in .whl/ (carried; `setup` installs them into /tmp/site): peft, sgl-deep-gemm (the
+# `fp8` stage's DeepGEMM), and liger-kernel for --model.liger_kernel / bench_trainer --liger (`pip download --no-deps liger-kernel -d .whl`).
 # Pinning stages to GPUs with CUDA_VISIBLE_DEVICES holds for `dsrl train` stages (toy, colocate,
 # disaggregate, async); bench_ipc and bench_nccl (tools/bench_sync.py) always use GPU 0 (and 1).
 set -u
@@ -487,16 +487,25 @@ print('verl stack: verl', verl.__version__, 'sglang', sglang.__version__, 'trans
       # FP8 run's probe at its first and last sync (tools/peers/peers.py FP8_FLAGS). 1.5B: both runs in one call. 7B:
       # FP8_MODEL=7b FP8_RUNS="dsrl-moments dsrl-moments-fp8", or one run a call on the held machine (the records
       # gather in /tmp/fp8_peers/<model>/peers.json, and each call prints every run there). SGLang's block-FP8 GEMM on
-      # Hopper is DeepGEMM's, JIT-compiled at a server's first start on a machine (SGLang warns of 10-20 min; fast
-      # warm-up compiles fewer shapes) into /tmp/jitcache, whose archive comes back: carry it to skip that; FP8_DEEPGEMM=0
-      # runs Triton's block-FP8 GEMM instead (not yet run on a GPU: see docs/benchmarks.md, "FP8 rollout")
+      # Hopper is DeepGEMM's where the `deep_gemm` package imports (sgl-deep-gemm, which the site lacks: its wheel
+      # travels in .whl, `pip download --no-deps sgl-deep-gemm==0.1.5.post1 -d .whl`, carry .whl), else Triton's; the
+      # summary says which. DeepGEMM JIT-compiles at a server's first start on a machine (SGLang warns of 10-20 min;
+      # fast warm-up compiles fewer shapes) into /tmp/jitcache, whose archive comes back: carry it to skip that;
+      # FP8_DEEPGEMM=0 runs Triton's block-FP8 GEMM even where DeepGEMM imports
       M=${FP8_MODEL:-1.5b}; mkdir -p /tmp/fp8_peers/$M
       FP8_ENV=(env SGLANG_DG_CACHE_DIR=/tmp/jitcache/deep_gemm SGLANG_JIT_DEEPGEMM_FAST_WARMUP=1
                SGLANG_ENABLE_JIT_DEEPGEMM=${FP8_DEEPGEMM:-1})
+      "${FP8_ENV[@]}" python3 -c "from sglang.srt.layers.deep_gemm_wrapper.configurer import ENABLE_JIT_DEEPGEMM as dg
+print('SGLang block-FP8 GEMM:', 'DeepGEMM' if dg else 'Triton (deep_gemm does not import, or FP8_DEEPGEMM=0)')" 2>&1 \
+        | tail -1 | tee -a "$SUMMARY"
       stage fp8_$M ${FP8_LIMIT:-500} "${FP8_ENV[@]}" python3 tools/peers/peers.py --model /tmp/models/$M --workload tail \
         --runs ${FP8_RUNS:-dsrl dsrl-fp8} --steps ${FP8_STEPS:-4} --limits ${FP8_RUN_LIMIT:-230} --out /tmp/fp8_peers/$M \
         --budget $((${FP8_LIMIT:-500} - 20))
       cp /tmp/fp8_peers/$M/peers.json "$OUT/fp8_${M}_peers.json" 2>/dev/null
+      for a in /tmp/fp8_peers/$M/logs_*.tar.gz; do [ -f "$a" ] && tar xzf "$a" -C "$OUT"; done  # (into logs.tar.gz)
+      for f in "$OUT"/dsrl*_tail_*.log; do  # a run that failed says why here (a 7B run died of its last reload so)
+        [ -f "$f" ] && grep -a "Error" "$f" | tail -1 | cut -c1-300 | sed "s|^|$(basename "$f"): |" | tee -a "$SUMMARY"
+      done
       python3 - /tmp/fp8_peers/$M/peers.json <<'PY' 2>&1 | tee -a "$SUMMARY"
 import json, sys
 for name, run in json.load(open(sys.argv[1]))["runs"].items():
