@@ -94,7 +94,8 @@ class GpuLending:
         self.measured = self.colocated and use_cuda(cfg)
         """Colocated on GPUs: every rank measures what the servers on its GPU release, and checks a wake has room."""
         self.weight_bytes = server_weight_bytes(cfg, trainers[0].module) if self.measured else 0.0
-        self.share = cfg.rollout.mem_fraction_static * (torch.cuda.mem_get_info()[1] if self.measured else 0)
+        self.total = torch.cuda.mem_get_info()[1] if self.measured else 0
+        self.share = cfg.rollout.mem_fraction_static * self.total
         self.peak = PEAK_SLACK * plan.peak
         """What a GPU holds at the update's peak, the largest of every rank's and step's: measured at each update's end
         (the allocator keeps its blocks until `to_servers`), the plan's estimate until then (`measured_peak`)."""
@@ -125,7 +126,8 @@ class GpuLending:
             tenant.release(self.sleep_tags)
         self.asleep = self.free_bytes(barrier_before=True) - before if self.measured else 0.0
         self.sleeping = set(self.sleep_tags)
-        self.trainers_back()
+        for engine in self.trainers if self.offload else []:  # (where they were offloaded)
+            reload_states(engine)
 
     def free_bytes(self, barrier_before: bool = False, barrier_after: bool = False) -> float:
         """This rank's GPU's free bytes, measured between barriers where rank 0 releases servers on other GPUs."""
@@ -170,9 +172,8 @@ class GpuLending:
         """(rank 0) A dead server's replacement starts beside the trainers, its KV cache capped at the room their
         peak leaves (`replacement_room`; SGLang sizes it from the memory free at its start, which the trainers
         change); where that is less than half the others', it starts as they did and the trainers wait for it."""
-        total = torch.cuda.mem_get_info()[1]
         cell = (self.share - self.weight_bytes) / max(self.kv_tokens, 1)  # (a token's KV bytes, or a little more)
-        tokens = min(self.kv_tokens, int(replacement_room(total, self.peak, self.weight_bytes) / cell))
+        tokens = min(self.kv_tokens, int(replacement_room(self.total, self.peak, self.weight_bytes) / cell))
         beside = self.kv_tokens > 0 and tokens >= self.kv_tokens / 2
         self.fleet.replacement_args = {"mem_fraction_static": 0.95, "max_total_tokens": tokens} if beside else None
 
@@ -221,10 +222,6 @@ class GpuLending:
     def offload_trainers(self, params: bool) -> None:  # (optimizer states; with `params` the parameters too)
         for engine in self.trainers:
             offload_states(engine, self.offload, params)
-
-    def trainers_back(self) -> None:  # (where they were offloaded)
-        for engine in self.trainers if self.offload else []:
-            reload_states(engine)
 
     @contextmanager
     def trainers_on_gpu(self, resync: Callable[[], object]):

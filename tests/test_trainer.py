@@ -334,7 +334,8 @@ def test_a_dead_servers_replacement_starts_beside_the_update_with_its_kv_cache_c
     plan = plan_memory(cfg, engines)
     assert plan.peak == update_peak(cfg, engines[0])[0] and "a dead server's replacement starts beside it" in plan.line
     gpu = GpuLending.__new__(GpuLending)  # (rank 0's sizing alone: no servers to ask, no ranks to reduce over)
-    gpu.fleet, gpu.weight_bytes, gpu.share, gpu.kv_tokens = ServerFleet(urls=[]), weights, 0.4 * total, 1_000_000
+    gpu.fleet, gpu.weight_bytes, gpu.total, gpu.share = ServerFleet(urls=[]), weights, total, 0.4 * total
+    gpu.kv_tokens = 1_000_000
     cell = (0.4 * total - weights) / 1_000_000
     capped = int((total - 93e9 - margin(total) - weights) / cell)
     for held, tokens in ((60e9, 1_000_000), (93e9, capped), (120e9, None)):
