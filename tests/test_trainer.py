@@ -348,6 +348,9 @@ def test_a_dead_servers_replacement_starts_beside_the_update_with_its_kv_cache_c
             assert args == {"mem_fraction_static": 0.95, "max_total_tokens": tokens}
             assert held + weights + tokens * cell + margin(total) <= total
             assert 0.95 * (total - held) - weights >= tokens * cell
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, int(5e9)))  # the margin alone leaves 0.5 GB
+    line = plan_memory(cfg, engines).line
+    assert "replacement would have 0." in line and "the trainers wait for it" in line and "starts beside" not in line
 
 
 def test_the_memory_plans_update_peak_is_set_by_the_micro_batch_not_the_batch():

@@ -304,13 +304,19 @@ def plan_memory(cfg: Config, engines: list) -> MemoryPlan:
             "(--trainer.offload_optimizer), or use --rollout.max_staleness 0"
         )
     peak, tokens, checkpointed = update_peak(cfg, engines[0])
-    room = replacement_room(total, PEAK_SLACK * peak, server_weight_bytes(cfg, engines[0].module))
+    server_weights = server_weight_bytes(cfg, engines[0].module)
+    room = replacement_room(total, PEAK_SLACK * peak, server_weights)
+    kv = cfg.rollout.mem_fraction_static * total - server_weights  # (a server's KV cache, as `size_replacements`)
+    replacement = (
+        f"starts beside it with a KV cache of at most {room / GB:.1f} GB" if room >= kv / 2 else
+        f"would have {max(room, 0) / GB:.1f} GB beside it, under half a server's KV cache: the trainers wait for it"
+    )  # fmt: skip
     why = (
         f"generating: trainers' states {states / GB:.1f} GB + servers {servers / GB:.1f} GB (the reward model's "
         f"{reward / GB:.1f}) + margin {spare / GB:.1f} GB {'fit in' if keep else 'exceed'} the GPU's "
         f"{total / GB:.1f} GB; updating: at most {peak / GB:.1f} GB (states and a micro-batch of {tokens} tokens, "
-        f"layers {'checkpointed' if checkpointed else 'not checkpointed'}); a dead server's replacement starts "
-        f"beside it with a KV cache of at most {max(room, 0) / GB:.1f} GB (measured from the second step)"
+        f"layers {'checkpointed' if checkpointed else 'not checkpointed'}); a dead server's replacement "
+        f"{replacement} (measured from the second step)"
     )
     moments = 8 * trained  # (fp32 exp_avg and exp_avg_sq)
 
