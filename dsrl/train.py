@@ -277,10 +277,10 @@ def finish(run: Run, metrics: dict[str, float]) -> None:
         log.info("final metrics: %s", json.dumps({k: round(v, 6) for k, v in sorted(metrics.items())}))
         (run.run_dir / "final_metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
     run.rollouts.stop()
-    if run.gpu.offload:  # the servers give the GPU back to the states that left it for them (the export gathers)
-        run.gpu.to_trainers()
     if run.cfg.logging.export_hf:
         started = time.monotonic()
+        if run.gpu.offload:  # the servers give the GPU back to the states that left it for them (the export gathers)
+            run.gpu.to_trainers()
         run.trainer.export(run.run_dir / "hf", run.rank)
         if run.rank == 0:
             log.info("exported %s in %.1f s", run.run_dir / "hf", time.monotonic() - started)
