@@ -29,7 +29,7 @@ from dsrl.config import Config
 from dsrl.metrics import Timer
 from dsrl.serving.client import RolloutClient, ServerError
 from dsrl.zero.engine import free_cached_memory, offload_states, reload_states
-from dsrl.zero.memory import GB, PEAK_SLACK, MemoryPlan, replacement_room, server_weight_bytes
+from dsrl.zero.memory import GB, PEAK_SLACK, MemoryPlan, replacement_fits, replacement_room, server_weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class GpuLending:
         change); where that is less than half the others', it starts as they did and the trainers wait for it."""
         cell = (self.share - self.weight_bytes) / max(self.kv_tokens, 1)  # (a token's KV bytes, or a little more)
         tokens = min(self.kv_tokens, int(replacement_room(self.total, self.peak, self.weight_bytes) / cell))
-        beside = self.kv_tokens > 0 and tokens >= self.kv_tokens / 2
+        beside = self.kv_tokens > 0 and replacement_fits(tokens, self.kv_tokens)
         self.fleet.replacement_args = {"mem_fraction_static": 0.95, "max_total_tokens": tokens} if beside else None
 
     def measure_peak(self) -> None:

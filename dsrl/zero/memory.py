@@ -279,6 +279,12 @@ def replacement_room(total: float, peak: float, weights: float) -> float:
     return total - peak - margin(total) - weights
 
 
+def replacement_fits(room: float, kv: float) -> bool:
+    """Whether a dead server's replacement starts beside the update: at least half a server's KV cache `kv` fits in the
+    `room` left there (tokens or bytes alike). Else it starts as the others did, and the trainers wait for it."""
+    return room >= kv / 2
+
+
 def plan_memory(cfg: Config, engines: list) -> MemoryPlan:
     """trainer.offload_states, colocated on GPUs, and whether a replacement server fits beside the update
     (`MemoryPlan`). auto keeps the states when this rank's (parameters, fp32 master copy, Adam's two moments,
@@ -308,7 +314,7 @@ def plan_memory(cfg: Config, engines: list) -> MemoryPlan:
     room = replacement_room(total, PEAK_SLACK * peak, server_weights)
     kv = cfg.rollout.mem_fraction_static * total - server_weights  # (a server's KV cache, as `size_replacements`)
     replacement = (
-        f"starts beside it with a KV cache of at most {room / GB:.1f} GB" if room >= kv / 2 else
+        f"starts beside it with a KV cache of at most {room / GB:.1f} GB" if replacement_fits(room, kv) else
         f"would have {max(room, 0) / GB:.1f} GB beside it, under half a server's KV cache: the trainers wait for it"
     )  # fmt: skip
     why = (
