@@ -175,7 +175,8 @@ class RolloutConfig:
     startup_timeout_s: float = 300.0
     """Seconds a started server has to answer /health."""
     server_args: dict[str, Any] = field(default_factory=dict)
-    """Extra launch arguments for started servers, e.g. {attention_backend: triton}; true adds a bare flag."""
+    """Extra launch arguments for started servers, by field or flag name, e.g. {attention_backend: triton,
+    fp8_gemm_backend: deep_gemm}; true adds a bare flag."""
 
 
 @dataclass

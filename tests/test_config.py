@@ -236,6 +236,26 @@ def test_pause_retract_starts_sglang_without_the_prefix_cache_unless_told():
     assert "--disable-radix-cache" not in flags(*told)
 
 
+def test_a_server_argument_whose_flag_is_not_its_field_reaches_the_server_as_its_flag():
+    """SGLang spells some flags apart from their fields (`fp8_gemm_runner_backend` is `--fp8-gemm-backend`): either
+    name in server_args becomes the flag its parser takes. The parser here stands in for SGLang's, not installed on
+    CPU; `server_flags("sglang")` reads SGLang's own where it is."""
+    import argparse
+
+    from dsrl.serving.servers import as_flags, flag_names
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fp8-gemm-backend", dest="fp8_gemm_runner_backend")
+    parser.add_argument("--mem-fraction-static", type=float)
+    parser.add_argument("--skip-tokenizer-init", action="store_true")
+    names = flag_names(parser)
+    for name in ("fp8_gemm_runner_backend", "fp8_gemm_backend", "fp8-gemm-backend"):
+        flags = as_flags({name: "deep_gemm", "mem_fraction_static": 0.5, "skip_tokenizer_init": True}, names)
+        assert flags == ["--fp8-gemm-backend", "deep_gemm", "--mem-fraction-static", "0.5", "--skip-tokenizer-init"]
+        parsed = parser.parse_args(flags)
+        assert (parsed.fp8_gemm_runner_backend, parsed.mem_fraction_static) == ("deep_gemm", 0.5)
+
+
 def test_the_config_reference_is_current():
     """docs/config.md is generated from the fields' docstrings (tools/config_reference.py)."""
     import runpy

@@ -5,8 +5,10 @@ Each server runs in its own process session with its log in <run_dir>/logs, so a
 start shows the end of that log, and stopping kills the server's whole process group.
 """
 
+import argparse
 import contextlib
 import difflib
+import functools
 import json
 import logging
 import os
@@ -20,7 +22,7 @@ import urllib.error
 import urllib.request
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -104,33 +106,56 @@ def wait_healthy(server: "ServerProcess | str", timeout_s: float, every_s: float
     )
 
 
+def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each name a user may give a server argument, mapped to the flag `parser` takes: its field (`dest`: SGLang's
+    `fp8_gemm_runner_backend`) and its flag's own spelling (`fp8_gemm_backend`), both to `--fp8-gemm-backend`. A
+    field wins where a flag is spelled as another argument's field."""
+    fields_, spellings = {}, {}
+    for action in parser._actions:
+        flags = [o for o in action.option_strings if o.startswith("--")]
+        if flags:
+            fields_[action.dest] = flags[0]
+            spellings |= {f[2:].replace("-", "_"): f for f in flags}
+    return spellings | fields_
+
+
+@functools.cache
+def server_flags(engine: str) -> dict[str, str] | None:
+    """`flag_names` of the engine's own parser: the embedded engine's, or SGLang's (None where SGLang is not
+    installed here: the servers run on Ray nodes, and SGLang checks its flags there)."""
+    if engine == "embedded":
+        return flag_names(build_parser())
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except ImportError:
+        return None
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return flag_names(parser)
+
+
 def check_server_args(cfg: RolloutConfig, engine: str, flag: str = "--rollout.server_args") -> None:
     """A key of `flag` (--rollout.server_args, or --reward_model.server_args) the engine does not know fails here,
-    naming it, before any server starts (SGLang's own `ServerArgs` fields, when SGLang is installed here)."""
-    if engine == "embedded":
-        known = {a.dest for a in build_parser()._actions}
-    else:
-        try:
-            from sglang.srt.server_args import ServerArgs
-        except ImportError:  # the servers run elsewhere (Ray nodes): SGLang checks them there
-            return
-        known = {f.name for f in fields(ServerArgs)}
+    naming it, before any server starts (SGLang's own arguments, when SGLang is installed here)."""
+    names = server_flags(engine)
+    if names is None:
+        return
     errors = []
     for key in cfg.server_args:
-        if key.replace("-", "_") not in known:
-            close = difflib.get_close_matches(key.replace("-", "_"), sorted(known), n=3)
+        if key.replace("-", "_") not in names:
+            close = difflib.get_close_matches(key.replace("-", "_"), sorted(names), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             errors.append(f"{flag}: {key!r} is not an argument of the {engine} server{hint}")
     if errors:
         raise ConfigError(errors)
 
 
-def as_flags(args: dict) -> list[str]:
+def as_flags(args: dict, names: dict[str, str] | None = None) -> list[str]:
     """{mem_fraction_static: 0.5, enable_foo: true, bar: [a, b]} -> ['--mem-fraction-static', '0.5', '--enable-foo',
-    '--bar', 'a', 'b']."""
+    '--bar', 'a', 'b'], each key's flag as `names` (`flag_names`) spells it where it names the key."""
     flags = []
     for key, value in args.items():
-        flag = f"--{key.replace('_', '-')}"
+        flag = (names or {}).get(key.replace("-", "_"), f"--{key.replace('_', '-')}")
         if value is True:
             flags.append(flag)
         elif isinstance(value, (list, tuple)):
@@ -142,7 +167,7 @@ def as_flags(args: dict) -> list[str]:
 
 def embedded_command(cfg: RolloutConfig, model_path: str, host: str, port: int, seed: int) -> list[str]:
     cmd = [sys.executable, "-m", "dsrl.serving.embedded", "--model-path", model_path, "--host", host]
-    return cmd + ["--port", str(port), "--seed", str(seed), *as_flags(cfg.server_args)]
+    return cmd + ["--port", str(port), "--seed", str(seed), *as_flags(cfg.server_args, server_flags("embedded"))]
 
 
 def sglang_command(cfg: RolloutConfig, model_path: str, host: str, port: int, seed: int, colocated: bool) -> list[str]:
@@ -160,7 +185,7 @@ def sglang_command(cfg: RolloutConfig, model_path: str, host: str, port: int, se
         "disable_radix_cache": cfg.interrupt == "pause" and cfg.pause_mode == "retract",
         **cfg.server_args,
     }
-    return [sys.executable, "-m", "sglang.launch_server", *as_flags(args)]
+    return [sys.executable, "-m", "sglang.launch_server", *as_flags(args, server_flags("sglang"))]
 
 
 @dataclass
