@@ -144,9 +144,11 @@ class GpuLending:
     def check_room(self, tag: str) -> None:
         """Before the servers take `tag` back: every rank's GPU has room for what they released there, else the run
         stops with the numbers (SGLang's scheduler dies of a wake that runs out of memory, and takes its server)."""
-        if not self.measured or tag not in self.sleeping:  # (the same on every rank: `agreed` below is a collective)
+        if tag not in self.sleeping:  # (the same on every rank: `agreed` below is a collective)
             return
         self.sleeping.discard(tag)
+        if not self.measured:
+            return
         weights = self.weight_bytes if "weights" in self.sleep_tags else 0.0
         need = weights if tag == "weights" else max(0.0, self.asleep - weights)
         if torch.cuda.mem_get_info()[0] < need:
@@ -224,13 +226,16 @@ class GpuLending:
             offload_states(engine, self.offload, params)
 
     @contextmanager
-    def trainers_on_gpu(self, resync: Callable[[], object]):
-        """The trainers' states on the GPU for the block (a checkpoint reads them). Where they left it for the
-        servers, the servers give the GPU back first, as for an update (the states did not fit beside them: a 7B run
-        with its moments on the host died of the reload at its end); `resync` sends them their weights again after."""
+    def trainers_on_gpu(self, resync: Callable[[], object] | None):
+        """The trainers' states on the GPU for the block (a checkpoint, the export read them). Where they left it for
+        the servers, the servers give the GPU back first, as for an update (the states did not fit beside them: a 7B
+        run with its moments on the host died of the reload at its end), unless they already did; `resync` sends them
+        their weights again after (None: nothing follows, the run ends)."""
         if not self.offload:
             yield
             return
-        self.to_trainers()
+        if not self.sleeping:
+            self.to_trainers()
         yield
-        resync()  # (a weight update: the states leave again, the servers wake)
+        if resync is not None:
+            resync()  # (a weight update: the states leave again, the servers wake)

@@ -85,7 +85,7 @@ def train(cfg: Config, watch: OwnerWatch | None = None) -> dict[str, float]:
             steps.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
             saved = cfg.logging.save_every and (step + 1) % cfg.logging.save_every == 0
             if saved:
-                checkpoint(run, step + 1)
+                checkpoint(run, step + 1, last=step + 1 >= cfg.trainer.total_steps)
             stop_if_asked(run, step + 1, saved)
         finish(run, metrics)
     finally:
@@ -207,14 +207,17 @@ def stop_if_asked(run: Run, step: int, saved: bool) -> None:
     path = None
     if run.cfg.logging.save_on_signal:
         if not saved:
-            checkpoint(run, step)
+            checkpoint(run, step, last=True)
         path = run.run_dir / "checkpoints" / f"step_{step}"
     raise RunStopped(signum, step, path)
 
 
-def checkpoint(run: Run, step: int) -> None:
+def checkpoint(run: Run, step: int, last: bool) -> None:
+    """`last`: no step follows (the run ends or stops), so servers that gave the GPU back for it keep it."""
     started = time.monotonic()
-    with run.gpu.trainers_on_gpu(resync=lambda: sync(run, step)):  # with the rank's state: schedule's, rewarder's
+    if run.gpu.offload:  # (the last sync's probe, before its servers sleep)
+        run.weights.await_probe()
+    with run.gpu.trainers_on_gpu(resync=None if last else lambda: sync(run, step)):  # with the schedule's, rewarder's
         run.trainer.save(run.run_dir, step, {"rollouts": run.rollouts.state(), "rewarder": run.rewarder.state()})
     if run.rank == 0:
         log.info("checkpoint step_%d written in %.1f s", step, time.monotonic() - started)
@@ -279,9 +282,8 @@ def finish(run: Run, metrics: dict[str, float]) -> None:
     run.rollouts.stop()
     if run.cfg.logging.export_hf:
         started = time.monotonic()
-        if run.gpu.offload:  # the servers give the GPU back to the states that left it for them (the export gathers)
-            run.gpu.to_trainers()
-        run.trainer.export(run.run_dir / "hf", run.rank)
+        with run.gpu.trainers_on_gpu(resync=None):  # (the export gathers them)
+            run.trainer.export(run.run_dir / "hf", run.rank)
         if run.rank == 0:
             log.info("exported %s in %.1f s", run.run_dir / "hf", time.monotonic() - started)
 
