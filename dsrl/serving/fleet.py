@@ -1,7 +1,6 @@
 """Which servers a run gets: external URLs, Ray actors (`ray_fleet.py`), or subprocesses here (`servers.py`)."""
 
 import logging
-from dataclasses import replace
 from pathlib import Path
 
 from dsrl.auto import fleet_kind
@@ -18,6 +17,7 @@ from dsrl.serving.servers import (
     server_host,
     spawn,
     wait_healthy,
+    with_server_args,
 )
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def start_fleet(
 
     def launch(i: int, args: dict | None = None) -> ServerProcess:
         port = ports[i] = (ports.get(i) if role == "reward" else None) or free_port(host)
-        given = replace(cfg, server_args={**cfg.server_args, **args}) if args else cfg
+        given = with_server_args(cfg, args)
         cmd = server_command(given, engine, model_path, host, port, seed + i, cfg.first_gpu + i * cfg.tp_size, log_dir)
         log.info("starting %s server %d: %s", role, i, " ".join(cmd))
         prefix = "reward_" if role == "reward" else ""

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -34,6 +34,7 @@ from dsrl.serving.servers import (
     server_env,
     spawn,
     wait_healthy,
+    with_server_args,
 )
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ class RayFleet(Fleet):
 
     def _start(self, actors: list, numbers: list[int], args: dict | None = None) -> list[str]:
         logs = [str(self.run_dir / "logs" / f"server_{n}.log") for n in numbers]
-        cfg = replace(self.cfg, server_args={**self.cfg.server_args, **args}) if args else self.cfg
+        cfg = with_server_args(self.cfg, args)
         refs = [
             a.start.remote(cfg, self.engine, self.model_path, p, self.seed + n)
             for a, p, n in zip(actors, logs, numbers)

@@ -22,7 +22,7 @@ import urllib.error
 import urllib.request
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +163,11 @@ def as_flags(args: dict, names: dict[str, str] | None = None) -> list[str]:
         elif value not in (False, None):
             flags += [flag, str(value)]
     return flags
+
+
+def with_server_args(cfg: RolloutConfig, args: dict | None) -> RolloutConfig:
+    """`cfg` with `args` over its server_args (a replacement's KV cache cap)."""
+    return replace(cfg, server_args={**cfg.server_args, **args}) if args else cfg
 
 
 def embedded_command(cfg: RolloutConfig, model_path: str, host: str, port: int, seed: int) -> list[str]:
