@@ -94,6 +94,8 @@ def summary(name: str, run_dir: Path, rc, kill_step: int | None, started: float,
                                    if tag.startswith("memory/update_peak")},  # fmt: skip
         "step_s": [round(steps[k], 2) for k in sorted(steps)],
         "phases_s": {p: steady_median(s[f"timing/{p}"]) for p in PHASES if f"timing/{p}" in s},
+        "phases_by_step_s": {p: [round(v, 2) for _, v in sorted(s[f"timing/{p}"].items())] for p in PHASES
+                             if f"timing/{p}" in s},  # fmt: skip
         "medians": {k: steady_median(s[k]) for k in MEDIANS if k in s},
         "first_step": {k: round(s[k][min(s[k])], 4) for k in MEDIANS if k in s},
         # prompt + response tokens trained a step, over the median step and the GPUs (NeMo-RL's tokens/s/GPU)
@@ -104,7 +106,9 @@ def summary(name: str, run_dir: Path, rc, kill_step: int | None, started: float,
     hit = {k: v for k, v in steps.items() if kill_step is not None and k in (kill_step + 1, kill_step + 2)}
     if hit and times:
         record["death_steps_s"] = {k: round(v, 2) for k, v in hit.items()}
-        record["death_step_ratio"] = round(max(hit.values()) / statistics.median(times), 2)
+        # the step the death hit against the steps before it (the first warms up), where there are any
+        before = [v for k, v in steps.items() if 1 < k <= kill_step] or times
+        record["death_step_ratio"] = round(hit.get(kill_step + 1, max(hit.values())) / statistics.median(before), 2)
     return record
 
 
@@ -163,7 +167,7 @@ def main() -> None:
     path = args.out / "soak.json"
     records = json.loads(path.read_text()) if path.is_file() else []
     path.write_text(json.dumps(records + [record], indent=1))
-    death = (f", the death's steps {record['death_steps_s']} ({record['death_step_ratio']}x the median)"
+    death = (f", the death's steps {record['death_steps_s']} (the first {record['death_step_ratio']}x the steps before)"
              if "death_steps_s" in record else "")  # fmt: skip
     print(f"soak {args.name}: rc {rc}, {record['steps']}/{args.steps} steps in {record['wall_s']} s, server deaths "
           f"{record['deaths']:.0f}, restarts {record['restarts']:.0f}, step median {record['step_median_s']} s, max "
