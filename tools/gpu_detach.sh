@@ -26,7 +26,7 @@ case ${1:-} in
     bring() {
       local o=${OUT:-/tmp/gpu_out}
       tar czf "$o/detached_out.tar.gz" --exclude='jitcache*' -C "$D/out" . && cp "$D/log" "$o/detached.log"
-      [ -f "$D/out/jitcache.tar.gz" ] && cp "$D/out/jitcache.tar.gz" "$o/"
+      for j in "$D"/out/jitcache*.tar.gz; do [ -f "$j" ] && cp "$j" "$o/"; done
     }
     while [ ! -f "$D/rc" ] && [ $SECONDS -lt $end ]; do
       sleep 5

@@ -543,7 +543,15 @@ intermediate_size=256, num_key_value_heads=4); json.dump(c, open('/tmp/models/to
     *) note "unknown stage $s" ;;
   esac
 done
-[ -d /tmp/jitcache ] && tar czf "$OUT/jitcache.tar.gz" -C /tmp/jitcache . 2>/dev/null
+if [ -d /tmp/jitcache ]; then  # the JIT caches, for .gpu/jitcache.tar.gz (carried: setup.sh unpacks it)
+  tar czf "$OUT/jitcache.tar.gz" -C /tmp/jitcache . 2>/dev/null
+  # A call brings back 16 MiB a file: over that, only what this machine compiled (newer than setup.sh's unpacking),
+  # to merge: mkdir m; tar xzf .gpu/jitcache.tar.gz -C m; tar xzf jitcache_new.tar.gz -C m; tar czf .gpu/jitcache.tar.gz -C m .
+  if [ "$(stat -c %s "$OUT/jitcache.tar.gz")" -gt 16000000 ] && [ -f /tmp/jitcache/.ok ]; then
+    (cd /tmp/jitcache && find . -type f -newer .ok) | tar czf "$OUT/jitcache_new.tar.gz" -C /tmp/jitcache -T - \
+      && rm "$OUT/jitcache.tar.gz"
+  fi
+fi
 LOGS=$(mktemp -d)  # one per invocation: several may run side by side on different GPUs
 mkdir -p "$LOGS/servers"
 for d in /tmp/runs/*/logs /tmp/bench_async/*/logs; do
