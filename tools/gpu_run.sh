@@ -116,7 +116,7 @@ for s in "$@"; do
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
           > "$OUT/pip.log" 2>&1 || note "wheel install failed (see pip.log)"
       fi
-      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$SUMMARY"
+      nvidia-smi --query-gpu=name,uuid,memory.total,driver_version --format=csv,noheader | tee -a "$SUMMARY"
       python3 -c "import torch, sglang, deepspeed, transformers, aiohttp, jsonargparse, tqdm; print('torch', torch.__version__, 'sglang', sglang.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)" 2>&1 | tail -1 | tee -a "$SUMMARY"
       python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null || note "no tensorboard here: runs pass --logging.tensorboard false"
       if [ -f .gpu/ray_site.tar.xz ] && [ ! -d /tmp/site/ray ]; then tar xJf .gpu/ray_site.tar.xz -C /tmp/site; fi
