@@ -248,7 +248,10 @@ def test_a_server_argument_whose_flag_is_not_its_field_reaches_the_server_as_its
     parser.add_argument("--fp8-gemm-backend", dest="fp8_gemm_runner_backend")
     parser.add_argument("--mem-fraction-static", type=float)
     parser.add_argument("--skip-tokenizer-init", action="store_true")
+    parser.add_argument("--cuda-graph-max-bs-decode", type=int)
+    parser.add_argument("--cuda-graph-max-bs", dest="cuda_graph_max_bs_decode", type=int)  # (a deprecated alias)
     names = flag_names(parser)
+    assert names["cuda_graph_max_bs_decode"] == "--cuda-graph-max-bs-decode"
     for name in ("fp8_gemm_runner_backend", "fp8_gemm_backend", "fp8-gemm-backend"):
         flags = as_flags({name: "deep_gemm", "mem_fraction_static": 0.5, "skip_tokenizer_init": True}, names)
         assert flags == ["--fp8-gemm-backend", "deep_gemm", "--mem-fraction-static", "0.5", "--skip-tokenizer-init"]

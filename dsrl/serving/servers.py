@@ -109,12 +109,13 @@ def wait_healthy(server: "ServerProcess | str", timeout_s: float, every_s: float
 def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
     """Each name a user may give a server argument, mapped to the flag `parser` takes: its field (`dest`: SGLang's
     `fp8_gemm_runner_backend`) and its flag's own spelling (`fp8_gemm_backend`), both to `--fp8-gemm-backend`. A
-    field wins where a flag is spelled as another argument's field."""
+    field wins where a flag is spelled as another argument's field, and its first flag where deprecated aliases of
+    it follow (SGLang's `--cuda-graph-max-bs` for `cuda_graph_max_bs_decode`)."""
     fields_, spellings = {}, {}
     for action in parser._actions:
         flags = [o for o in action.option_strings if o.startswith("--")]
         if flags:
-            fields_[action.dest] = flags[0]
+            fields_.setdefault(action.dest, flags[0])
             spellings |= {f[2:].replace("-", "_"): f for f in flags}
     return spellings | fields_
 
