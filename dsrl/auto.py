@@ -88,6 +88,32 @@ def lora_servers(cfg: Config, target_modules: list[str]) -> Config:
     return replace(cfg, rollout=replace(cfg.rollout, server_args=lora | cfg.rollout.server_args))
 
 
+GRAPH_ARGS = ("cuda_graph_max_bs_decode", "cuda_graph_max_bs", "cuda_graph_bs_decode", "cuda_graph_config",
+              "disable_cuda_graph")  # fmt: skip
+"""SGLang's settings of the decode batches it captures CUDA graphs for: given one, `decode_graphs` leaves them be."""
+
+
+def decode_graphs(cfg: Config, world: int) -> tuple[Config, list[str]]:
+    """SGLang decodes a batch of more requests than its CUDA graphs were captured for without them, several times
+    slower, and captures up to 256 on one H100 or H200 (512 from TP 4). Every rank sends up to
+    rollout.max_concurrency, a prompt's group to one server: with one of four servers dead, four ranks sent 352 to
+    each of the three (docs/benchmarks.md "Soak"). Where that bound, at most 512, passes SGLang's, the servers
+    capture graphs for it (the user's own setting wins)."""
+    r = cfg.rollout
+    if r.engine != "sglang" or r.fleet == "external" or {k.replace("-", "_") for k in r.server_args} & set(GRAPH_ARGS):
+        return cfg, []
+    live = max(r.num_servers - 1, 1)
+    per_rank = min(r.max_concurrency, -(-r.max_concurrency // live) + r.n_samples)  # (a group is not split)
+    bound = min(512, world * per_rank)
+    if bound <= (512 if r.tp_size >= 4 else 256):
+        return cfg, []
+    rollout = replace(r, server_args={"cuda_graph_max_bs_decode": bound} | r.server_args)
+    line = (f"rollout.server_args cuda_graph_max_bs_decode {bound}: the most requests a server may run with one "
+            f"server down ({world} ranks x {r.max_concurrency} over {live}); SGLang decodes more "
+            "than its CUDA graphs hold without them")  # fmt: skip
+    return replace(cfg, rollout=rollout), [line]
+
+
 def count_params(cfg: Config, model_dir: str) -> int:
     """The model's parameters, counted from its config (nothing is allocated; once a model: seconds at 32B)."""
     return _count_params(model_dir, cfg.model.trust_remote_code)

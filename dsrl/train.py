@@ -19,7 +19,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from dsrl import rundir
-from dsrl.auto import fleet_kind, log_decisions, lora_servers, resolve, rollout_engine, use_cuda
+from dsrl.auto import decode_graphs, fleet_kind, log_decisions, lora_servers, resolve, rollout_engine, use_cuda
 from dsrl.collectives import agreed, all_ranks
 from dsrl.config import Config, parse_config, validate
 from dsrl.data import DatasetError, check_datasets, server_context
@@ -161,7 +161,8 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     if rank == 0:
         rundir.trim_trace(run_dir / "trained_prompts.jsonl", start_step)
     plan = plan_memory(cfg, trainer.engines)  # do they lend the GPU to the servers?
-    log_decisions(decided + ([plan.line] if plan.line else []))
+    cfg, graphs = decode_graphs(cfg, world)
+    log_decisions(decided + graphs + ([plan.line] if plan.line else []))
     for engine in trainer.engines if plan.offload else []:  # before any server starts: it sizes its KV cache from
         offload_states(engine, plan.offload, params=False)  # the memory it finds free
     if cfg.sync.lora == "adapter":

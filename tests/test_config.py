@@ -259,6 +259,35 @@ def test_a_server_argument_whose_flag_is_not_its_field_reaches_the_server_as_its
         assert (parsed.fp8_gemm_runner_backend, parsed.mem_fraction_static) == ("deep_gemm", 0.5)
 
 
+def test_sglang_servers_capture_decode_graphs_for_as_many_requests_as_one_may_run():
+    """SGLang decodes more requests than its CUDA graphs hold without them, several times slower (256 on one H100 or
+    H200): after a death, 4 ranks sent 352 to each of 3 servers. The servers capture graphs for the most one may run
+    with one server down; the user's own setting, and the embedded engine, are left alone."""
+    from dsrl.auto import decode_graphs
+    from dsrl.serving.servers import sglang_command
+
+    def decided(world, *flags):
+        model = ["--model.path", str(ROOT / "examples/toy/model")]
+        cfg = parse_config(
+            ["--config", str(ROOT / "configs/gpu_colocate.yaml"), *model, "--rollout.n_samples", "8", *flags]
+        )
+        return decode_graphs(cfg, world)
+
+    def graphs(world, *flags):
+        return decided(world, *flags)[0].rollout.server_args.get("cuda_graph_max_bs_decode")
+
+    assert graphs(4, "--rollout.num_servers", "4") == 4 * (86 + 8)  # 256 over 3, a group's 8 at once
+    assert graphs(2, "--rollout.num_servers", "1") == 512  # two ranks' 256 each to one server
+    assert graphs(1, "--rollout.num_servers", "1") is None  # at most 256: SGLang's own graphs hold them
+    assert graphs(4, "--rollout.num_servers", "1", "--rollout.tp_size", "4") is None  # SGLang's 512 at TP 4
+    assert graphs(4, "--rollout.num_servers", "4", "--rollout.server_args", '{"cuda-graph-max-bs": 300}') is None
+    assert graphs(4, "--rollout.num_servers", "4", "--rollout.engine", "embedded") is None
+    cfg, lines = decided(4, "--rollout.num_servers", "4")
+    assert "cuda_graph_max_bs_decode 376" in lines[0]
+    flags = sglang_command(cfg.rollout, "m", "127.0.0.1", 30000, 0, colocated=True)
+    assert flags[flags.index("--cuda-graph-max-bs-decode") + 1] == "376"
+
+
 def test_the_config_reference_is_current():
     """docs/config.md is generated from the fields' docstrings (tools/config_reference.py)."""
     import runpy
