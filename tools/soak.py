@@ -67,6 +67,18 @@ def first_errors(log_dir: Path) -> list[str]:
     return out
 
 
+def eager_decodes(log_dir: Path) -> dict[str, dict[str, int]]:
+    """Each SGLang server's decode batches run without CUDA graphs (more requests than it captured graphs for:
+    several times slower), and the most requests one of them held."""
+    out = {}
+    for log in sorted(log_dir.glob("server_*.log")):
+        text = log.read_text(errors="replace")
+        held = [int(n) for n in re.findall(r"Decode batch[^\n]*#running-req: (\d+)[^\n]*cuda graph: False", text)]
+        if held:
+            out[log.stem] = {"batches": len(held), "most_requests": max(held)}
+    return out
+
+
 PHASES = ("generate", "generate_wait", "release", "logprobs", "update", "sync")
 MEDIANS = ("sync/bytes", "sync/seconds", "sync/probe_logprob_diff", "mismatch/logprob_abs_diff",
            "moe/routing_mismatch_frac", "reward/mean")  # fmt: skip
@@ -102,6 +114,7 @@ def summary(name: str, run_dir: Path, rc, kill_step: int | None, started: float,
         "tokens_per_s_gpu": round(sum(lengths) * samples / statistics.median(times) / gpus)
         if times and None not in lengths else None,
         "server_errors": first_errors(run_dir / "logs"),
+        "decodes_without_graphs": eager_decodes(run_dir / "logs"),
     }  # fmt: skip
     hit = {k: v for k, v in steps.items() if kill_step is not None and k in (kill_step + 1, kill_step + 2)}
     if hit and times:
@@ -174,6 +187,7 @@ def main() -> None:
           f"{record['step_max_s']} s{death}, update peak {record['update_peak_gb']} GB, phases {record['phases_s']}"
           f", {record['tokens_per_s_gpu']} tokens/s/GPU, checkpoint {record['checkpoint']} s, "
           f"export {record['exported']} s\n  medians {record['medians']}, first step {record['first_step']}"
+          f"\n  decode batches without CUDA graphs: {record['decodes_without_graphs'] or 'none'}"
           + "".join(f"\n  {e}" for e in record["server_errors"]), flush=True)  # fmt: skip
 
 
