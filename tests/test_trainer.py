@@ -189,6 +189,30 @@ def test_zero_offload_preflight_names_the_host_share_that_fits(monkeypatch):
     check_host_memory(cfg, path, world=1)
 
 
+def test_the_host_check_counts_each_gpu_process_of_the_node(monkeypatch):
+    """The 32B run that passed the check and was killed in its first update (4 x H200, 540.9 GB host; 4 ranks and 2
+    TP-2 servers): 85% of its 524.2 GB of optimizer states is now refused, naming the 80% that leaves 12 GiB for each
+    of the 8 GPU processes; on CPU the margin is the 10% it was."""
+    import psutil
+
+    from dsrl.config import Config, DataConfig, ModelConfig
+    from dsrl.zero import memory
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=540.9e9, available=532.7e9))  # fake
+    monkeypatch.setattr(memory, "count_params", lambda cfg, path: 32.76e9)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    cfg = Config(model=ModelConfig(path="unused"), data=DataConfig(train_path="unused.jsonl"))
+    cfg.trainer.device, cfg.trainer.offload_optimizer, cfg.trainer.offload_optimizer_ratio = "cuda", True, 0.85
+    cfg.rollout.num_servers, cfg.rollout.tp_size = 2, 2
+    refused = r"need 445.5 GB .* \+ 111.7 GB margin.* Fits: --trainer.offload_optimizer_ratio 0.80"
+    with pytest.raises(MemoryError, match=refused):
+        memory.check_host_memory(cfg, "unused", world=4)
+    cfg.trainer.offload_optimizer_ratio = 0.8
+    memory.check_host_memory(cfg, "unused", world=4)
+    cfg.trainer.device, cfg.trainer.offload_optimizer_ratio = "cpu", 0.85  # (CPU processes are small: the old 10%)
+    memory.check_host_memory(cfg, "unused", world=4)
+
+
 def test_a_model_whose_states_cannot_fit_the_gpu_is_refused_naming_the_offload_that_fits(monkeypatch):
     """On a GPU (a fake one: trainer.device cuda, and its memory) too small for a rank's share of the states (bf16
     weights and grads, 4 bytes; fp32 master weights and Adam's moments, 12): refused before any weight is loaded,

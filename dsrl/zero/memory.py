@@ -92,6 +92,13 @@ def trainers_state_bytes(cfg: Config, model: torch.nn.Module, critic: bool) -> f
 HOST_BYTES_PER_PARAM = 16
 """ZeRO-Offload's host memory per trained parameter: the fp32 master copy, Adam's two moments, fp32 grads."""
 
+GPU_PROCESS_HOST_BYTES = 12 << 30
+"""Host memory each GPU process of the node (a trainer rank, a server's TP worker) holds beside ZeRO-Offload's
+states. Measured on 4 x H200 (docs/gpu_runs/colo32b_hostoom_nov27): 32B colocated, 4 ranks and 2 TP-2 servers, 85%
+offloaded, passed the old margin (445.6 GB of states + 62.7 GB in 532.7 GB available), and the first update ran the
+540.9 GB host out (rank 0 killed): beside the states, these 8 processes took more than the 87 GB left. 7B on one
+H200, 60% offloaded: host memory in use peaked at 94.2 GB, 21 GB beside its 73.1 GB of states, for 2 processes."""
+
 
 def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
     """With --trainer.offload_optimizer the optimizer states live in this node's host memory (pinned on GPUs):
@@ -106,7 +113,9 @@ def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
     whole = params * trainers * HOST_BYTES_PER_PARAM * local / world
     ratio = cfg.trainer.offload_optimizer_ratio
     memory = psutil.virtual_memory()
-    spare = 0.1 * memory.total + (8 << 30)  # the ranks' own processes, the servers' host side, the page cache
+    servers = 0 if cfg.rollout.fleet in ("ray", "external") else cfg.rollout.num_servers * cfg.rollout.tp_size
+    processes = (local + servers) * GPU_PROCESS_HOST_BYTES if use_cuda(cfg) else 0
+    spare = max(0.1 * memory.total, processes) + (8 << 30)  # the GPU processes, the servers' host side, page cache
     if whole * ratio + spare > memory.available:
         fits = int(max(0.0, memory.available - spare) / whole * 20) / 20  # rounded down to 0.05
         hint = f"--trainer.offload_optimizer_ratio {fits:.2f} (the rest on the GPUs)" if fits > 0 else "more nodes"
