@@ -209,8 +209,24 @@ def supervise(proc: subprocess.Popen, run_dir: Path, signals: list[int], stop_ti
         clear_stop(run_dir)
         return 128 + signals[0]
     if proc.returncode not in (0, 1):  # 1: a rank said why (its error, or a traceback); the launcher is quiet (QUIET)
-        say(f"a trainer rank failed: the launcher exited with status {proc.returncode}")
+        say(rank_failure(proc.returncode))
     return proc.returncode
+
+
+def rank_failure(status: int) -> str:
+    """What the launcher's exit status says: it exits with a failed rank's return code, and a rank killed by signal N
+    returns -N, which exits as 256 - N (a 32B rank killed by the kernel when the host ran out of memory: 247)."""
+    sig = next((s for s in KILLS if status in (256 - s, -s)), None)
+    if sig is None:
+        return f"a trainer rank failed: the launcher exited with status {status}"
+    why = ": most often the kernel's OOM killer, when the host's memory ran out (`dmesg` says; with ZeRO-Offload, a "
+    why = why + "smaller --trainer.offload_optimizer_ratio)" if sig == signal.SIGKILL else ""
+    who = "the launcher" if status < 0 else "a trainer rank"
+    return f"{who} was killed by {sig.name} (the launcher's status {status}){why}"
+
+
+KILLS = (signal.SIGKILL, signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGTERM)
+"""Signals a rank dies of; other statuses above 128 may be a rank's own sys.exit(-1) (255)."""
 
 
 def say(line: str) -> None:

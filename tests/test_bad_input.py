@@ -359,3 +359,21 @@ def test_prompt_and_max_new_tokens_past_sglangs_context_name_the_row(tmp_path):
     cfg.eval.max_new_tokens = 63  # row 0: 2 + 63 tokens (row 1 keeps its own 58)
     with pytest.raises(DatasetError, match=r"rows.jsonl, row 0: .*over 64.*--eval.max_new_tokens"):
         check_fits_context(eval_rollout(cfg), dataset, context, "eval")
+
+
+def test_bad_input_a_rank_killed_by_the_kernel_is_named_so(capsys, tmp_path):
+    """DeepSpeed's launcher exits with a dead rank's return code, -9 as 247 (the 32B rank the host's OOM killer took):
+    `dsrl train` names the signal and the likely cause; a launcher killed itself says so; other statuses as they are."""
+    from dsrl.cli import supervise
+
+    def exit_of(code: str) -> tuple[int, str]:
+        status = supervise(subprocess.Popen([sys.executable, "-c", code]), tmp_path, [], 1.0)
+        return status, capsys.readouterr().err
+
+    status, err = exit_of("import sys; sys.exit(-9)")  # (what launch.py does with a rank's -9)
+    assert status == 247 and "a trainer rank was killed by SIGKILL (the launcher's status 247)" in err
+    assert "OOM killer" in err and "--trainer.offload_optimizer_ratio" in err
+    status, err = exit_of("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    assert status == -11 and "the launcher was killed by SIGSEGV" in err and "OOM" not in err
+    status, err = exit_of("import sys; sys.exit(3)")
+    assert status == 3 and "a trainer rank failed: the launcher exited with status 3" in err
