@@ -228,6 +228,7 @@ def test_a_model_whose_states_cannot_fit_the_gpu_is_refused_naming_the_offload_t
         n = sum(p.numel() for p in AutoModelForCausalLM.from_config(toy.build_model_config()).parameters())
     cfg = Config(model=ModelConfig(path=path), data=DataConfig(train_path="unused.jsonl"))
     cfg.trainer.device, cfg.algorithm.kl_coef, cfg.trainer.max_tokens_per_micro_batch = "cuda", 0.0, None
+    cfg.rollout.placement = "disaggregate"  # (the servers on GPUs of their own: the update alone; colocated below)
 
     def gpu(room):  # a GPU whose room beside the margin (5% + 4 GiB) is `room` bytes (fake)
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, int((room + (4 << 30)) / 0.95)))
@@ -251,6 +252,32 @@ def test_a_model_whose_states_cannot_fit_the_gpu_is_refused_naming_the_offload_t
         check_device_memory(cfg, path, world=1)
     cfg.trainer.device = "cpu"  # (CPU runs: the host's share is checked by check_host_memory)
     check_device_memory(cfg, path, world=1)
+
+
+def test_colocated_zero_offload_names_the_share_that_fits_beside_the_servers(monkeypatch):
+    """Colocated with ZeRO-Offload the states stay on the GPU while the servers generate: 32B on 4 x H200 (150.1 GB)
+    with two TP-2 servers at mem_fraction_static 0.4 and 20% of Adam on the host fits the update (the ratio the
+    update alone needs) but not beside the servers' 60 GB: refused before any weight loads, naming 0.55, which starts.
+    Without ZeRO-Offload the plan moves the states off instead, and nothing is refused for the servers' sake."""
+    from dsrl.config import Config, DataConfig, ModelConfig
+    from dsrl.zero import memory
+
+    monkeypatch.setattr(memory, "count_params", lambda cfg, path: 32.76e9)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, int(150.1e9)))  # (a fake H200)
+    cfg = Config(model=ModelConfig(path="unused"), data=DataConfig(train_path="unused.jsonl"))
+    cfg.trainer.device, cfg.algorithm.kl_coef, cfg.trainer.max_tokens_per_micro_batch = "cuda", 0.0, None
+    cfg.rollout.num_servers, cfg.rollout.tp_size, cfg.rollout.mem_fraction_static = 2, 2, 0.4
+    cfg.trainer.offload_optimizer, cfg.trainer.offload_optimizer_ratio = True, 0.2
+    cfg.rollout.placement = "disaggregate"
+    memory.check_device_memory(cfg, "unused", world=4)  # the update alone fits at 0.2
+    cfg.rollout.placement = "colocate"
+    beside = r"beside the servers' 60.0 GB \(rollout.mem_fraction_static.* cannot generate .* Fits: .*_ratio 0.55"
+    with pytest.raises(MemoryError, match=beside):
+        memory.check_device_memory(cfg, "unused", world=4)
+    cfg.trainer.offload_optimizer_ratio = 0.55
+    memory.check_device_memory(cfg, "unused", world=4)
+    cfg.trainer.offload_optimizer = False  # 131 GB of states fit the update; the plan moves them off to generate
+    memory.check_device_memory(cfg, "unused", world=4)
 
 
 def test_gradient_checkpointing_auto_turns_on_for_an_update_whose_micro_batch_would_not_fit(caplog):

@@ -134,7 +134,9 @@ def check_device_memory(cfg: Config, model_dir: str, world: int) -> None:
     """On GPUs: refuse to start, naming the numbers and the share of ZeRO-Offload that fits, when this rank's share of
     the trainers' states (`trainers_state_bytes`' count), the margin and, with a token budget, a checkpointed
     micro-batch exceed its GPU: the first update would run out of memory after the servers' start and a generation.
-    Counted from the config, before any weight loads."""
+    Colocated with ZeRO-Offload (or a staleness of 1) the states stay on the GPU beside the generating servers too
+    (`plan_memory`), so the share named fits beside their mem_fraction_static: 32B on 4 x H200 with two TP-2 servers
+    at 0.4 needs 0.55 on the host, where the update alone needs 0.20. Counted from the config, before weights load."""
     if not use_cuda(cfg) or cfg.model.lora_rank > 0:
         return
     params, (total, _) = count_params(cfg, model_dir) / world, device_memory(cfg)
@@ -153,16 +155,25 @@ def check_device_memory(cfg: Config, model_dir: str, world: int) -> None:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
         acts = activation_bytes(config, n, True, width)
         tokens = f" and a micro-batch of {n} tokens checkpointed ({acts / GB:.1f} GB)"
-    if states + acts <= room:
+    beside = 0.0  # colocated: the servers' share, beside which the states stay with ZeRO-Offload
+    if cfg.rollout.placement == "colocate":
+        beside = (cfg.rollout.mem_fraction_static + (cfg.reward_model.mem_fraction_static if reward_beside_rollouts(
+            cfg) else 0)) * total  # fmt: skip
+    stays = beside if cfg.trainer.offload_optimizer or cfg.rollout.max_staleness > 0 else 0.0
+    if states + max(acts, stays) <= room:
         return
-    fits = math.ceil((1 - (room - acts - fixed) / (trained * 12)) * 20) / 20  # the host's share, up to 0.05
+    need = max(acts, beside)  # (the share named keeps the states on the GPU: it must fit beside the servers too)
+    fits = math.ceil((1 - (room - need - fixed) / (trained * 12)) * 20) / 20  # the host's share, up to 0.05
     hint = f"--trainer.offload_optimizer true --trainer.offload_optimizer_ratio {fits:.2f}" if fits <= 1 else (
         "more GPUs (ZeRO-3 splits the states over the ranks)")  # fmt: skip
+    servers, what = ("", "the first update cannot fit") if acts >= stays else (
+        f", beside the servers' {beside / GB:.1f} GB (rollout.mem_fraction_static; ZeRO-Offload keeps the states on "
+        "the GPU while they generate)", "the servers cannot generate beside them")  # fmt: skip
     raise MemoryError(
         f"this rank's share of the trainers' states is {states / GB:.1f} GB ({trained * world / 1e9:.2f}B trained "
         f"parameters over {world} rank(s): weights and grads, and {1 - ratio:.0%} of the fp32 master weights and "
-        f"Adam's moments){tokens}, and with the margin {margin(total) / GB:.1f} GB they exceed "
-        f"the GPU's {total / GB:.1f} GB: the first update cannot fit. Fits: {hint}; or "
+        f"Adam's moments){tokens}{servers}, and with the margin {margin(total) / GB:.1f} GB they exceed "
+        f"the GPU's {total / GB:.1f} GB: {what}. Fits: {hint}; or "
         f"{'a smaller --trainer.max_tokens_per_micro_batch, ' if acts else ''}a smaller model"
     )
 
