@@ -16,6 +16,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -125,6 +126,27 @@ def summary(name: str, run_dir: Path, rc, kill_step: int | None, started: float,
     return record
 
 
+class HostMemory(threading.Thread):
+    """The host's memory in use (total less available), sampled every 2 s while the run lasts: its peak, in GB (the
+    32B run whose rank the kernel killed when ZeRO-Offload's states filled the host said only "status 247")."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.peak_gb, self.done = 0.0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(2.0):
+            memory = psutil.virtual_memory()
+            self.peak_gb = max(self.peak_gb, round((memory.total - memory.available) / 1e9, 1))
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, required=True)
@@ -151,8 +173,8 @@ def main() -> None:
     argv += ["--logging.tensorboard", "true", "--logging.export_hf", "false", *args.extra]
     paths = [str(ROOT), str(ROOT / "tools" / "peers"), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
-    started, kill_step = time.monotonic(), None
-    with open(args.out / f"run_{args.name}.log", "w") as log:
+    started, kill_step, host = time.monotonic(), None, HostMemory()
+    with host, open(args.out / f"run_{args.name}.log", "w") as log:
         log.write(" ".join(map(str, argv)) + "\n")
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.PIPE, text=True)
         deadline = started + args.limit
@@ -175,6 +197,7 @@ def main() -> None:
     samples = int(flag["--rollout.prompts_per_step"]) * int(flag["--rollout.n_samples"])
     record = summary(args.name, work / "run", rc, kill_step, started, samples, args.gpus)
     logged = (args.out / f"run_{args.name}.log").read_text()  # (train.py's lines: not the writes' progress lines)
+    record |= {"host_peak_gb": host.peak_gb, "host_total_gb": round(psutil.virtual_memory().total / 1e9, 1)}
     record |= {"checkpoint": re.findall(r"checkpoint step_\d+ written in ([0-9.]+) s", logged),
                "exported": re.findall(r"\] exported \S+ in ([0-9.]+) s", logged)}  # fmt: skip
     path = args.out / "soak.json"
@@ -185,6 +208,7 @@ def main() -> None:
     print(f"soak {args.name}: rc {rc}, {record['steps']}/{args.steps} steps in {record['wall_s']} s, server deaths "
           f"{record['deaths']:.0f}, restarts {record['restarts']:.0f}, step median {record['step_median_s']} s, max "
           f"{record['step_max_s']} s{death}, update peak {record['update_peak_gb']} GB, phases {record['phases_s']}"
+          f", host memory in use at most {record['host_peak_gb']} of {record['host_total_gb']} GB"
           f", {record['tokens_per_s_gpu']} tokens/s/GPU, checkpoint {record['checkpoint']} s, "
           f"export {record['exported']} s\n  medians {record['medians']}, first step {record['first_step']}"
           f"\n  decode batches without CUDA graphs: {record['decodes_without_graphs'] or 'none'}"
