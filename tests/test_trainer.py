@@ -327,6 +327,7 @@ def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_f
     (8 of the 16 bytes) leave while the servers generate when that is enough; else all of them. With ZeRO-Offload
     they always stay (DeepSpeed moves CPU Adam's states between phases for no one), and the message says which knob
     to turn."""
+    import psutil
     from accelerate import init_empty_weights
 
     from dsrl.config import Config, DataConfig, ModelConfig
@@ -342,6 +343,12 @@ def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_f
     def gpu(total):  # a GPU of `total` bytes (fake)
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, total))
 
+    def host(available):  # a host with `available` bytes free (fake); one rank on it, beside one server's GPU
+        monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=available, available=available))
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    host(1e12)
+
     gpu(int(((4 << 30) + states * 1.01) / 0.45))  # servers 50%, margin 5% + 4 GiB: the states just fit
     assert plan_memory(cfg, engines).offload is None
     gpu(int(((4 << 30) + states * 0.99) / 0.45))  # half of them (the moments) off the GPU is enough
@@ -352,6 +359,11 @@ def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_f
     assert offload == "all" and f"trainers' states {states / 1e9:.1f} GB" in why and "leave the GPU" in why
     cfg.trainer.offload_states = "moments"  # given: as given, whatever fits
     assert plan_memory(cfg, engines).offload == "moments"
+    host((12 << 30) + (8 << 30) + states / 2 * 0.9)  # the moments would not fit the host beside the server's process
+    with pytest.raises(MemoryError, match=r"offload_states moments: the 1 rank\(s\) of this node would move .* host "
+                                          r"memory .*--trainer.offload_optimizer true"):  # fmt: skip
+        plan_memory(cfg, engines)
+    host(1e12)
     cfg.trainer.offload_states = "auto"
     cfg.rollout.max_staleness = 1  # one-step-off: the states cannot leave while the optimizer steps
     with pytest.raises(MemoryError, match=r"--rollout.max_staleness 1 \(colocated\).*lower --rollout.mem_fr"):

@@ -100,6 +100,26 @@ offloaded, passed the old margin (445.6 GB of states + 62.7 GB in 532.7 GB avail
 H200, 60% offloaded: host memory in use peaked at 94.2 GB, 21 GB beside its 73.1 GB of states, for 2 processes."""
 
 
+def local_server_gpus(cfg: Config) -> int:
+    """The GPUs of rollout servers this node's run starts (none where Ray places them or they are the user's)."""
+    return 0 if cfg.rollout.fleet in ("ray", "external") else cfg.rollout.num_servers * cfg.rollout.tp_size
+
+
+def check_offload_room(cfg: Config, moved: float, offload: str) -> None:
+    """The states `plan_memory` moves off the GPU go to pinned host memory, each rank of the node its own: refuse to
+    start, naming the numbers, where the host cannot hold them beside the servers' processes, which start next (the
+    kernel would kill a rank at the first generation, and the launcher say only "status 247")."""
+    local, memory = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), psutil.virtual_memory()
+    spare = local_server_gpus(cfg) * GPU_PROCESS_HOST_BYTES + (8 << 30)
+    if moved * local + spare > memory.available:
+        raise MemoryError(
+            f"trainer.offload_states {offload}: the {local} rank(s) of this node would move {moved * local / GB:.1f} "
+            f"GB of their states to host memory while the servers generate, and {memory.available / GB:.1f} GB are "
+            f"available ({spare / GB:.1f} GB kept for the servers' processes): keep part of Adam on the host for good "
+            "(--trainer.offload_optimizer true: the start-up names the share), or train on more nodes"
+        )
+
+
 def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
     """With --trainer.offload_optimizer the optimizer states live in this node's host memory (pinned on GPUs):
     refuse to start, naming the numbers, when they cannot fit, rather than be killed by the kernel minutes in
@@ -113,8 +133,7 @@ def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
     whole = params * trainers * HOST_BYTES_PER_PARAM * local / world
     ratio = cfg.trainer.offload_optimizer_ratio
     memory = psutil.virtual_memory()
-    servers = 0 if cfg.rollout.fleet in ("ray", "external") else cfg.rollout.num_servers * cfg.rollout.tp_size
-    processes = (local + servers) * GPU_PROCESS_HOST_BYTES if use_cuda(cfg) else 0
+    processes = (local + local_server_gpus(cfg)) * GPU_PROCESS_HOST_BYTES if use_cuda(cfg) else 0
     spare = max(0.1 * memory.total, processes) + (8 << 30)  # the GPU processes, the servers' host side, page cache
     if whole * ratio + spare > memory.available:
         fits = int(max(0.0, memory.available - spare) / whole * 20) / 20  # rounded down to 0.05
@@ -347,6 +366,9 @@ def plan_memory(cfg: Config, engines: list) -> MemoryPlan:
     moments = 8 * trained  # (fp32 exp_avg and exp_avg_sq)
 
     def plan(offload: str | None, line: str) -> MemoryPlan:
+        if offload:  # Adam's moments; or all but the bf16 weights: grads, fp32 master copy, moments
+            check_offload_room(cfg, moments if offload == "moments" else states - weights * (2 if bf16(cfg) else 4),
+                               offload)  # fmt: skip
         return MemoryPlan(offload, f"memory plan: {line}", peak)
 
     if choice != "auto":
