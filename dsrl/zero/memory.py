@@ -193,7 +193,8 @@ def check_device_memory(cfg: Config, model_dir: str, world: int) -> None:
         f"parameters over {world} rank(s): weights and grads, and {1 - ratio:.0%} of the fp32 master weights and "
         f"Adam's moments){tokens}{servers}, and with the margin {margin(total) / GB:.1f} GB they exceed "
         f"the GPU's {total / GB:.1f} GB: {what}. Fits: {hint}; or "
-        f"{'a smaller --trainer.max_tokens_per_micro_batch, ' if acts else ''}a smaller model"
+        f"{'a smaller --trainer.max_tokens_per_micro_batch, ' if acts else ''}"
+        f"{'a smaller --rollout.mem_fraction_static, ' if beside > acts else ''}a smaller model"
     )
 
 
