@@ -380,6 +380,7 @@ def test_a_dead_servers_replacement_starts_beside_the_update_with_its_kv_cache_c
     2 x H200 run the plan's 71.8 GB peak was 93 GB held, and an uncapped replacement beside it ended the run out of
     memory). Before a step measured the peak, the plan's estimate (with PEAK_SLACK) counts; where the room is less than
     half the others' cache, it starts as they did and the trainers wait for it."""
+    import psutil
     from accelerate import init_empty_weights
 
     from dsrl.config import Config, DataConfig, ModelConfig
@@ -394,6 +395,7 @@ def test_a_dead_servers_replacement_starts_beside_the_update_with_its_kv_cache_c
     engines = [SimpleNamespace(module=model)]
     total, weights = 150e9, server_weight_bytes(cfg, model)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, int(total)))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=1e12, available=1e12))  # (a host)
     plan = plan_memory(cfg, engines)
     assert plan.peak == update_peak(cfg, engines[0])[0] and "a dead server's replacement starts beside it" in plan.line
     gpu = GpuLending.__new__(GpuLending)  # (rank 0's sizing alone: no servers to ask, no ranks to reduce over)
