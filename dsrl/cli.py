@@ -219,8 +219,8 @@ def rank_failure(status: int) -> str:
     sig = next((s for s in KILLS if status in (256 - s, -s)), None)
     if sig is None:
         return f"a trainer rank failed: the launcher exited with status {status}"
-    why = ": most often the kernel's OOM killer, when the host's memory ran out (`dmesg` says; with ZeRO-Offload, a "
-    why = why + "smaller --trainer.offload_optimizer_ratio)" if sig == signal.SIGKILL else ""
+    why = (": most often the kernel's OOM killer, when the host's memory ran out (`dmesg` says; with ZeRO-Offload, "
+           "a smaller --trainer.offload_optimizer_ratio)") if sig == signal.SIGKILL else ""  # fmt: skip
     who = "the launcher" if status < 0 else "a trainer rank"
     return f"{who} was killed by {sig.name} (the launcher's status {status}){why}"
 

@@ -149,6 +149,13 @@ def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
              whole * ratio / 1e9, 100 * ratio, memory.available / 1e9)  # fmt: skip
 
 
+def servers_bytes(cfg: Config, total: float) -> tuple[float, float]:
+    """What the colocated servers take of a GPU of `total` bytes while they generate: the rollout servers' share with
+    the reward model's beside it (the third tenant), and the reward model's alone."""
+    reward = cfg.reward_model.mem_fraction_static * total if reward_beside_rollouts(cfg) else 0.0
+    return cfg.rollout.mem_fraction_static * total + reward, reward
+
+
 def check_device_memory(cfg: Config, model_dir: str, world: int) -> None:
     """On GPUs: refuse to start, naming the numbers and the share of ZeRO-Offload that fits, when this rank's share of
     the trainers' states (`trainers_state_bytes`' count), the margin and, with a token budget, a checkpointed
@@ -174,10 +181,7 @@ def check_device_memory(cfg: Config, model_dir: str, world: int) -> None:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
         acts = activation_bytes(config, n, True, width)
         tokens = f" and a micro-batch of {n} tokens checkpointed ({acts / GB:.1f} GB)"
-    beside = 0.0  # colocated: the servers' share, beside which the states stay with ZeRO-Offload
-    if cfg.rollout.placement == "colocate":
-        beside = (cfg.rollout.mem_fraction_static + (cfg.reward_model.mem_fraction_static if reward_beside_rollouts(
-            cfg) else 0)) * total  # fmt: skip
+    beside = servers_bytes(cfg, total)[0] if cfg.rollout.placement == "colocate" else 0.0  # (states stay beside it)
     stays = beside if cfg.trainer.offload_optimizer or cfg.rollout.max_staleness > 0 else 0.0
     if states + max(acts, stays) <= room:
         return
@@ -338,8 +342,7 @@ def plan_memory(cfg: Config, engines: list) -> MemoryPlan:
     weights = sum(getattr(p, "ds_tensor", p).numel() for p in params)  # (this rank's ZeRO-3 partitions)
     trained = sum(getattr(p, "ds_tensor", p).numel() for p in params if p.requires_grad)  # (LoRA: the adapters)
     states, (total, _) = state_bytes(cfg, weights, trained), device_memory(cfg)
-    reward = cfg.reward_model.mem_fraction_static * total if reward_beside_rollouts(cfg) else 0  # the third tenant
-    servers, spare = cfg.rollout.mem_fraction_static * total + reward, margin(total)
+    (servers, reward), spare = servers_bytes(cfg, total), margin(total)
     keep = states + servers + spare < total
     if not keep and cfg.rollout.max_staleness > 0:
         raise MemoryError(
