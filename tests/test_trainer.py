@@ -172,11 +172,10 @@ def test_zero_offload_preflight_names_the_host_share_that_fits(monkeypatch):
 
     path = str(ROOT / "examples/toy/model")
     with init_empty_weights():
-        whole = sum(p.numel() for p in AutoModelForCausalLM.from_config(toy.build_model_config()).parameters())
-    whole *= HOST_BYTES_PER_PARAM
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(toy.build_model_config()).parameters())
     total = 10 << 30
-    margin = 0.1 * total + (8 << 30)
-    memory = SimpleNamespace(total=total, available=margin + 0.42 * whole)  # a host of this size (named a fake)
+    margin = 0.1 * total + (8 << 30) + 4 * n  # (and the fp32 grads of every parameter, which DeepSpeed keeps there)
+    memory = SimpleNamespace(total=total, available=margin + 0.42 * n * HOST_BYTES_PER_PARAM)  # a fake host
     monkeypatch.setattr(psutil, "virtual_memory", lambda: memory)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     cfg = Config(model=ModelConfig(path=path), data=DataConfig(train_path="unused.jsonl"))
@@ -190,9 +189,10 @@ def test_zero_offload_preflight_names_the_host_share_that_fits(monkeypatch):
 
 
 def test_the_host_check_counts_each_gpu_process_of_the_node(monkeypatch):
-    """The 32B run that passed the check and was killed in its first update (4 x H200, 540.9 GB host; 4 ranks and 2
-    TP-2 servers): 85% of its 524.2 GB of optimizer states is now refused, naming the 80% that leaves 12 GiB for each
-    of the 8 GPU processes; on CPU the margin is the 10% it was."""
+    """The 32B runs on 4 x H200 (540.9 GB host; 4 ranks and 2 TP-2 servers): 85% of its 524.2 GB of optimizer states
+    passed the old check and ran the host out in its first update; 70% ran, its host peaking at 498.1 GB. Now 85% and
+    75% are refused, naming the 70% that counts DeepSpeed's bf16 grads of every parameter on the host (65.5 GB) and
+    10 GiB for each of the 8 GPU processes; on CPU the margin is the 10% it was."""
     import psutil
 
     from dsrl.config import Config, DataConfig, ModelConfig
@@ -202,15 +202,17 @@ def test_the_host_check_counts_each_gpu_process_of_the_node(monkeypatch):
     monkeypatch.setattr(memory, "count_params", lambda cfg, path: 32.76e9)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     cfg = Config(model=ModelConfig(path="unused"), data=DataConfig(train_path="unused.jsonl"))
-    cfg.trainer.device, cfg.trainer.offload_optimizer, cfg.trainer.offload_optimizer_ratio = "cuda", True, 0.85
+    cfg.trainer.device, cfg.trainer.offload_optimizer = "cuda", True
     cfg.rollout.num_servers, cfg.rollout.tp_size = 2, 2
-    refused = r"need 445.5 GB .* \+ 111.7 GB margin.* Fits: --trainer.offload_optimizer_ratio 0.80"
-    with pytest.raises(MemoryError, match=refused):
-        memory.check_host_memory(cfg, "unused", world=4)
-    cfg.trainer.offload_optimizer_ratio = 0.8
+    for ratio in (0.85, 0.75):
+        cfg.trainer.offload_optimizer_ratio = ratio
+        refused = r"\+ 65.5 GB of every parameter's grads \+ 94.5 GB margin.* Fits: .*_ratio 0.70"
+        with pytest.raises(MemoryError, match=refused):
+            memory.check_host_memory(cfg, "unused", world=4)
+    cfg.trainer.offload_optimizer_ratio = 0.7
     memory.check_host_memory(cfg, "unused", world=4)
-    cfg.trainer.device, cfg.trainer.offload_optimizer_ratio = "cpu", 0.85  # (CPU processes are small: the old 10%)
-    memory.check_host_memory(cfg, "unused", world=4)
+    cfg.trainer.device, cfg.trainer.offload_optimizer_ratio = "cpu", 0.6  # (CPU processes are small: the old 10%;
+    memory.check_host_memory(cfg, "unused", world=4)  # fp32 grads, 131 GB: 10 GiB a process would refuse it)
 
 
 def test_a_model_whose_states_cannot_fit_the_gpu_is_refused_naming_the_offload_that_fits(monkeypatch):

@@ -92,12 +92,11 @@ def trainers_state_bytes(cfg: Config, model: torch.nn.Module, critic: bool) -> f
 HOST_BYTES_PER_PARAM = 16
 """ZeRO-Offload's host memory per trained parameter: the fp32 master copy, Adam's two moments, fp32 grads."""
 
-GPU_PROCESS_HOST_BYTES = 12 << 30
+GPU_PROCESS_HOST_BYTES = 10 << 30
 """Host memory each GPU process of the node (a trainer rank, a server's TP worker) holds beside ZeRO-Offload's
-states. Measured on 4 x H200 (docs/gpu_runs/colo32b_hostoom_nov27): 32B colocated, 4 ranks and 2 TP-2 servers, 85%
-offloaded, passed the old margin (445.6 GB of states + 62.7 GB in 532.7 GB available), and the first update ran the
-540.9 GB host out (rank 0 killed): beside the states, these 8 processes took more than the 87 GB left. 7B on one
-H200, 60% offloaded: host memory in use peaked at 94.2 GB, 21 GB beside its 73.1 GB of states, for 2 processes."""
+buffers. Measured on 4 x H200, 32B colocated (4 ranks, 2 TP-2 servers; docs/gpu_runs/colo32b_ratio070_nov27): 70%
+offloaded, the host's memory in use peaked at 498.1 GB, 366.9 GB of states and 65.5 GB of grad partitions beside
+65.7 GB for the 8 processes; at 85% the first update ran the 540.9 GB host out (colo32b_hostoom_nov27)."""
 
 
 def local_server_gpus(cfg: Config) -> int:
@@ -133,17 +132,21 @@ def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
     whole = params * trainers * HOST_BYTES_PER_PARAM * local / world
     ratio = cfg.trainer.offload_optimizer_ratio
     memory = psutil.virtual_memory()
+    # DeepSpeed keeps every parameter's grad partition on the host with ZeRO-Offload (in the weights' dtype), whatever
+    # the ratio; the share offloaded has its fp32 grads beside them
+    grads = params * trainers * (2 if bf16(cfg) else 4) * local / world
     processes = (local + local_server_gpus(cfg)) * GPU_PROCESS_HOST_BYTES if use_cuda(cfg) else 0
     spare = max(0.1 * memory.total, processes) + (8 << 30)  # the GPU processes, the servers' host side, page cache
-    if whole * ratio + spare > memory.available:
-        fits = int(max(0.0, memory.available - spare) / whole * 20) / 20  # rounded down to 0.05
+    if whole * ratio + grads + spare > memory.available:
+        fits = int(max(0.0, memory.available - grads - spare) / whole * 20) / 20  # rounded down to 0.05
         hint = f"--trainer.offload_optimizer_ratio {fits:.2f} (the rest on the GPUs)" if fits > 0 else "more nodes"
         raise MemoryError(
             f"--trainer.offload_optimizer: {ratio:.0%} of the optimizer states of {params * trainers / 1e9:.2f}B "
             f"trained parameters need {whole * ratio / 1e9:.1f} GB of this node's host memory ({HOST_BYTES_PER_PARAM} "
             f"bytes each: fp32 weights, Adam's two moments, fp32 grads; {local} of {world} ranks here) + "
-            f"{spare / 1e9:.1f} GB margin, and {memory.available / 1e9:.1f} GB of {memory.total / 1e9:.1f} GB are "
-            f"available. Fits: {hint}; or train on more nodes (the states split over ranks), or a smaller model"
+            f"{grads / 1e9:.1f} GB of every parameter's grads + {spare / 1e9:.1f} GB margin, and "
+            f"{memory.available / 1e9:.1f} GB of {memory.total / 1e9:.1f} GB are available. Fits: {hint}; or train "
+            "on more nodes (the states split over ranks), or a smaller model"
         )
     log.info("ZeRO-Offload: %.1f GB of optimizer states on the host (%.0f%%), %.1f GB available",
              whole * ratio / 1e9, 100 * ratio, memory.available / 1e9)  # fmt: skip
