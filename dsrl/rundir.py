@@ -435,6 +435,26 @@ PROGRESS_S = 10.0
 
 
 @contextlib.contextmanager
+def reporting(report, every_s: float = PROGRESS_S):
+    """While the block runs: `report(" so far")` every `every_s`, from a thread of its own, then `report("")` at its
+    end (on success)."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(every_s):
+            report(" so far")
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+    report("")
+
+
+@contextlib.contextmanager
 def report_writes(path: Path | None, what: str, published: Path | None = None, every_s: float = PROGRESS_S):
     """While the block writes under `path` (None: nothing to report here): every `every_s` a line with the bytes
     written so far and the rate, and one at the end with those `published` there (on success), so that a checkpoint
@@ -442,9 +462,10 @@ def report_writes(path: Path | None, what: str, published: Path | None = None, e
     if path is None:
         yield
         return
-    start, done = time.monotonic(), threading.Event()
+    start = time.monotonic()
 
-    def report(where: Path, so_far: str = "") -> None:
+    def report(so_far: str) -> None:
+        where = path if so_far else published or path
         if (where / "build.ninja").is_file():  # a build writes its bytes at the end: its steps move before
             log.info("%s: %.0f s, %s", what, time.monotonic() - start, ninja_steps(where))
             return
@@ -458,18 +479,8 @@ def report_writes(path: Path | None, what: str, published: Path | None = None, e
         amount = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
         log.info("%s: %s written%s in %.1f s (%.0f MB/s)", what, amount, so_far, seconds, size / 1e6 / (seconds + 1e-9))
 
-    def watch() -> None:
-        while not done.wait(every_s):
-            report(path, " so far")
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    try:
+    with reporting(report, every_s):
         yield
-    finally:
-        done.set()
-        thread.join()
-    report(published or path)
 
 
 def ninja_steps(build: Path) -> str:

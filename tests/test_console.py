@@ -85,3 +85,20 @@ def test_an_op_build_says_its_seconds_and_steps_as_ninja_ends_each(tmp_path, cap
     assert "1 of 3 steps done, under way: compiling shm.cpp" in said, said
     assert "2 of 3 steps done, under way: linking deepspeed_shm_comm.so" in said, said
     assert said[-1] == "3 of 3 steps done", said
+
+
+def test_a_long_engine_build_says_its_seconds_and_the_hosts_memory_and_a_short_one_nothing(caplog):
+    """32B with ZeRO-Offload spent 3 silent minutes in deepspeed.initialize, pinning the optimizer's states on the
+    host: a build past `every_s` says how long it has run and the host's memory in use, which grows as it goes."""
+    from dsrl.zero.engine import said_while
+
+    with caplog.at_level(logging.INFO, logger="dsrl.zero.engine"):
+        with said_while("DeepSpeed's engine and optimizer", every_s=10.0):
+            pass
+        assert caplog.messages == []
+        with said_while("DeepSpeed's engine and optimizer", every_s=0.05):
+            time.sleep(0.3)
+    assert re.fullmatch(r"DeepSpeed's engine and optimizer: \d s so far, the host's memory in use [\d.]+ GB",
+                        caplog.messages[0]), caplog.messages  # fmt: skip
+    assert re.fullmatch(r"DeepSpeed's engine and optimizer: \d s, the host's memory in use [\d.]+ GB",
+                        caplog.messages[-1]), caplog.messages  # fmt: skip

@@ -333,7 +333,7 @@ def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_f
     from accelerate import init_empty_weights
 
     from dsrl.config import Config, DataConfig, ModelConfig
-    from dsrl.zero.memory import plan_memory
+    from dsrl.zero.memory import GPU_PROCESS_HOST_BYTES, plan_memory
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(toy.build_model_config()).to(torch.bfloat16)
@@ -361,7 +361,7 @@ def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_f
     assert offload == "all" and f"trainers' states {states / 1e9:.1f} GB" in why and "leave the GPU" in why
     cfg.trainer.offload_states = "moments"  # given: as given, whatever fits
     assert plan_memory(cfg, engines).offload == "moments"
-    host((12 << 30) + (8 << 30) + states / 2 * 0.9)  # the moments would not fit the host beside the server's process
+    host(GPU_PROCESS_HOST_BYTES + (8 << 30) + states / 2 * 0.9)  # the moments: not beside the server
     with pytest.raises(MemoryError, match=r"offload_states moments: the 1 rank\(s\) of this node would move .* host "
                                           r"memory .*--trainer.offload_optimizer true"):  # fmt: skip
         plan_memory(cfg, engines)

@@ -4,11 +4,13 @@ import logging
 import math
 import os
 import sys
-from contextlib import redirect_stdout
+import time
+from contextlib import nullcontext, redirect_stdout
 from io import StringIO
 from pathlib import Path
 
 import deepspeed
+import psutil
 import torch
 import torch.distributed as dist
 from torch.utils.cpp_extension import _get_build_directory
@@ -18,7 +20,7 @@ from transformers.integrations import HfDeepSpeedConfig
 from dsrl import moe
 from dsrl.auto import bf16, device_memory, packs, replicated_base, use_cuda
 from dsrl.config import Config, ModelConfig, critic_on_actor_base
-from dsrl.rundir import report_writes
+from dsrl.rundir import report_writes, reporting
 from dsrl.zero import varlen
 from dsrl.zero.critic import PolicyAndValue
 from dsrl.zero.lora import add_adapters, add_in_place, lora_config
@@ -143,21 +145,36 @@ def load_engine(
         model = with_lora(model, cfg, checkpointing, replicated)
     else:
         gather_per_layer(model, cfg.trainer.gather_per_layer)
-    if train:
-        groups = model.param_groups(c.lr) if isinstance(model, PolicyAndValue) else None  # (two learning rates)
-        engine, *_ = deepspeed.initialize(
-            model=model,
-            config=conf,
-            model_parameters=groups or [p for p in model.parameters() if p.requires_grad],
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
-        )
-    else:
-        engine, *_ = deepspeed.initialize(model=model, config=conf)
-        engine.eval()
+    with said_while("DeepSpeed's engine" + (" and optimizer" if train else "")):
+        if train:
+            groups = model.param_groups(c.lr) if isinstance(model, PolicyAndValue) else None  # (two learning rates)
+            engine, *_ = deepspeed.initialize(
+                model=model,
+                config=conf,
+                model_parameters=groups or [p for p in model.parameters() if p.requires_grad],
+                lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
+            )
+        else:
+            engine, *_ = deepspeed.initialize(model=model, config=conf)
+            engine.eval()
     if auto:  # off until an update decides (`run_updates`)
         budget.switch(engine.module, False)
         engine.auto_checkpointing = budget
     return engine
+
+
+def said_while(what: str, every_s: float = 30.0):
+    """On rank 0, a build that takes longer than `every_s` says so as it goes, with the host's memory in use, which
+    grows as it does (32B with ZeRO-Offload: 3 minutes of pinning the optimizer's states on the host, once silent)."""
+    start = time.monotonic()
+
+    def report(so_far: str) -> None:
+        seconds = time.monotonic() - start
+        if seconds >= every_s:
+            used = psutil.virtual_memory().total - psutil.virtual_memory().available
+            log.info("%s: %.0f s%s, the host's memory in use %.1f GB", what, seconds, so_far, used / 1e9)
+
+    return reporting(report, every_s) if os.environ.get("RANK", "0") == "0" else nullcontext()
 
 
 def with_lora(model: torch.nn.Module, cfg: Config, checkpointing: bool, replicated: bool) -> torch.nn.Module:
