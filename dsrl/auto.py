@@ -129,6 +129,13 @@ def _count_params(model_dir: str, trust_remote_code: bool) -> int:
         return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
 
 
+def local_ranks(default: int = 1) -> int:
+    """The trainer ranks on this node: DeepSpeed's launcher says so in LOCAL_SIZE (it sets no LOCAL_WORLD_SIZE, which
+    the checks of host memory read until 2026-11-27: one rank counted where a node had four), torchrun in
+    LOCAL_WORLD_SIZE; `default` outside a launcher."""
+    return int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or default)
+
+
 def device_memory(cfg: Config) -> tuple[int, str]:
     """The memory a trainer rank's states and activations live in, and its name: its GPU's, or on CPU its share of
     the host's."""
@@ -136,7 +143,7 @@ def device_memory(cfg: Config) -> tuple[int, str]:
         import torch
 
         return torch.cuda.mem_get_info()[1], "the GPU's"
-    return psutil.virtual_memory().total // int(os.environ.get("LOCAL_WORLD_SIZE", 1)), "this rank's share of RAM,"
+    return psutil.virtual_memory().total // local_ranks(), "this rank's share of RAM,"
 
 
 def replicated_base(cfg: Config, model_dir: str) -> tuple[bool, str]:

@@ -365,6 +365,12 @@ def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_f
     with pytest.raises(MemoryError, match=r"offload_states moments: the 1 rank\(s\) of this node would move .* host "
                                           r"memory .*--trainer.offload_optimizer true"):  # fmt: skip
         plan_memory(cfg, engines)
+    host(GPU_PROCESS_HOST_BYTES + (8 << 30) + states / 2 * 1.5)  # one rank's moments fit, two ranks' do not
+    plan_memory(cfg, engines)
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # (two ranks here, as DeepSpeed's launcher says: it sets no LOCAL_WORLD_SIZE)
+    with pytest.raises(MemoryError, match=r"the 2 rank\(s\) of this node would move"):
+        plan_memory(cfg, engines)
+    monkeypatch.delenv("LOCAL_SIZE")
     host(1e12)
     cfg.trainer.offload_states = "auto"
     cfg.rollout.max_staleness = 1  # one-step-off: the states cannot leave while the optimizer steps

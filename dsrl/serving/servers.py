@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 # torch.distributed variables the deepspeed launcher sets for trainer ranks; a server that
 # inherits them would try to join the trainer's world.
-DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK")
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "MASTER_ADDR",
+            "MASTER_PORT")  # fmt: skip
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -18,7 +18,6 @@ before it is asked for (`dsrl.lending.GpuLending`), with the numbers, rather tha
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +25,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from dsrl.auto import bf16, count_params, device_memory, use_cuda
+from dsrl.auto import bf16, count_params, device_memory, local_ranks, use_cuda
 from dsrl.config import Config, critic_on_actor_base, reward_beside_rollouts
 from dsrl.moe import is_moe
 from dsrl.zero.actor import LOGPROB_CHUNK
@@ -108,7 +107,7 @@ def check_offload_room(cfg: Config, moved: float, offload: str) -> None:
     """The states `plan_memory` moves off the GPU go to pinned host memory, each rank of the node its own: refuse to
     start, naming the numbers, where the host cannot hold them beside the servers' processes, which start next (the
     kernel would kill a rank at the first generation, and the launcher say only "status 247")."""
-    local, memory = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), psutil.virtual_memory()
+    local, memory = local_ranks(), psutil.virtual_memory()
     spare = local_server_gpus(cfg) * GPU_PROCESS_HOST_BYTES + (8 << 30)
     if moved * local + spare > memory.available:
         raise MemoryError(
@@ -128,7 +127,7 @@ def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
     params = count_params(cfg, model_dir)
     # the critic is as large, and trained too (with LoRA it is an adapter on the actor's base)
     trainers = 2 if cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg) else 1
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local = local_ranks(default=world)
     whole = params * trainers * HOST_BYTES_PER_PARAM * local / world
     ratio = cfg.trainer.offload_optimizer_ratio
     memory = psutil.virtual_memory()
