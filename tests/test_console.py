@@ -88,7 +88,7 @@ def test_an_op_build_says_its_seconds_and_steps_as_ninja_ends_each(tmp_path, cap
 
 
 def test_a_long_engine_build_says_its_seconds_and_the_hosts_memory_and_a_short_one_nothing(caplog):
-    """32B with ZeRO-Offload spent 3 silent minutes in deepspeed.initialize, pinning the optimizer's states on the
+    """32B with ZeRO-Offload spent 3 silent minutes in deepspeed.initialize, which makes the optimizer's states on the
     host: a build past `every_s` says how long it has run and the host's memory in use, which grows as it goes."""
     from dsrl.zero.engine import said_while
 

@@ -147,8 +147,8 @@ def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
             f"{memory.available / 1e9:.1f} GB of {memory.total / 1e9:.1f} GB are available. Fits: {hint}; or train "
             "on more nodes (the states split over ranks), or a smaller model"
         )
-    log.info("ZeRO-Offload: %.1f GB of optimizer states on the host (%.0f%%), %.1f GB available",
-             whole * ratio / 1e9, 100 * ratio, memory.available / 1e9)  # fmt: skip
+    log.info("ZeRO-Offload: %.1f GB of optimizer states on the host (%.0f%%) and %.1f GB of grads, %.1f GB available",
+             whole * ratio / 1e9, 100 * ratio, grads / 1e9, memory.available / 1e9)  # fmt: skip
 
 
 def servers_bytes(cfg: Config, total: float) -> tuple[float, float]:
