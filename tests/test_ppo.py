@@ -26,6 +26,10 @@ def test_ppo_with_a_critic_learns_the_toy_task(tmp_path):
     # the fresh value head's first steps are far off; then the critic tracks the returns
     assert sum(value_loss[1:6]) / 5 > 2 * sum(value_loss[10:20]) / 10, value_loss
     assert "critic/explained_variance" in a and "actor/pg_loss" not in {k for k, s in a.items() if 1 in s}  # warm-up
+    actor, critic = a["actor/optimizer_seconds"], a["critic/optimizer_seconds"]  # (the actor's after the warm-up)
+    assert len(actor) > 30 and set(actor) < set(critic) == set(a["timing/update"])
+    for step, update in a["timing/update"].items():  # each engine's optimizer steps, a part of the update's time
+        assert 0 < actor.get(step, 1e-9) and 0 < critic[step] and actor.get(step, 0) + critic[step] < update, step
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

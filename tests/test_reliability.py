@@ -31,7 +31,8 @@ pytestmark = pytest.mark.slow  # each test a `dsrl train` run or two: tests/conf
 
 # Wall-clock figures differ between any two runs; everything else must match bit for bit.
 TIMING = ("timing/", "memory/", "sync/seconds", "sync/gb_per_s", "sync/probe_seconds", "rollout/trainer_idle_s",
-          "rollout/gen_idle_s", "rollout/tokens_per_s")  # fmt: skip
+          "rollout/gen_idle_s", "rollout/tokens_per_s", "actor/optimizer_seconds",
+          "critic/optimizer_seconds")  # fmt: skip
 """Wall-clock figures: a resumed run repeats everything else exactly."""
 
 

@@ -82,7 +82,7 @@ def eager_decodes(log_dir: Path) -> dict[str, dict[str, int]]:
 
 PHASES = ("generate", "generate_wait", "release", "logprobs", "update", "sync")
 MEDIANS = ("sync/bytes", "sync/seconds", "sync/probe_logprob_diff", "mismatch/logprob_abs_diff",
-           "moe/routing_mismatch_frac", "reward/mean")  # fmt: skip
+           "moe/routing_mismatch_frac", "reward/mean", "actor/optimizer_seconds")  # fmt: skip
 
 
 def steady_median(series: dict[int, float]) -> float | None:

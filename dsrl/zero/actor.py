@@ -4,6 +4,7 @@ Micro-batches are built by tokens, packed on CUDA (`dsrl/zero/batches.py`); the 
 response positions only, and their fp32 log-softmax runs a chunk of positions at a time."""
 
 import itertools
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -201,12 +202,13 @@ def run_updates(
     boundary. `beside()` is called after the last backward pass, before the last optimizer step, which then runs
     beside what it started (what that is: `dsrl.train.beside_optimizer_step`). Returns token-weighted means of the
     metrics, `padded_frac` (the padding's share of the tokens the model ran on) and `steps_skipped`: optimizer
-    steps DeepSpeed skipped, their gradient norm not finite (non-finite logprobs in the update give that)."""
+    steps DeepSpeed skipped, their gradient norm not finite (non-finite logprobs in the update give that), and
+    `optimizer_seconds`, the optimizer steps' wall time."""
     t = cfg.trainer
     mini_size = len(samples) // t.updates_per_step
     sums: dict[str, float] = defaultdict(float)
     maxima: dict[str, float] = {}
-    tokens_seen, grad_norms, lrs, ran, real, skipped = 0.0, [], [], 0, 0, 0
+    tokens_seen, grad_norms, lrs, ran, real, skipped, optimizer_s = 0.0, [], [], 0, 0, 0, 0.0
     with training(engine, samples, cfg, micro_batch_size):
         for epoch, m in itertools.product(range(t.ppo_epochs), range(0, len(samples), mini_size)):
             mini = samples[m : m + mini_size]
@@ -216,15 +218,18 @@ def run_updates(
                 mb = MicroBatch.build(chunk, pad_id, engine.device, packs(cfg))
                 ran += mb.input_ids.numel()
                 real += sum(len(s.prompt.prompt_ids) + len(s.response_ids) for s in chunk)
-                engine.set_gradient_accumulation_boundary(i == len(chunks) - 1)
+                boundary = i == len(chunks) - 1
+                engine.set_gradient_accumulation_boundary(boundary)
                 loss, stats, mask = loss_fn(mb, num_tokens, num_seqs)
                 # The loss is already a share of the mini-batch mean: no extra 1/accumulation scaling.
                 engine.backward(loss, scale_wrt_gas=False)
-                last = epoch == t.ppo_epochs - 1 and m + mini_size >= len(samples) and i == len(chunks) - 1
+                last = epoch == t.ppo_epochs - 1 and m + mini_size >= len(samples) and boundary
                 if last and beside is not None:
                     beside()
+                start = settled() if boundary else 0.0
                 engine.step()
-                if i == len(chunks) - 1:  # the optimizer's step: DeepSpeed skips one whose gradient norm is not finite
+                if boundary:  # the optimizer's step: DeepSpeed skips one whose gradient norm is not finite
+                    optimizer_s += settled() - start
                     skipped += not engine.was_step_applied()
                 weight = mask.sum().item()
                 for key in [k for k in stats if k.endswith("_max")]:
@@ -241,7 +246,16 @@ def run_updates(
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["lr"] = lrs[-1]
     out["steps_skipped"] = float(skipped)
+    out["optimizer_seconds"] = optimizer_s
     return out
+
+
+def settled() -> float:
+    """The time once the GPU's queued work is done: an optimizer step's seconds are its own (with ZeRO-Offload, CPU
+    Adam's and the copies to and from the host), not the tail of the backward pass before it."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 @contextmanager

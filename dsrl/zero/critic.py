@@ -174,5 +174,6 @@ def update_actor_and_critic(
         return total, stats, mask
 
     stats = run_updates(engine, samples, cfg, cfg.trainer.micro_batch_size, loss, pad_id, beside)
-    shared = {f"actor/{k}": stats.pop(k) for k in ("padded_frac", "grad_norm", "lr", "steps_skipped")}
+    one_engine = ("padded_frac", "grad_norm", "lr", "steps_skipped", "optimizer_seconds")
+    shared = {f"actor/{k}": stats.pop(k) for k in one_engine}
     return stats | shared | {"critic/lr": engine.get_lr()[1]}
