@@ -29,7 +29,8 @@ def test_ppo_with_a_critic_learns_the_toy_task(tmp_path):
     actor, critic = a["actor/optimizer_seconds"], a["critic/optimizer_seconds"]  # (the actor's after the warm-up)
     assert len(actor) > 30 and set(actor) < set(critic) == set(a["timing/update"])
     for step, update in a["timing/update"].items():  # each engine's optimizer steps, a part of the update's time
-        assert 0 < actor.get(step, 1e-9) and 0 < critic[step] and actor.get(step, 0) + critic[step] < update, step
+        engines = [critic[step]] + ([actor[step]] if step in actor else [])
+        assert min(engines) > 0 and sum(engines) < update, (step, engines, update)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
