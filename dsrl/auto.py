@@ -48,6 +48,11 @@ def bf16(cfg: Config) -> bool:
     return cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and use_cuda(cfg))
 
 
+def weight_bytes(cfg: Config) -> int:
+    """Bytes of a trainer's weight (and of its grad): 2 in bf16, 4 in fp32."""
+    return 2 if bf16(cfg) else 4
+
+
 def packs(cfg: Config) -> bool:
     """trainer.pack_sequences: auto packs where the trainer runs on CUDA, rows on CPU."""
     p = cfg.trainer.pack_sequences
@@ -152,7 +157,7 @@ def replicated_base(cfg: Config, model_dir: str) -> tuple[bool, str]:
     base takes at most a third of the device's memory. And why, for the log."""
     replicated, why = cfg.model.lora_base == "replicated", "given"
     if cfg.model.lora_base == "auto":
-        base, (total, name) = count_params(cfg, model_dir) * (2 if bf16(cfg) else 4), device_memory(cfg)
+        base, (total, name) = count_params(cfg, model_dir) * weight_bytes(cfg), device_memory(cfg)
         replicated = base <= total / 3
         why = f"{base / 1e9:.1f} GB, {'within' if replicated else 'over'} a third of {name} {total / 1e9:.1f} GB"
     where = (

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from transformers.integrations import HfDeepSpeedConfig
 
 from dsrl import moe
-from dsrl.auto import bf16, device_memory, packs, replicated_base, use_cuda
+from dsrl.auto import bf16, device_memory, packs, replicated_base, use_cuda, weight_bytes
 from dsrl.config import Config, ModelConfig, critic_on_actor_base
 from dsrl.rundir import report_writes, reporting
 from dsrl.zero import varlen
@@ -136,7 +136,7 @@ def load_engine(
     auto = train and choice == "auto"  # decided per update (`AutoCheckpointing`)
     checkpointing = train and (choice is True or auto)
     if auto:
-        width = 2 if param_dtype(cfg) == torch.bfloat16 else 4
+        width = weight_bytes(cfg)
         states = trainers_state_bytes(cfg, model, critic) + awake_server_bytes(cfg, model)
         budget = AutoCheckpointing(model.config, states, *device_memory(cfg), width, cfg.model.liger_kernel)
     if checkpointing:

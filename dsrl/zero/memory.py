@@ -25,7 +25,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from dsrl.auto import bf16, count_params, device_memory, local_ranks, use_cuda
+from dsrl.auto import count_params, device_memory, local_ranks, use_cuda, weight_bytes
 from dsrl.config import Config, critic_on_actor_base, reward_beside_rollouts
 from dsrl.moe import is_moe
 from dsrl.zero.actor import LOGPROB_CHUNK
@@ -45,7 +45,7 @@ def margin(total: float) -> float:
 def state_bytes(cfg: Config, weights: int, trained: int) -> float:
     """Bytes of an engine's states on the device: its weights; the trained ones' grads and, unless ZeRO-Offload keeps
     them on the host, their fp32 master copy and Adam's two moments."""
-    width = 2 if bf16(cfg) else 4
+    width = weight_bytes(cfg)
     on_gpu = 1 - cfg.trainer.offload_optimizer_ratio if cfg.trainer.offload_optimizer else 1
     return weights * width + trained * (width + on_gpu * (4 + 8))
 
@@ -133,7 +133,7 @@ def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
     memory = psutil.virtual_memory()
     # DeepSpeed keeps every parameter's grad partition on the host with ZeRO-Offload (in the weights' dtype), whatever
     # the ratio; the share offloaded has its fp32 grads beside them
-    grads = params * trainers * (2 if bf16(cfg) else 4) * local / world
+    grads = params * trainers * weight_bytes(cfg) * local / world
     processes = (local + local_server_gpus(cfg)) * GPU_PROCESS_HOST_BYTES if use_cuda(cfg) else 0
     spare = max(0.1 * memory.total, processes) + (8 << 30)  # the GPU processes, the servers' host side, page cache
     if whole * ratio + grads + spare > memory.available:
@@ -170,7 +170,7 @@ def check_device_memory(cfg: Config, model_dir: str, world: int) -> None:
     params, (total, _) = count_params(cfg, model_dir) / world, device_memory(cfg)
     trained = params * (2 if cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg) else 1)
     weights = trained + (params if cfg.algorithm.kl_coef > 0 else 0)  # (the reference model's)
-    width, room = 2 if bf16(cfg) else 4, total - margin(total)
+    width, room = weight_bytes(cfg), total - margin(total)
     ratio = cfg.trainer.offload_optimizer_ratio if cfg.trainer.offload_optimizer else 0.0
     states = state_bytes(cfg, weights, trained)
     fixed = states - trained * 12 * (1 - ratio)  # all but the fp32 master copy and Adam's moments: weights, grads
@@ -290,7 +290,7 @@ def update_peak(cfg: Config, engine) -> tuple[float, int, bool]:
     largest micro-batch its longest prompt and response can make (bytes, its tokens, whether the layers are
     checkpointed for it)."""
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    t, width = cfg.trainer, 2 if bf16(cfg) else 4
+    t, width = cfg.trainer, weight_bytes(cfg)
     tokens = largest_micro_batch(t.max_tokens_per_micro_batch, t.micro_batch_size, longest)
     world = dist.get_world_size() if dist.is_initialized() else 1
     buffers = zero3_buffer_bytes(whole_numel(engine.module), width, world)
@@ -373,7 +373,7 @@ def plan_memory(cfg: Config, engines: list) -> MemoryPlan:
 
     def plan(offload: str | None, line: str) -> MemoryPlan:
         if offload:  # Adam's moments; or all but the bf16 weights: grads, fp32 master copy, moments
-            check_offload_room(cfg, moments if offload == "moments" else states - weights * (2 if bf16(cfg) else 4),
+            check_offload_room(cfg, moments if offload == "moments" else states - weights * weight_bytes(cfg),
                                offload)  # fmt: skip
         return MemoryPlan(offload, f"memory plan: {line}", peak)
 
