@@ -16,7 +16,6 @@ import re
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -27,6 +26,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "peers")]
 
 import peers  # noqa: E402
 from report import WORKLOADS  # noqa: E402
+
+from dsrl.rundir import reporting  # noqa: E402
 
 SERVER_ERRORS = re.compile(r"Scheduler hit an exception|out of memory|OutOfMemoryError|Traceback|RuntimeError|Killed")
 
@@ -126,25 +127,15 @@ def summary(name: str, run_dir: Path, rc, kill_step: int | None, started: float,
     return record
 
 
-class HostMemory(threading.Thread):
-    """The host's memory in use (total less available), sampled every 2 s while the run lasts: its peak, in GB (the
+class HostMemory:
+    """The host's memory in use (total less available) at its peak, in GB, sampled every 2 s while the run lasts (the
     32B run whose rank the kernel killed when ZeRO-Offload's states filled the host said only "status 247")."""
 
     def __init__(self):
-        super().__init__(daemon=True)
-        self.peak_gb, self.done = 0.0, threading.Event()
+        self.peak_gb = 0.0
 
-    def run(self) -> None:
-        while not self.done.wait(2.0):
-            memory = psutil.virtual_memory()
-            self.peak_gb = max(self.peak_gb, round((memory.total - memory.available) / 1e9, 1))
-
-    def __enter__(self):
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.done.set()
+    def sample(self, _: str) -> None:  # (rundir.reporting's callback)
+        self.peak_gb = max(self.peak_gb, round(peers.host_used_gb(), 1))
 
 
 def main() -> None:
@@ -174,7 +165,7 @@ def main() -> None:
     paths = [str(ROOT), str(ROOT / "tools" / "peers"), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
     started, kill_step, host = time.monotonic(), None, HostMemory()
-    with host, open(args.out / f"run_{args.name}.log", "w") as log:
+    with reporting(host.sample, every_s=2.0), open(args.out / f"run_{args.name}.log", "w") as log:
         log.write(" ".join(map(str, argv)) + "\n")
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.PIPE, text=True)
         deadline = started + args.limit
