@@ -3,7 +3,9 @@
 # its own outlives the call) from a copy of the tree (the next call's tree replaces this one); `wait` waits for it
 # up to a limit and brings what it has written so far (its OUT, /tmp/detached/out) back as one archive in this call's
 # $OUT (detached_out.tar.gz), and prints every summary.txt in it. Make the
-# next call within the 30 s a machine stays warm after one. Usage:
+# next call within the 30 s a machine stays warm after one, naming the same kind, needs_h200 and carry as the first:
+# twice (2026-11-27 and -28) a follow-up found the machine gone, the second time one that named no kind and carried
+# less; follow-ups that repeated the first call's arguments found it each time. Usage:
 #   call 1:  bash tools/gpu_detach.sh start 'source .gpup/setup.sh; OUT=$OUT/a ... bash tools/gpu_run.sh peers'
 #            bash tools/gpu_detach.sh wait 560
 #   call 2+: bash tools/gpu_detach.sh wait 580       # until it prints "done rc=..."

@@ -498,6 +498,9 @@ print('verl stack: verl', verl.__version__, 'sglang', sglang.__version__, 'trans
       "${FP8_ENV[@]}" python3 -c "from sglang.srt.layers.deep_gemm_wrapper.configurer import ENABLE_JIT_DEEPGEMM as dg
 print('SGLang block-FP8 GEMM:', 'DeepGEMM' if dg else 'Triton (deep_gemm does not import, or FP8_DEEPGEMM=0)')" 2>&1 \
         | tail -1 | tee -a "$SUMMARY"
+      # (without them each FP8 server's start compiled 2 x 2,560 shapes, ~150 s at 7B, and the runs hit their limits)
+      echo "DeepGEMM kernels cached: $(find /tmp/jitcache/deep_gemm -type f 2>/dev/null | wc -l) files" \
+        "(none: carry .gpu/jitcache.tar.gz, or allow each FP8 run ~150 s more)" | tee -a "$SUMMARY"
       stage fp8_$M ${FP8_LIMIT:-500} "${FP8_ENV[@]}" python3 tools/peers/peers.py --model /tmp/models/$M --workload tail \
         --runs ${FP8_RUNS:-dsrl dsrl-fp8} --steps ${FP8_STEPS:-4} --limits ${FP8_RUN_LIMIT:-230} --out /tmp/fp8_peers/$M \
         --budget $((${FP8_LIMIT:-500} - 20))
