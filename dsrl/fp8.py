@@ -71,8 +71,27 @@ def round_trip_activations(x: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2)[..., :k].to(x.dtype)
 
 
+KV_SCALES = ("attn.k_scale", "attn.v_scale")
+"""SGLang's per-layer FP8 KV-cache scales under an FP8 checkpoint (`Fp8KVCacheMethod`: self_attn.attn.k_scale)."""
+
+
+def kv_scales(named: NamedTensors) -> NamedTensors:
+    """SGLang's KV-cache scales of each attention layer in `named` (found by its o_proj), at 1.0: the value SGLang
+    gives a checkpoint that has none. They are parameters in the weights' memory, so a colocated server that releases
+    its weights gets them back without their contents, and nothing restores them but an update that sends them. An
+    FP8 KV cache was then written with a junk scale and read back with 1.0 (at 7B the mismatch went from 0.64 to 1.80
+    after the first update: docs/benchmarks.md "FP8 rollout"). A bf16 KV cache never reads them."""
+    return [
+        (name.removesuffix("o_proj.weight") + suffix, torch.ones((), dtype=torch.float32, device=tensor.device))
+        for name, tensor in named
+        if name.endswith("self_attn.o_proj.weight")
+        for suffix in KV_SCALES
+    ]
+
+
 def quantize_named(named: NamedTensors) -> NamedTensors:
-    """`named` with each linear weight replaced by its FP8 weight and, right after it, its scale."""
+    """`named` with each linear weight replaced by its FP8 weight and, right after it, its scale; each attention
+    layer's KV-cache scales (`kv_scales`) last."""
     out = []
     for name, tensor in named:
         if is_quantized(name, tensor):
@@ -80,17 +99,18 @@ def quantize_named(named: NamedTensors) -> NamedTensors:
             out += [(name, q), (name + SCALE, scale)]
         else:
             out.append((name, tensor))
-    return out
+    return out + kv_scales(named)
 
 
 def quantize_flat(named: NamedTensors) -> tuple[list[tuple[str, torch.dtype, list[int]]], torch.Tensor]:
     """`named` as one uint8 buffer in SGLang's flattened-bucket layout, each linear weight in FP8 beside its scale:
-    (name, dtype, shape) of each tensor in the buffer's order, and the buffer (on the tensors' device). The scales come
-    first, then the tensors kept as they are, the FP8 weights last: every tensor starts at an offset its dtype can be
-    viewed at (an FP8 weight of odd size would misalign the tensors after it). Written in place, one weight at a time:
-    a whole model's bucket (one trainer rank over CUDA IPC) needs no second copy of its FP8 weights."""
+    (name, dtype, shape) of each tensor in the buffer's order, and the buffer (on the tensors' device). The scales
+    come first (the KV cache's too, `kv_scales`), then the tensors kept as they are, the FP8 weights last: every tensor
+    starts at an offset its dtype can be viewed at (an FP8 weight of odd size would misalign the tensors after it).
+    Written in place, one weight at a time: a whole model's bucket (one trainer rank over CUDA IPC) needs no second
+    copy of its FP8 weights."""
     quantized = [(n, t) for n, t in named if is_quantized(n, t)]
-    kept = [(n, t) for n, t in named if not is_quantized(n, t)]
+    kept = kv_scales(named) + [(n, t) for n, t in named if not is_quantized(n, t)]
     entries = [(n + SCALE, torch.float32, [-(-t.shape[0] // BLOCK), -(-t.shape[1] // BLOCK)]) for n, t in quantized]
     entries += [(n, t.dtype, list(t.shape)) for n, t in kept] + [(n, FP8, list(t.shape)) for n, t in quantized]
     nbytes = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in entries)

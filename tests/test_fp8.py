@@ -13,7 +13,18 @@ from transformers import AutoModelForCausalLM
 
 from dsrl.auto import resolve
 from dsrl.config import PROBE_TOLERANCE, ConfigError, build_parser, to_config, validate
-from dsrl.fp8 import BLOCK, FP8, SCALE, dequantize, quantize, quantize_flat, quantize_named, unflatten, write_checkpoint
+from dsrl.fp8 import (
+    BLOCK,
+    FP8,
+    KV_SCALES,
+    SCALE,
+    dequantize,
+    quantize,
+    quantize_flat,
+    quantize_named,
+    unflatten,
+    write_checkpoint,
+)
 from dsrl.serving.embedded import BadRequest, Engine
 from dsrl.tasks.toy import build_model_config
 from dsrl.zero.buckets import gathered_buckets
@@ -53,6 +64,10 @@ def test_only_the_decoder_projections_are_quantized():
     assert scales == want and len(want) == 2 * len(LINEAR)
     for name, t in named:
         assert (t.dtype == FP8) == (name in want), name  # embeddings, norms, biases, lm_head as they were
+    # and each attention layer's KV-cache scales at 1.0, under the names SGLang's loaders take
+    kv = {n: t for n, t in named if n.endswith(KV_SCALES)}
+    assert sorted(kv) == [f"model.layers.{i}.self_attn.attn.{s}_scale" for i in (0, 1) for s in "kv"]
+    assert all(t.dtype == torch.float32 and t.item() == 1.0 for t in kv.values())
 
 
 def test_a_flat_bucket_holds_the_scales_first_and_the_fp8_weights_last():
@@ -71,6 +86,13 @@ def test_a_flat_bucket_holds_the_scales_first_and_the_fp8_weights_last():
     q, scale = quantize(named[0][1])
     assert torch.equal(views[named[0][0]].float(), q.float()) and torch.equal(views[named[0][0] + SCALE], scale)
     assert torch.equal(views["model.norm.weight"], named[1][1])
+    # an attention layer's bucket carries its KV-cache scales, float32 among the scales (a colocated server's come
+    # back from a release without their contents: dsrl.fp8.kv_scales)
+    entries, flat = quantize_flat([("model.layers.3.self_attn.o_proj.weight", torch.randn(16, 16)), *named[1:]])
+    assert [n for n, _, _ in entries][:3] == ["model.layers.3.self_attn.o_proj.weight_scale_inv",
+                                              "model.layers.3.self_attn.attn.k_scale",
+                                              "model.layers.3.self_attn.attn.v_scale"]  # fmt: skip
+    assert [v.item() for v in unflatten(flat, entries)[1:3]] == [1.0, 1.0]
 
 
 def test_the_embedded_engine_serves_an_fp8_checkpoint_as_sglang_would(toy_weights, tmp_path):
@@ -160,8 +182,9 @@ def test_an_fp8_run_syncs_fp8_weights_and_passes_its_probe(fp8_run):
     weights = [p.detach() for n, p in model.named_parameters() if linear(n)]
     quantized, scales = sum(w.numel() for w in weights), sum(quantize(w)[1].numel() for w in weights)
     rest = sum(p.numel() for p in model.parameters()) - quantized
+    kv_scales = 2 * model.config.num_hidden_layers  # (each attention layer's K and V cache scales)
     # the linear weights in 1 byte each (bf16: 2, the CPU trainer's fp32: 4), a float32 scale per block, the rest fp32
-    assert set(metrics["sync/bytes"]) == {quantized + 4 * scales + 4 * rest}
+    assert set(metrics["sync/bytes"]) == {quantized + 4 * scales + 4 * kv_scales + 4 * rest}
     assert (metrics["sync/bytes"][0] - 4 * rest) / (2 * quantized) < 0.52  # about half the linear weights' bf16 bytes
     probe = metrics["sync/probe_logprob_diff"]
     assert len(probe) == STEPS and 1e-4 < max(probe) < PROBE_TOLERANCE["fp8"]  # rounded, and accepted

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from aiohttp import web
 from safetensors.torch import load_file
 
-from dsrl.fp8 import FP8, SCALE, dequantize, is_quantized, round_trip_activations
+from dsrl.fp8 import FP8, KV_SCALES, SCALE, dequantize, is_quantized, round_trip_activations
 from dsrl.moe import moe_blocks, split_experts
 from dsrl.serving.embedded_args import parse_args
 
@@ -441,6 +441,8 @@ class Engine:
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         scales = {name: tensor for name, tensor in named_tensors if name.endswith(SCALE)}
+        if self.fp8:  # SGLang's KV-cache scales (`dsrl.fp8.kv_scales`): this engine keeps its KV cache unquantized
+            scales |= {name: tensor for name, tensor in named_tensors if name.endswith(KV_SCALES)}
         with self.model_lock, torch.no_grad():
             for name, tensor in (item for item in named_tensors if item[0] not in scales):
                 param = self.params.get(name)

@@ -106,7 +106,8 @@ def local_server_gpus(cfg: Config) -> int:
 def check_offload_room(cfg: Config, moved: float, offload: str) -> None:
     """The states `plan_memory` moves off the GPU go to pinned host memory, each rank of the node its own: refuse to
     start, naming the numbers, where the host cannot hold them beside the servers' processes, which start next (the
-    kernel would kill a rank at the first generation, and the launcher say only "status 247")."""
+    kernel would kill a rank at the first generation, and the launcher say only "status 247"). It runs once the engines
+    are built, so what the ranks hold is already out of `available` (check_host_memory, before them, counts them)."""
     local, memory = local_ranks(), psutil.virtual_memory()
     spare = local_server_gpus(cfg) * GPU_PROCESS_HOST_BYTES + (8 << 30)
     if moved * local + spare > memory.available:
