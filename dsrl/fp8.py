@@ -80,7 +80,9 @@ def kv_scales(named: NamedTensors) -> NamedTensors:
     gives a checkpoint that has none. They are parameters in the weights' memory, so a colocated server that releases
     its weights gets them back without their contents, and nothing restores them but an update that sends them. An
     FP8 KV cache was then written with a junk scale and read back with 1.0 (at 7B the mismatch went from 0.64 to 1.80
-    after the first update: docs/benchmarks.md "FP8 rollout"). A bf16 KV cache never reads them."""
+    after the first update: docs/benchmarks.md "FP8 rollout"). A bf16 KV cache never reads them. SGLang 0.5.17's
+    Qwen2, Qwen2-MoE and Qwen3-MoE loaders take these names as they are; Qwen3's and Llama's map any `.k_scale` to
+    `.attn.k_scale` first, so they skip these (one warning) and would need `self_attn.k_scale`."""
     return [
         (name.removesuffix("o_proj.weight") + suffix, torch.ones((), dtype=torch.float32, device=tensor.device))
         for name, tensor in named
