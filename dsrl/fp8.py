@@ -71,27 +71,31 @@ def round_trip_activations(x: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2)[..., :k].to(x.dtype)
 
 
-KV_SCALES = ("attn.k_scale", "attn.v_scale")
+KV_SCALES = (".k_scale", ".v_scale")
 """SGLang's per-layer FP8 KV-cache scales under an FP8 checkpoint (`Fp8KVCacheMethod`: self_attn.attn.k_scale)."""
+RENAMES_KV_SCALES = frozenset({"llama", "mistral", "qwen3", "gemma2", "gemma3_text"})
+"""Model types whose SGLang 0.5.17 loader renames `.k_scale` to `.attn.k_scale` (`maybe_remap_kv_scale_name`) before
+it looks the name up: they take `self_attn.k_scale`. The others (Qwen2, Qwen2-MoE, Qwen3-MoE, ...) look up the
+parameter's own name, `self_attn.attn.k_scale`, and skip names they lack."""
 
 
-def kv_scales(named: NamedTensors) -> NamedTensors:
+def kv_scales(named: NamedTensors, model_type: str = "") -> NamedTensors:
     """SGLang's KV-cache scales of each attention layer in `named` (found by its o_proj), at 1.0: the value SGLang
-    gives a checkpoint that has none. They are parameters in the weights' memory, so a colocated server that releases
-    its weights gets them back without their contents, and nothing restores them but an update that sends them. An
-    FP8 KV cache was then written with a junk scale and read back with 1.0 (at 7B the mismatch went from 0.64 to 1.80
-    after the first update: docs/benchmarks.md "FP8 rollout"). A bf16 KV cache never reads them. SGLang 0.5.17's
-    Qwen2, Qwen2-MoE and Qwen3-MoE loaders take these names as they are; Qwen3's and Llama's map any `.k_scale` to
-    `.attn.k_scale` first, so they skip these (one warning) and would need `self_attn.k_scale`."""
+    gives a checkpoint that has none, under the name the loader of `model_type` takes. They are parameters in the
+    weights' memory, so a colocated server that releases its weights gets them back without their contents, and
+    nothing restores them but an update that sends them. An FP8 KV cache was then written with a junk scale and read
+    back with 1.0 (at 7B the mismatch went from 0.64 to 1.80 after the first update: docs/benchmarks.md "FP8
+    rollout"). A bf16 KV cache never reads them."""
+    attn = "" if model_type in RENAMES_KV_SCALES else ".attn"
     return [
-        (name.removesuffix("o_proj.weight") + suffix, torch.ones((), dtype=torch.float32, device=tensor.device))
-        for name, tensor in named
+        (f"{name.removesuffix('.o_proj.weight')}{attn}{suffix}", torch.ones((), dtype=torch.float32, device=t.device))
+        for name, t in named
         if name.endswith("self_attn.o_proj.weight")
         for suffix in KV_SCALES
     ]
 
 
-def quantize_named(named: NamedTensors) -> NamedTensors:
+def quantize_named(named: NamedTensors, model_type: str = "") -> NamedTensors:
     """`named` with each linear weight replaced by its FP8 weight and, right after it, its scale; each attention
     layer's KV-cache scales (`kv_scales`) last."""
     out = []
@@ -101,10 +105,12 @@ def quantize_named(named: NamedTensors) -> NamedTensors:
             out += [(name, q), (name + SCALE, scale)]
         else:
             out.append((name, tensor))
-    return out + kv_scales(named)
+    return out + kv_scales(named, model_type)
 
 
-def quantize_flat(named: NamedTensors) -> tuple[list[tuple[str, torch.dtype, list[int]]], torch.Tensor]:
+def quantize_flat(
+    named: NamedTensors, model_type: str = ""
+) -> tuple[list[tuple[str, torch.dtype, list[int]]], torch.Tensor]:
     """`named` as one uint8 buffer in SGLang's flattened-bucket layout, each linear weight in FP8 beside its scale:
     (name, dtype, shape) of each tensor in the buffer's order, and the buffer (on the tensors' device). The scales
     come first (the KV cache's too, `kv_scales`), then the tensors kept as they are, the FP8 weights last: every tensor
@@ -112,7 +118,7 @@ def quantize_flat(named: NamedTensors) -> tuple[list[tuple[str, torch.dtype, lis
     Written in place, one weight at a time: a whole model's bucket (one trainer rank over CUDA IPC) needs no second
     copy of its FP8 weights."""
     quantized = [(n, t) for n, t in named if is_quantized(n, t)]
-    kept = kv_scales(named) + [(n, t) for n, t in named if not is_quantized(n, t)]
+    kept = kv_scales(named, model_type) + [(n, t) for n, t in named if not is_quantized(n, t)]
     entries = [(n + SCALE, torch.float32, [-(-t.shape[0] // BLOCK), -(-t.shape[1] // BLOCK)]) for n, t in quantized]
     entries += [(n, t.dtype, list(t.shape)) for n, t in kept] + [(n, FP8, list(t.shape)) for n, t in quantized]
     nbytes = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in entries)
@@ -151,13 +157,14 @@ def write_checkpoint(src: Path, out: Path, multiples_of_block: bool) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     weight_map, device = {}, "cuda" if torch.cuda.is_available() else "cpu"  # (a 7B on one CPU thread: ~80 s)
+    kind = json.loads((src / "config.json").read_text()).get("model_type", "")
     for file in files:
         named = load_file(file)
         odd = [f"{n} {list(t.shape)}" for n, t in named.items() if is_quantized(n, t) and t.shape[0] % BLOCK]
         if multiples_of_block and odd:
             raise ValueError(f"--rollout.precision fp8: SGLang's FP8 layers split weights into {BLOCK}-row blocks, and "
                              f"{src} has weights of other sizes: {', '.join(odd[:3])}")  # fmt: skip
-        named = [(n, q.cpu()) for name, t in named.items() for n, q in quantize_named([(name, t.to(device))])]
+        named = [(n, q.cpu()) for name, t in named.items() for n, q in quantize_named([(name, t.to(device))], kind)]
         save_file(dict(named), tmp / file.name, metadata={"format": "pt"})
         weight_map |= dict.fromkeys((n for n, _ in named), file.name)
     for other in src.iterdir():

@@ -19,6 +19,7 @@ from dsrl.fp8 import (
     KV_SCALES,
     SCALE,
     dequantize,
+    kv_scales,
     quantize,
     quantize_flat,
     quantize_named,
@@ -68,6 +69,10 @@ def test_only_the_decoder_projections_are_quantized():
     kv = {n: t for n, t in named if n.endswith(KV_SCALES)}
     assert sorted(kv) == [f"model.layers.{i}.self_attn.attn.{s}_scale" for i in (0, 1) for s in "kv"]
     assert all(t.dtype == torch.float32 and t.item() == 1.0 for t in kv.values())
+    # Llama's and Qwen3's loaders add the ".attn" themselves (maybe_remap_kv_scale_name): they take the shorter name
+    o_proj = [("model.layers.5.self_attn.o_proj.weight", torch.randn(8, 8))]
+    assert [n for n, _ in kv_scales(o_proj, "llama")] == [f"model.layers.5.self_attn.{s}_scale" for s in "kv"]
+    assert [n for n, _ in kv_scales(o_proj, "qwen2")] == [f"model.layers.5.self_attn.attn.{s}_scale" for s in "kv"]
 
 
 def test_a_flat_bucket_holds_the_scales_first_and_the_fp8_weights_last():

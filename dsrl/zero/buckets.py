@@ -52,6 +52,11 @@ def plan_buckets(named_params: list[tuple[str, torch.nn.Parameter]], bucket_byte
     return buckets
 
 
+def model_type(module: torch.nn.Module) -> str:
+    """The Hugging Face model type of `module` (a PEFT model's base's), which names its FP8 KV-cache scales."""
+    return getattr(getattr(module, "config", None), "model_type", "") or ""
+
+
 def gathered_buckets(
     module: torch.nn.Module, bucket_bytes: int, merge: bool = True, fp8: bool = False
 ) -> Iterator[NamedTensors]:
@@ -72,7 +77,7 @@ def gathered_buckets(
                         served.merge_into(name, tensor)
                     out.append((name, tensor))
                 out = list(split_experts(out))
-                yield quantize_named(out) if fp8 else out
+                yield quantize_named(out, model_type(module)) if fp8 else out
 
 
 @dataclass
@@ -128,7 +133,7 @@ class FlatGatherer:
                 raise ValueError(f"{name}: ZeRO-3 partition layout not understood (hpZ/MiCS are not supported)")
         self.buffers: dict[int, torch.Tensor] = {}
         self.unaligned: list[tuple[torch.Tensor, torch.Tensor]] = []  # (gathered with padding, its place)
-        self.fp8 = fp8
+        self.fp8, self.model_type = fp8, model_type(module)
         self.quantized: deque[torch.Tensor] = deque(maxlen=self.SLOTS)
         """The last FP8 buckets, kept as the gathered ones are: a server may still be reading one."""
 
@@ -250,7 +255,8 @@ class FlatGatherer:
                        for piece, shape in expert_tensors(name, full_shape(p))]  # fmt: skip
             flat = self._flat(i)
             if self.fp8 and flat is not None:
-                entries, flat = quantize_flat([(name, t) for (name, _, _), t in zip(entries, unflatten(flat, entries))])
+                named = [(name, t) for (name, _, _), t in zip(entries, unflatten(flat, entries))]
+                entries, flat = quantize_flat(named, self.model_type)
                 self.quantized.append(flat)
             yield FlatBucket(
                 names=[name for name, _, _ in entries],
