@@ -157,7 +157,8 @@ def write_checkpoint(src: Path, out: Path, multiples_of_block: bool) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     weight_map, device = {}, "cuda" if torch.cuda.is_available() else "cpu"  # (a 7B on one CPU thread: ~80 s)
-    kind = json.loads((src / "config.json").read_text()).get("model_type", "")
+    config = json.loads((src / "config.json").read_text())
+    kind = config.get("model_type", "")  # (names the KV-cache scales: `kv_scales`)
     for file in files:
         named = load_file(file)
         odd = [f"{n} {list(t.shape)}" for n, t in named.items() if is_quantized(n, t) and t.shape[0] % BLOCK]
@@ -170,8 +171,7 @@ def write_checkpoint(src: Path, out: Path, multiples_of_block: bool) -> None:
     for other in src.iterdir():
         if other.is_file() and other.suffix != ".safetensors" and other.name != "model.safetensors.index.json":
             shutil.copy2(other, tmp / other.name)
-    config = json.loads((src / "config.json").read_text()) | {"quantization_config": QUANTIZATION_CONFIG}
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    (tmp / "config.json").write_text(json.dumps(config | {"quantization_config": QUANTIZATION_CONFIG}, indent=2))
     if len(files) > 1:
         (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     shutil.rmtree(out, ignore_errors=True)
