@@ -84,8 +84,8 @@ def kv_scales(named: NamedTensors, model_type: str = "") -> NamedTensors:
     gives a checkpoint that has none, under the name the loader of `model_type` takes. They are parameters in the
     weights' memory, so a colocated server that releases its weights gets them back without their contents, and
     nothing restores them but an update that sends them. An FP8 KV cache was then written with a junk scale and read
-    back with 1.0 (at 7B the mismatch went from 0.64 to 1.80 after the first update: docs/benchmarks.md "FP8
-    rollout"). A bf16 KV cache never reads them."""
+    back with 1.0 (at 7B on Qwen2 the mismatch went from 0.64 to 1.80 after the first update, and stays at 0.64 with
+    them: docs/benchmarks.md "FP8 rollout"). A bf16 KV cache never reads them."""
     attn = "" if model_type in RENAMES_KV_SCALES else ".attn"
     return [
         (f"{name.removesuffix('.o_proj.weight')}{attn}{suffix}", torch.ones((), dtype=torch.float32, device=t.device))

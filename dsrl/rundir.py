@@ -517,7 +517,7 @@ def write_error(path: Path, e: BaseException) -> WriteError:
     cause: a full disk says how much is free."""
     path = Path(path)
     code = getattr(e, "errno", None)
-    free = _free_bytes(path)
+    free = free_bytes(path)
     if code == errno.ENOSPC or (code is None and free is not None and free < 64 << 20):
         cause = f"no space left on the device ({free / 1e6:.1f} MB free)" if free is not None else "no space left"
     elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
@@ -529,7 +529,8 @@ def write_error(path: Path, e: BaseException) -> WriteError:
     return WriteError(f"cannot write {path}: {cause}", code or errno.EIO)
 
 
-def _free_bytes(path: Path) -> int | None:
+def free_bytes(path: Path) -> int | None:
+    """The free bytes of the disk that holds `path` (or would: its nearest existing folder); None if unreadable."""
     for p in [path, *path.parents]:
         if p.exists():
             try:

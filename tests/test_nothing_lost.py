@@ -24,9 +24,17 @@ import torch
 
 from dsrl.config import DataConfig
 from dsrl.data import PromptDataset
-from dsrl.rundir import EXPORT_MARKER, ExportTargetError, RunDirLocked, RunLock, check_export_target, write_error
+from dsrl.rundir import (
+    EXPORT_MARKER,
+    ExportTargetError,
+    RunDirLocked,
+    RunLock,
+    WriteError,
+    check_export_target,
+    write_error,
+)
 from dsrl.tasks import toy
-from dsrl.zero.checkpoint import ShardWriter
+from dsrl.zero.checkpoint import ShardWriter, export_hf
 from tests.conftest import ROOT, TOY_MODEL, still_running
 
 TOY = ["--config", str(ROOT / "configs/toy_cpu.yaml"), "--eval.path", "null", "--logging.export_hf", "false"]
@@ -376,6 +384,19 @@ def test_a_full_disk_names_the_checkpoint_and_the_cause(tmp_path):
         assert not (tiny / "latest").exists()  # nothing half-written was published
     finally:
         subprocess.run(["umount", str(tiny)])
+
+
+def test_an_export_the_disk_cannot_hold_is_refused_before_the_gather(tmp_path, world_of_one):
+    """A 7B run's final export (14 GB) met a full disk after its last step and died in safetensors' words ("I/O
+    error: No space left on device") while the other ranks gathered. A model of 40 TB (on the meta device: no
+    memory) fits no disk here: refused with the sizes, before a bucket is gathered or a file written."""
+    huge = torch.nn.Linear(1_000_000, 10_000_000, bias=False, device="meta")  # 10^13 fp32 parameters
+    out = tmp_path / "run" / "hf"
+    with pytest.raises(WriteError) as refused:
+        export_hf(huge, str(TOY_MODEL), out, 1 << 20)
+    assert re.fullmatch(rf"cannot write {tmp_path}/run: no space left on the device \([0-9.]+ MB free, the export "
+                        r"needs about 42000001\.0 MB\)", str(refused.value)), str(refused.value)  # fmt: skip
+    assert not out.parent.exists()
 
 
 def test_a_full_disk_message_without_a_tmpfs(tmp_path):

@@ -20,12 +20,21 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from dsrl.collectives import reduce_device
 from dsrl.moe import split_experts
-from dsrl.rundir import WriteError, check_export_target, publish_export, report_writes, staging_dir, write_error
+from dsrl.rundir import (
+    WriteError,
+    check_export_target,
+    free_bytes,
+    publish_export,
+    report_writes,
+    staging_dir,
+    write_error,
+)
 from dsrl.zero.buckets import gathered_buckets
 from dsrl.zero.lora import ADAPTER, is_lora, merged
 
@@ -71,26 +80,31 @@ def save_checkpoint(engine, run_dir: Path, state: dict, rank_state: dict, keep_l
 
 
 def check_space(tmp: Path, engines: list) -> None:
-    """Fail on every rank, before anything is written, when the disk cannot hold the checkpoint: one rank
-    failing mid-write would leave the others waiting in DeepSpeed's barrier. The optimizer's fp32 master
-    weights and Adam's two moments (12 bytes per trained parameter) are nearly all of it. Every rank
-    raises the same message, with rank 0's view of the disk. A replicated LoRA base (`engine.replicated_base`) is
-    written whole by rank 0, its ZeRO-2 adapters' states split over the ranks."""
+    """The checkpoint's room (`check_room`): the optimizer's fp32 master weights and Adam's two moments (12 bytes per
+    trained parameter) are nearly all of it. A replicated LoRA base (`engine.replicated_base`) is written whole by
+    rank 0, its ZeRO-2 adapters' states split over the ranks."""
     world, params = dist.get_world_size(), [p for e in engines for p in e.module.parameters()]
     mine = 12 * sum(
         p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() / world for p in params if p.requires_grad
     )
     if dist.get_rank() == 0:
         mine += sum(p.numel() * p.element_size() for p in params if not hasattr(p, "ds_tensor"))
+    check_room(tmp, mine, "the checkpoint")
+
+
+def check_room(path: Path, mine: float, what: str) -> None:
+    """Fail on every rank, before anything is written, when the disk under `path` cannot hold `what`, the sum of
+    every rank's `mine` bytes: one rank failing mid-write would leave the others waiting in a collective. Every rank
+    raises the same message, with rank 0's view of the disk."""
     need = torch.tensor([float(mine)], dtype=torch.float64, device=reduce_device())
     dist.all_reduce(need)
-    free = torch.tensor([float(shutil.disk_usage(tmp.parent).free if dist.get_rank() == 0 else 0)],
-                        dtype=torch.float64, device=reduce_device())  # fmt: skip
+    free = free_bytes(path) if dist.get_rank() == 0 else 0
+    free = torch.tensor([float(free or 0)], dtype=torch.float64, device=reduce_device())
     dist.broadcast(free, src=0)
     need, free = need.item() * 1.05 + (1 << 20), free.item()
     if free < need:
         raise WriteError(
-            f"cannot write {tmp}: no space left on the device ({free / 1e6:.1f} MB free, the checkpoint needs "
+            f"cannot write {path}: no space left on the device ({free / 1e6:.1f} MB free, {what} needs "
             f"about {need / 1e6:.1f} MB)",
             errno.ENOSPC,
         )
@@ -243,7 +257,7 @@ class ShardWriter:
             file = f"model-{len(self.files) + 1:05d}.safetensors"
             try:
                 save_file(self.pending, self.tmp / file, metadata={"format": "pt"})
-            except (OSError, RuntimeError) as e:
+            except (OSError, RuntimeError, SafetensorError) as e:  # (a full disk: "I/O error: No space left")
                 raise write_error(self.tmp / file, e) from e
             self.files.append(file)
             self.weight_map.update(dict.fromkeys(self.pending, file))
@@ -273,6 +287,8 @@ def export_hf(module, tokenizer_dir: str, out_dir: Path, bucket_bytes: int) -> N
     """Gather the weights bucket by bucket and write a transformers- and SGLang-loadable model directory;
     rank 0 writes each shard once it is full, so it never holds the whole model. Every rank joins. The
     run's own export: it replaces a previous dsrl export there (a resumed run's), nothing else."""
+    size = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in module.parameters())
+    check_room(out_dir.parent, size if dist.get_rank() == 0 else 0, "the export")  # rank 0 writes it all
     writer = ShardWriter(out_dir, overwrite=True, source="the run's final weights") if dist.get_rank() == 0 else None
     try:
         with report_writes(writer and writer.tmp, f"export to {out_dir}", out_dir):

@@ -68,6 +68,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -707,6 +708,8 @@ def one_run(name: str, args, w: dict, model: Path, data: dict[str, Path], seed: 
         steps = report.verl_steps(work / "metrics.jsonl", log.read_text(errors="replace"), work / TRACE)
     else:
         steps = report.dsrl_steps(work / "run")
+        for bulky in ("hf", "checkpoints", "fp8_model"):  # a 7B run leaves ~22 GB: a 64 GiB disk fills in 3 runs
+            shutil.rmtree(work / "run" / bulky, ignore_errors=True)
     mode = p.what if p else DSRL_VARIANTS[name][0] if framework == "dsrl" else "best"
     return {"framework": framework, "mode": mode, "workload": f"{args.workload} {model.name}", "model": str(model),
             **where(args.gpus), "gpus": args.gpus, "seed": seed, "samples": w["prompts"] * w["n"], "steps": steps,
