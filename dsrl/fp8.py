@@ -76,7 +76,8 @@ KV_SCALES = (".k_scale", ".v_scale")
 RENAMES_KV_SCALES = frozenset({"llama", "mistral", "qwen3", "gemma2", "gemma3_text"})
 """Model types whose SGLang 0.5.17 loader renames `.k_scale` to `.attn.k_scale` (`maybe_remap_kv_scale_name`) before
 it looks the name up: they take `self_attn.k_scale`. The others (Qwen2, Qwen2-MoE, Qwen3-MoE, ...) look up the
-parameter's own name, `self_attn.attn.k_scale`, and skip names they lack."""
+parameter's own name, `self_attn.attn.k_scale`, and skip names they lack. On a GPU: Qwen2 (7B) takes them; Qwen3
+dense has no such parameter (its loader warns once a layer at start) and its FP8 KV cache stays at 1.0."""
 
 
 def kv_scales(named: NamedTensors, model_type: str = "") -> NamedTensors:

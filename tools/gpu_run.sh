@@ -526,14 +526,19 @@ PY
       ;;
     fp8_toy)  # 1 GPU (issue 64): the GPU toy, bf16 against FP8 rollout, FP8_TOY_SEEDS (2 runs ~130 s each a seed).
       # SGLang's FP8 layers split weights into 128-row blocks: the toy at hidden 128 and 4 KV heads (q, k, v 128 rows
-      # each), both precisions on it
+      # each), both precisions on it. FP8_TOY_ARCH=llama|qwen3 serves it as that architecture (the toy is Qwen2), and
+      # FP8_TOY_KV=fp8_e4m3 with an FP8 KV cache: the loaders that rename the KV scales (dsrl.fp8.RENAMES_KV_SCALES)
       mkdir -p /tmp/models/toy128 && cp examples/toy/model/tokenizer* /tmp/models/toy128/
       python3 -c "import json; c = json.load(open('examples/toy/model/config.json')); c.update(hidden_size=128, \
-intermediate_size=256, num_key_value_heads=4); json.dump(c, open('/tmp/models/toy128/config.json', 'w'))"
+intermediate_size=256, num_key_value_heads=4); arch = {'llama': 'LlamaForCausalLM', 'qwen3': 'Qwen3ForCausalLM'}; \
+a = '${FP8_TOY_ARCH:-qwen2}'; c.update(model_type=a, architectures=[arch[a]], head_dim=32) if a in arch else None; \
+json.dump(c, open('/tmp/models/toy128/config.json', 'w'))"
       TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
-      for seed in ${FP8_TOY_SEEDS:-0}; do for prec in bf16 fp8; do
+      kv=(); [ -n "${FP8_TOY_KV:-}" ] && kv=(--rollout.server_args "{\"attention_backend\": \"triton\", \
+\"sampling_backend\": \"pytorch\", \"disable_cuda_graph\": true, \"kv_cache_dtype\": \"$FP8_TOY_KV\"}")
+      for seed in ${FP8_TOY_SEEDS:-0}; do for prec in ${FP8_TOY_PRECISIONS:-bf16 fp8}; do
         rm -rf /tmp/runs/fp8_toy_${prec}_s$seed
-        extra=(); [ $prec = fp8 ] && extra=(--sync.probe_tolerance null)  # (toy_gpu.yaml's 0.01 is bf16's)
+        extra=("${kv[@]}"); [ $prec = fp8 ] && extra+=(--sync.probe_tolerance null)  # (toy_gpu.yaml's 0.01: bf16's)
         stage fp8_toy_${prec}_s$seed ${FP8_TOY_LIMIT:-240} env SGLANG_DG_CACHE_DIR=/tmp/jitcache/deep_gemm \
           SGLANG_JIT_DEEPGEMM_FAST_WARMUP=1 python3 -m dsrl.cli train --config configs/toy_gpu.yaml \
           --model.path /tmp/models/toy128 --rollout.precision $prec --seed $seed --trainer.total_steps ${FP8_TOY_STEPS:-80} \
@@ -541,6 +546,9 @@ intermediate_size=256, num_key_value_heads=4); json.dump(c, open('/tmp/models/to
         grep -a "\[dsrl\] step" "$OUT/fp8_toy_${prec}_s$seed.log" | sed -n '1p;$p' | sed 's/.*\[dsrl\]//' | tee -a "$SUMMARY"
         grep -a "Error" "$OUT/fp8_toy_${prec}_s$seed.log" | tail -3 | tee -a "$SUMMARY"
         grep -a "final metrics" "$OUT/fp8_toy_${prec}_s$seed.log" | grep -o '"sync/bytes": [0-9.e-]*\|"sync/probe_logprob_diff": [0-9.e-]*\|"mismatch/logprob_abs_diff": [0-9.e-]*\|"reward/mean": [0-9.e-]*' | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
+        PYTHONPATH=tools/peers:$PYTHONPATH python3 -c "import report, sys; steps = report.dsrl_steps(__import__('pathlib')\
+.Path(sys.argv[1])); print('mismatch by step:', [round(s.get('mismatch/logprob_abs_diff', -1), 4) for s in steps])" \
+          /tmp/runs/fp8_toy_${prec}_s$seed 2>&1 | tail -1 | tee -a "$SUMMARY"  # (a KV scale lost at a sleep: a jump)
       done; done
       ;;
     *) note "unknown stage $s" ;;
