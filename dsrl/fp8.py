@@ -73,11 +73,14 @@ def round_trip_activations(x: torch.Tensor) -> torch.Tensor:
 
 KV_SCALES = (".k_scale", ".v_scale")
 """SGLang's per-layer FP8 KV-cache scales under an FP8 checkpoint (`Fp8KVCacheMethod`: self_attn.attn.k_scale)."""
-RENAMES_KV_SCALES = frozenset({"llama", "mistral", "qwen3", "gemma2", "gemma3_text"})
+RENAMES_KV_SCALES = frozenset({"llama", "mistral", "gemma2", "gemma3_text"})
 """Model types whose SGLang 0.5.17 loader renames `.k_scale` to `.attn.k_scale` (`maybe_remap_kv_scale_name`) before
-it looks the name up: they take `self_attn.k_scale`. The others (Qwen2, Qwen2-MoE, Qwen3-MoE, ...) look up the
-parameter's own name, `self_attn.attn.k_scale`, and skip names they lack. On a GPU: Qwen2 (7B) takes them; Qwen3
-dense has no such parameter (its loader warns once a layer at start) and its FP8 KV cache stays at 1.0."""
+it looks the name up: they take `self_attn.k_scale`. The others (Qwen2, Qwen2-MoE, ...) look up the parameter's own
+name, `self_attn.attn.k_scale`, and skip names they lack. Qwen2's ran on a GPU (7B)."""
+NO_KV_SCALES = frozenset({"qwen3", "qwen3_moe"})
+"""Model types whose SGLang 0.5.17 attention takes no quantization config, so has no KV-cache scales (its FP8 cache
+uses 1.0) and nothing for a release to lose: scales sent to them earn a warning a layer. On a GPU, Qwen3's FP8 KV cache
+kept its mismatch flat through 15 updates."""
 
 
 def kv_scales(named: NamedTensors, model_type: str = "") -> NamedTensors:
@@ -87,6 +90,8 @@ def kv_scales(named: NamedTensors, model_type: str = "") -> NamedTensors:
     nothing restores them but an update that sends them. An FP8 KV cache was then written with a junk scale and read
     back with 1.0 (at 7B on Qwen2 the mismatch went from 0.64 to 1.80 after the first update, and stays at 0.64 with
     them: docs/benchmarks.md "FP8 rollout"). A bf16 KV cache never reads them."""
+    if model_type in NO_KV_SCALES:
+        return []
     attn = "" if model_type in RENAMES_KV_SCALES else ".attn"
     return [
         (f"{name.removesuffix('.o_proj.weight')}{attn}{suffix}", torch.ones((), dtype=torch.float32, device=t.device))

@@ -73,6 +73,7 @@ def test_only_the_decoder_projections_are_quantized():
     o_proj = [("model.layers.5.self_attn.o_proj.weight", torch.randn(8, 8))]
     assert [n for n, _ in kv_scales(o_proj, "llama")] == [f"model.layers.5.self_attn.{s}_scale" for s in "kv"]
     assert [n for n, _ in kv_scales(o_proj, "qwen2")] == [f"model.layers.5.self_attn.attn.{s}_scale" for s in "kv"]
+    assert kv_scales(o_proj, "qwen3") == kv_scales(o_proj, "qwen3_moe") == []  # (their attention has none)
 
 
 def test_a_flat_bucket_holds_the_scales_first_and_the_fp8_weights_last():
