@@ -399,6 +399,36 @@ def test_an_export_the_disk_cannot_hold_is_refused_before_the_gather(tmp_path, w
     assert not out.parent.exists()
 
 
+def test_a_run_its_disk_cannot_hold_is_warned_of_at_start_up(tmp_path, world_of_one, caplog):
+    """What a run will write to its run directory, its checkpoints and final export, counted at start-up against the
+    disk's free space: Qwen2-72B's shape (counted from its config, never allocated) fits no disk here, the toy does."""
+    from dsrl.auto import count_params, weight_bytes
+    from dsrl.config import Config, DataConfig, ModelConfig
+    from dsrl.zero.checkpoint import warn_disk_room
+
+    big = tmp_path / "qwen2_72b"
+    big.mkdir()
+    config = json.loads((TOY_MODEL / "config.json").read_text()) | {
+        "hidden_size": 8192, "intermediate_size": 29568, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "vocab_size": 152064, "tie_word_embeddings": False, "layer_types": None}  # fmt: skip
+    (big / "config.json").write_text(json.dumps(config))
+    for model in (big, TOY_MODEL):
+        cfg = Config(model=ModelConfig(path=str(model)), data=DataConfig(train_path="unused.jsonl"))
+        cfg.logging.run_dir, cfg.logging.save_every, cfg.trainer.total_steps = str(tmp_path / "run"), 10, 100
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            warn_disk_room(cfg, str(model))
+        if model == TOY_MODEL:
+            assert not caplog.records
+            continue
+        params = count_params(cfg, str(model))
+        assert 72e9 < params < 73e9
+        checkpoint, export = 12.6 * params / 1e9, params * weight_bytes(cfg) / 1e9  # (keep_last 2 and the next)
+        assert (f"GB free, and this run writes about {3 * checkpoint + export:.1f} GB there: 3 checkpoint(s) of "
+                f"{checkpoint:.1f} GB on it at once (logging.save_every, logging.keep_last) and the final export, "
+                f"{export:.1f} GB") in caplog.text, caplog.text  # fmt: skip
+
+
 def test_a_full_disk_message_without_a_tmpfs(tmp_path):
     for e in (OSError(errno.ENOSPC, "No space left on device"), RuntimeError("basic_ios::clear: iostream error")):
         message = str(write_error(tmp_path / "step_2", e))

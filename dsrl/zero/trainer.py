@@ -15,7 +15,7 @@ from dsrl.data import Sample
 from dsrl.metrics import reduce_across_ranks
 from dsrl.moe import routing_replay
 from dsrl.zero.actor import compute_logprobs, update_actor
-from dsrl.zero.checkpoint import export_hf, find_checkpoint, load_checkpoint, save_checkpoint
+from dsrl.zero.checkpoint import export_hf, find_checkpoint, load_checkpoint, save_checkpoint, warn_disk_room
 from dsrl.zero.critic import compute_values, has_values, update_actor_and_critic, update_critic
 from dsrl.zero.engine import load_engine
 from dsrl.zero.lora import is_lora, reference_off, save_adapter
@@ -34,6 +34,7 @@ class Trainer:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
         check_host_memory(cfg, model_dir, world)  # ZeRO-Offload's states, before DeepSpeed allocates them
         check_device_memory(cfg, model_dir, world)  # and the GPU's share
+        warn_disk_room(cfg, model_dir)  # and the run directory's disk, for what the run will write
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
         self.routing_replay = routing_replay(cfg, config)
         """A mixture of experts replays the servers' routing (`dsrl.moe`)."""
