@@ -109,6 +109,8 @@ placement() {
   grep -a "written in" "$OUT/pl_$name.log" | sed 's/.*\[dsrl\] /  /' | tee -a "$SUMMARY"  # a checkpoint's, an export's cost
 }
 
+# The GPUs this call ran on, whatever its stages (a record without `setup` named none)
+[[ " $* " == *" setup "* ]] || nvidia-smi --query-gpu=name,uuid --format=csv,noheader 2>/dev/null | tee -a "$SUMMARY"
 for s in "$@"; do
   case $s in
     setup)
