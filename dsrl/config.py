@@ -581,6 +581,11 @@ def critic_on_actor_base(cfg: Config) -> bool:
     return cfg.algorithm.advantage == "gae" and cfg.model.lora_rank > 0
 
 
+def critic_of_its_own(cfg: Config) -> bool:
+    """PPO without LoRA: the critic is a model of its own, as large as the actor and trained too."""
+    return cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg)
+
+
 def validate(cfg: Config, world: int | None = None, check_paths: bool = True) -> None:
     """Raise ConfigError listing every cross-field problem; `world` is the real world size when known.
 

@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from dsrl.auto import count_params, weight_bytes
 from dsrl.collectives import reduce_device
-from dsrl.config import Config, critic_on_actor_base
+from dsrl.config import Config, critic_of_its_own
 from dsrl.moe import split_experts
 from dsrl.rundir import (
     WriteError,
@@ -116,14 +116,15 @@ def warn_disk_room(cfg: Config, model_dir: str) -> None:
     """At start-up (rank 0): a warning when the run directory's disk cannot hold what the run will write there, its
     checkpoints (`check_space`'s count; `keep_last` of them, and the next while it is written) and the final export,
     so that a full disk is known before the training, not at its end (a 7B run's export met one after its last step)."""
-    logs, steps = cfg.logging, cfg.trainer.total_steps
-    params, critic = count_params(cfg, model_dir), cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg)
-    trained = 0 if cfg.model.lora_rank > 0 else params * (2 if critic else 1)  # (LoRA's adapters: next to nothing)
+    if dist.get_rank() != 0:
+        return
+    logs, steps, params = cfg.logging, cfg.trainer.total_steps, count_params(cfg, model_dir)
+    trained = 0 if cfg.model.lora_rank > 0 else params * (2 if critic_of_its_own(cfg) else 1)  # (LoRA: adapters)
     saved = steps // logs.save_every if logs.save_every else 0
     at_once = min(saved, logs.keep_last + 1) if logs.keep_last else saved
     checkpoint, export = 12 * trained * 1.05, params * weight_bytes(cfg) if logs.export_hf else 0
     need, free = at_once * checkpoint + export, free_bytes(Path(logs.run_dir))
-    if dist.get_rank() != 0 or free is None or need <= free:
+    if free is None or need <= free:
         return
     log.warning(
         "the run directory's disk (%s) has %.1f GB free, and this run writes about %.1f GB there: %d checkpoint(s) of "

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dsrl.auto import count_params, device_memory, local_ranks, use_cuda, weight_bytes
-from dsrl.config import Config, critic_on_actor_base, reward_beside_rollouts
+from dsrl.config import Config, critic_of_its_own, reward_beside_rollouts
 from dsrl.moe import is_moe
 from dsrl.zero.actor import LOGPROB_CHUNK
 from dsrl.zero.batches import largest_micro_batch
@@ -83,7 +83,7 @@ def trainers_state_bytes(cfg: Config, model: torch.nn.Module, critic: bool) -> f
     states = state_bytes(cfg, weights, trained=0 if cfg.model.lora_rank > 0 and not critic else weights)
     if cfg.algorithm.kl_coef > 0 and cfg.model.lora_rank == 0:
         states += state_bytes(cfg, weights, trained=0)
-    if cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg):
+    if critic_of_its_own(cfg):
         states *= 2
     return states
 
@@ -127,7 +127,7 @@ def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
         return
     params = count_params(cfg, model_dir)
     # the critic is as large, and trained too (with LoRA it is an adapter on the actor's base)
-    trainers = 2 if cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg) else 1
+    trainers = 2 if critic_of_its_own(cfg) else 1
     local = local_ranks(default=world)
     whole = params * trainers * HOST_BYTES_PER_PARAM * local / world
     ratio = cfg.trainer.offload_optimizer_ratio
@@ -169,7 +169,7 @@ def check_device_memory(cfg: Config, model_dir: str, world: int) -> None:
     if not use_cuda(cfg) or cfg.model.lora_rank > 0:
         return
     params, (total, _) = count_params(cfg, model_dir) / world, device_memory(cfg)
-    trained = params * (2 if cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg) else 1)
+    trained = params * (2 if critic_of_its_own(cfg) else 1)
     weights = trained + (params if cfg.algorithm.kl_coef > 0 else 0)  # (the reference model's)
     width, room = weight_bytes(cfg), total - margin(total)
     ratio = cfg.trainer.offload_optimizer_ratio if cfg.trainer.offload_optimizer else 0.0

@@ -10,7 +10,7 @@ from transformers import AutoConfig
 from dsrl.advantages import KlController, compute_advantages
 from dsrl.auto import old_from_update
 from dsrl.collectives import all_ranks
-from dsrl.config import Config, critic_on_actor_base
+from dsrl.config import Config, critic_of_its_own
 from dsrl.data import Sample
 from dsrl.metrics import reduce_across_ranks
 from dsrl.moe import routing_replay
@@ -46,7 +46,7 @@ class Trainer:
         self.critic = None
         """With --algorithm.advantage gae, the critic's own engine; None with LoRA, where the actor is the critic too
         (`PolicyAndValue`: an adapter and a value head on its base)."""
-        if cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg):
+        if critic_of_its_own(cfg):
             self.critic = load_engine(cfg, model_dir, world, train=True, critic=True)
         self.engines = [e for e in (self.actor, self.critic) if e is not None]
         """The engines with states (colocated, they lend the GPU to the servers: `dsrl.lending`)."""
