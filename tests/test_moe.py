@@ -128,6 +128,19 @@ def test_the_embedded_engine_returns_each_tokens_routed_experts(moe_dir):
         loop.close()
 
 
+def test_a_request_aborted_before_any_token_comes_back_without_routed_experts():
+    """A partial rollout's abort can answer a request before its first forward: SGLang and the embedded engine then
+    send an empty routing ("" in base64), which must not end the rollout (it did, in async + partial runs)."""
+    from dsrl.rollout.rollouts import parse_generation
+
+    meta = {"finish_reason": {"type": "abort"}, "weight_version": 3, "routed_experts": ""}
+    out = parse_generation({"output_ids": [], "meta_info": meta})
+    assert out.routed_experts is None and out.output_ids == [] and out.finish_reason == "abort"
+    rows = torch.arange(2 * LAYERS * TOP_K, dtype=torch.int32)
+    meta["routed_experts"] = base64.b64encode(rows.numpy().tobytes()).decode()
+    assert torch.equal(parse_generation({"output_ids": [9], "meta_info": meta}).routed_experts, rows)
+
+
 def test_routing_replay_is_on_for_a_mixture_of_experts_and_an_error_on_a_dense_model():
     cfg = Config(model=ModelConfig(path="m"), data=DataConfig(train_path="d.jsonl"))
     moe, dense = toy.build_moe_config(), toy.build_model_config()

@@ -136,13 +136,13 @@ def parse_generation(out: dict) -> Generation:
     meta = out["meta_info"]
     # A LoRA adapter served on its own generates all of a request's tokens, even past a later update
     version = out.get("adapter_version", meta.get("weight_version"))
-    routed = meta.get("routed_experts")  # base64 of int32 [tokens, layers, top k], flat
+    routed = meta.get("routed_experts")  # base64 of int32 [tokens, layers, top k], flat; "" when aborted unsent
     return Generation(
         output_ids=list(out["output_ids"]),
         logprobs=[lp for lp, _, _ in meta.get("output_token_logprobs") or []],
         finish_reason=meta["finish_reason"]["type"],
         weight_version=None if version is None else int(version),
-        routed_experts=None if routed is None else torch.frombuffer(bytearray(b64decode(routed)), dtype=torch.int32),
+        routed_experts=torch.frombuffer(bytearray(b64decode(routed)), dtype=torch.int32) if routed else None,
     )
 
 
