@@ -173,7 +173,8 @@ class RolloutConfig:
     request_timeout_s: float = 600.0
     """Seconds one HTTP request to a server may take before it fails."""
     startup_timeout_s: float = 300.0
-    """Seconds a started server has to answer /health."""
+    """Seconds a server this run starts may go without a new line in its log before it answers /health (its start
+    may take longer while it loads, compiles and captures); an external server's to answer /health at all."""
     server_args: dict[str, Any] = field(default_factory=dict)
     """Extra launch arguments for started servers, by field or flag name, e.g. {attention_backend: triton,
     fp8_gemm_backend: deep_gemm}; true adds a bare flag."""

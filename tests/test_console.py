@@ -7,6 +7,8 @@ import re
 import sys
 import time
 
+import pytest
+
 from dsrl.rundir import report_writes
 from dsrl.serving.servers import free_port, spawn, wait_healthy
 
@@ -102,3 +104,36 @@ def test_a_long_engine_build_says_its_seconds_and_the_hosts_memory_and_a_short_o
                         caplog.messages[0]), caplog.messages  # fmt: skip
     assert re.fullmatch(r"DeepSpeed's engine and optimizer: \d s, the host's memory in use [\d.]+ GB",
                         caplog.messages[-1]), caplog.messages  # fmt: skip
+
+
+COMPILING_SERVER = """
+import http.server, sys, time
+for i in range(10):  # a first start's JIT builds and CUDA graph captures: longer than the timeout, never silent
+    print(f"capturing batch {i}", flush=True)
+    time.sleep(0.3)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if sys.argv[2] == "up" else 503)  # (down: up, but never ready, as a hung SGLang)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_a_server_start_may_outlast_the_timeout_while_its_log_moves_and_fails_once_it_falls_silent(tmp_path):
+    """--rollout.startup_timeout_s counts silence, not the whole start (a TP-2 server's first start on a fresh machine
+    took over 300 s of JIT builds and CUDA graph captures); its answers to the /health polls are not progress."""
+    for state in ("up", "down"):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        server = spawn([sys.executable, "-c", COMPILING_SERVER, str(port), state], {}, tmp_path / f"{state}.log", url)
+        start = time.monotonic()
+        try:
+            if state == "up":
+                wait_healthy(server, timeout_s=1.5)
+                assert time.monotonic() - start > 2.5  # (the start took longer than the timeout, and passed)
+            else:
+                with pytest.raises(TimeoutError, match=r"its log said nothing for 2s \(--rollout.startup_timeout_s\)"):
+                    wait_healthy(server, timeout_s=1.5)
+                assert '"GET /health HTTP/1.1" 503' in (tmp_path / "down.log").read_text()
+        finally:
+            server.stop()

@@ -151,7 +151,7 @@ class RayFleet(Fleet):
             a.start.remote(cfg, self.engine, self.model_path, p, self.seed + n)
             for a, p, n in zip(actors, logs, numbers)
         ]
-        started = ray.get(refs, timeout=self.cfg.startup_timeout_s + 60)
+        started = ray.get(refs)  # (each actor's wait ends: its server exits, answers, or its log falls silent)
         for n, (url, node), path in zip(numbers, started, logs):
             log.info("rollout server %d ready at %s on Ray node %s (its log there: %s)", n, url, node, path)
         return [url for url, _ in started]

@@ -75,13 +75,35 @@ class ServerProcess:
                 continue
 
 
+class LogProgress:
+    """When a starting server's log last grew by a line of its own: its answers to our /health polls (SGLang logs
+    each one once its HTTP server is up) do not count, so a server that hangs after that is still seen as silent."""
+
+    def __init__(self, path: Path):
+        self.path, self.read, self.at = path, 0, time.monotonic()
+
+    def check(self) -> float:
+        """Seconds since the log last said something."""
+        with contextlib.suppress(OSError), open(self.path, "rb") as f:
+            f.seek(self.read)
+            new = f.read()
+            self.read += len(new)
+            lines = new.decode(errors="replace").replace("\r", "\n").splitlines()
+            if any(line.strip() and "GET /health" not in line for line in lines):
+                self.at = time.monotonic()
+        return time.monotonic() - self.at
+
+
 def wait_healthy(server: "ServerProcess | str", timeout_s: float, every_s: float = PROGRESS_S) -> None:
-    """Poll /health until 200, saying every `every_s` how long it has waited and what the server's log says last;
-    a started server that exits, or any that stays silent, fails with its log's end."""
+    """Poll /health until 200, saying every `every_s` how long it has waited and what the server's log says last.
+    A server this run started may take as long as its log shows progress (a first start's JIT builds and CUDA graph
+    captures took 6 minutes for a TP-2 mixture of experts), and fails when it exits or its log stays silent for
+    `timeout_s`; an external URL fails when it does not answer within `timeout_s`."""
     external = isinstance(server, str)  # an external URL: no process, no log
     url = server if external else server.url
+    progress = None if external else LogProgress(server.log_path)
     start = said = time.monotonic()
-    while time.monotonic() < start + timeout_s:
+    while (time.monotonic() - start if external else progress.check()) < timeout_s:
         if time.monotonic() - said >= every_s:
             said = time.monotonic()
             last = "" if external else f"; its log ends: {log_tail(server.log_path, 1).strip()[:120]}"
@@ -101,9 +123,9 @@ def wait_healthy(server: "ServerProcess | str", timeout_s: float, every_s: float
             "is it running, and reachable from this machine?"
         )
     raise TimeoutError(
-        f"rollout server {url} did not answer /health within {timeout_s:.0f}s "
-        f"(raise --rollout.startup_timeout_s if it is still loading); end of {server.log_path}:\n"
-        f"{log_tail(server.log_path)}"
+        f"rollout server {url} did not answer /health, and its log said nothing for {timeout_s:.0f}s "
+        f"(--rollout.startup_timeout_s), {time.monotonic() - start:.0f}s after it started; end of "
+        f"{server.log_path}:\n{log_tail(server.log_path)}"
     )
 
 
