@@ -43,6 +43,15 @@ def fleet_kind(r: RolloutConfig) -> str:
     return r.fleet
 
 
+def servers_first(cfg: Config, world: int) -> bool:
+    """Whether the rollout servers start before the trainer loads (`train.launch_before_trainer`): disaggregated on
+    GPUs of their own, started here (not Ray's or external ones), and not serving LoRA adapters (they are told the
+    trainer's module names). Colocated they start after it, in the memory its plan leaves."""
+    r = cfg.rollout
+    shared = use_cuda(cfg) and r.first_gpu < local_ranks(default=world)  # (a GPU the trainers' too)
+    return r.placement == "disaggregate" and fleet_kind(r) == "local" and cfg.sync.lora != "adapter" and not shared
+
+
 def bf16(cfg: Config) -> bool:
     """trainer.precision: auto = bf16 on GPU, fp32 on CPU."""
     return cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and use_cuda(cfg))

@@ -16,10 +16,19 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from dsrl import rundir
-from dsrl.auto import decode_graphs, fleet_kind, log_decisions, lora_servers, resolve, rollout_engine, use_cuda
+from dsrl.auto import (
+    decode_graphs,
+    fleet_kind,
+    log_decisions,
+    lora_servers,
+    resolve,
+    rollout_engine,
+    servers_first,
+    use_cuda,
+)
 from dsrl.collectives import agreed, all_ranks
 from dsrl.config import Config, parse_config, validate
 from dsrl.data import DatasetError, check_datasets, server_context
@@ -27,7 +36,7 @@ from dsrl.evaluate import Evaluator
 from dsrl.fp8 import servers_model_dir
 from dsrl.lending import GpuLending
 from dsrl.metrics import MetricsWriter, Timer, configure_logging, gather_lists, reduce_across_ranks, summary_line
-from dsrl.moe import with_routed_experts
+from dsrl.moe import routing_replay, with_routed_experts
 from dsrl.rewards.models import start_reward_model
 from dsrl.rewards.rewarder import Rewarder
 from dsrl.rollout.episode import EpisodeRunner, episode_metrics, sample_row
@@ -36,8 +45,8 @@ from dsrl.rollout.rollouts import Batch, Rollouts, rollout_metrics
 from dsrl.rundir import ExportTargetError, OwnerWatch, RunDirLocked, RunStopped, StopRequests, WriteError
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.control import FleetControl, start_control
-from dsrl.serving.fleet import start_rollout_servers
-from dsrl.serving.servers import Fleet, check_server_args
+from dsrl.serving.fleet import launch_fleet, start_rollout_servers
+from dsrl.serving.servers import Fleet, ServerFleet, check_server_args
 from dsrl.sync.weight_sync import WeightSync, make_transport
 from dsrl.zero.checkpoint import CheckpointError
 from dsrl.zero.engine import init_distributed, offload_states, prepare_model_dir
@@ -156,12 +165,19 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     runner = EpisodeRunner(cfg, tokenizer)  # checks the chat template, with an environment
     context = server_context(cfg, model_dir, cfg.rollout.engine)
     dataset, held_out = check_datasets(cfg, tokenizer, context, runner.tool_schemas)  # every rank: the same errors
-    trainer = Trainer(cfg, model_dir, world, tokenizer)
+    cfg, graphs = decode_graphs(cfg, world)
+    servers_dir = servers_model_dir(cfg, model_dir, run_dir)
+    cfg, launched = launch_before_trainer(cfg, model_dir, servers_dir, run_dir, rank)
+    try:
+        trainer = Trainer(cfg, model_dir, world, tokenizer)
+    except BaseException:
+        if launched is not None:
+            launched.stop()
+        raise
     start_step, rank_state = trainer.resume(run_dir)
     if rank == 0:
         rundir.trim_trace(run_dir / "trained_prompts.jsonl", start_step)
     plan = plan_memory(cfg, trainer.engines)  # do they lend the GPU to the servers?
-    cfg, graphs = decode_graphs(cfg, world)
     log_decisions(decided + graphs + ([plan.line] if plan.line else []))
     for engine in trainer.engines if plan.offload else []:  # before any server starts: it sizes its KV cache from
         offload_states(engine, plan.offload, params=False)  # the memory it finds free
@@ -169,7 +185,7 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
         cfg = lora_servers(cfg, target_modules(trainer.actor.module))
     if trainer.routing_replay and fleet_kind(cfg.rollout) != "external":
         cfg = with_routed_experts(cfg)
-    fleet, client = start_rollout_servers(cfg, servers_model_dir(cfg, model_dir, run_dir), run_dir)
+    fleet, client = start_rollout_servers(cfg, servers_dir, run_dir, launched)
     client.return_routed_experts = trainer.routing_replay
     reward_model = start_reward_model(cfg, tokenizer, client, run_dir, rank == 0)
     rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env), model=reward_model)
@@ -186,6 +202,19 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
         control=start_control(cfg, fleet, client, run_dir) if rank == 0 else None,
         writer=MetricsWriter(run_dir, rank == 0, given),
     )  # fmt: skip
+
+
+def launch_before_trainer(cfg: Config, model_dir: str, servers_dir: str, run_dir: Path, rank: int,
+                          ) -> tuple[Config, ServerFleet | None]:  # fmt: skip
+    """Where `servers_first` (disaggregated, on GPUs of their own), rank 0 starts the rollout servers before the
+    trainer loads, and `start_rollout_servers` waits for them after: a large model's trainer takes minutes
+    (Qwen3-30B-A3B on 2 x H200: 8, and its TP-2 server 2 more after it)."""
+    if not servers_first(cfg, dist.get_world_size()):
+        return cfg, None
+    if routing_replay(cfg, AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)):
+        cfg = with_routed_experts(cfg)
+    r, multi_node = cfg.rollout, bool(cfg.trainer.hostfile)
+    return cfg, launch_fleet(r, servers_dir, run_dir, cfg.seed, r.engine, multi_node) if rank == 0 else None
 
 
 def take_run_dir(cfg: Config, run_dir: Path, rank: int) -> rundir.RunLock | None:

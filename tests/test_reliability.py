@@ -175,6 +175,8 @@ def test_crash_of_a_rollout_server_in_async_mode_loses_nothing(tmp_path):
     assert_run_went_on_without_waiting(log)
     assert [r["step"] for r in trace(run_dir)] == list(range(6))
     assert_every_prompt_accounted_for(run_dir, "step_6")
+    started = [line for line in log if "starting rollout server 0" in line or "ZeRO-3 gathers" in line]
+    assert "starting rollout server 0" in started[0], "disaggregated, the servers start before the trainer loads"
 
 
 def test_crash_of_a_rollout_server_mid_step_loses_nothing(tmp_path):

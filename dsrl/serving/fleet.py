@@ -50,6 +50,12 @@ def start_fleet(
             raise ImportError(f"--rollout.fleet ray needs Ray ({e}): pip install 'dsrl[ray]'") from e
 
         return RayFleet.start(cfg, model_path, run_dir, seed, engine)
+    return await_fleet(launch_fleet(cfg, model_path, run_dir, seed, engine, multi_node, role), role)
+
+
+def launch_fleet(cfg: RolloutConfig, model_path: str, run_dir: Path, seed: int, engine: str, multi_node: bool = False,
+                 role: str = "rollout") -> ServerFleet:  # fmt: skip
+    """`start_fleet`'s subprocesses here, started and not yet waited for (`await_fleet`)."""
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     env, host, ports = server_env(engine), server_host(cfg, multi_node), {}
@@ -68,6 +74,15 @@ def start_fleet(
             server = launch(i)
             fleet.processes.append(server)
             fleet.urls.append(server.url)
+    except BaseException:
+        fleet.stop()
+        raise
+    return fleet
+
+
+def await_fleet(fleet: ServerFleet, role: str = "rollout") -> ServerFleet:
+    """Wait for every server `launch_fleet` started to answer; any that fails stops them all."""
+    try:
         for i in range(len(fleet.processes)):
             fleet.wait_started(i)
             log.info("%s server ready at %s (log: %s)", role, fleet.urls[i], fleet.processes[i].log_path)
@@ -77,25 +92,29 @@ def start_fleet(
     return fleet
 
 
-def start_fleet_for_ranks(
-    cfg: RolloutConfig, model_path: str, run_dir: Path, seed: int, engine: str, multi_node: bool, role: str = "rollout"
-) -> Fleet:
-    """Trainer rank 0 starts the servers (`start_fleet`) and every rank learns their URLs (on the other ranks the
-    fleet is only that list: rank 0 alone changes it)."""
+def start_fleet_for_ranks(cfg: RolloutConfig, model_path: str, run_dir: Path, seed: int, engine: str, multi_node: bool,
+                          role: str = "rollout", launched: ServerFleet | None = None) -> Fleet:  # fmt: skip
+    """Trainer rank 0 starts the servers (`start_fleet`; or waits for those it `launched`) and every rank learns
+    their URLs (on the other ranks the fleet is only that list: rank 0 alone changes it)."""
     import torch.distributed as dist  # (this module is imported before the launcher, where torch is not)
 
-    rank0 = dist.get_rank() == 0
-    fleet = [start_fleet(cfg, model_path, run_dir, seed, engine, multi_node, role) if rank0 else None]
-    urls = [fleet[0].urls if rank0 else None]
+    fleet = None
+    if dist.get_rank() == 0 and launched is not None:
+        fleet = await_fleet(launched, role)
+    elif dist.get_rank() == 0:
+        fleet = start_fleet(cfg, model_path, run_dir, seed, engine, multi_node, role)
+    urls = [None if fleet is None else fleet.urls]
     dist.broadcast_object_list(urls, src=0)
-    return fleet[0] or ServerFleet(urls=urls[0])
+    return fleet or ServerFleet(urls=urls[0])
 
 
-def start_rollout_servers(cfg: Config, model_dir: str, run_dir: Path) -> tuple[Fleet, RolloutClient]:
+def start_rollout_servers(cfg: Config, model_dir: str, run_dir: Path, launched: ServerFleet | None = None,
+                          ) -> tuple[Fleet, RolloutClient]:  # fmt: skip
     """The run's rollout servers (`start_fleet_for_ranks`; reachable from every node on several), and this rank's
     client of them: every rank generates through its own, only rank 0's talks to the servers about weights."""
     r = cfg.rollout
-    fleet = start_fleet_for_ranks(r, model_dir, run_dir, cfg.seed, r.engine, multi_node=bool(cfg.trainer.hostfile))
+    multi_node = bool(cfg.trainer.hostfile)
+    fleet = start_fleet_for_ranks(r, model_dir, run_dir, cfg.seed, r.engine, multi_node, launched=launched)
     client = RolloutClient(
         fleet.urls, r.max_concurrency, r.request_timeout_s, api_key=r.api_key, route=r.route, gone=fleet.gone
     )
