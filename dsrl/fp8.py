@@ -83,6 +83,30 @@ uses 1.0) and nothing for a release to lose: scales sent to them earn a warning 
 kept its mismatch flat through 15 updates."""
 
 
+RENAMES_BLOCK_SCALES = frozenset({"llama", "mistral"})
+"""Model types whose SGLang 0.5.17 loader (LlamaForCausalLM's, which Mistral's extends) renames every
+`.weight_scale_inv` to `.weight_scale`, ModelOpt's per-tensor name, before it looks it up, in both of its loaders. Its
+block-wise FP8 layers hold `weight_scale_inv`, so no scale ever loads: the GPU toy served as Llama logged "Parameter
+model.layers.0.self_attn.qkv_proj.weight_scale not found in params_dict" at start-up and at the first update, then
+sampled from NaN ("probability tensor contains either `inf`, `nan` or element < 0") and its server died."""
+
+
+def check_servers_load_fp8(cfg: "Config", engine: str) -> None:
+    """--rollout.precision fp8 on SGLang refused, before any rank starts, for a model whose loader cannot take
+    block-wise FP8 scales (`RENAMES_BLOCK_SCALES`)."""
+    if cfg.rollout.precision != "fp8" or engine != "sglang":
+        return
+    from transformers import AutoConfig
+
+    model_type = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code).model_type
+    if model_type in RENAMES_BLOCK_SCALES:
+        raise ValueError(
+            f"--rollout.precision fp8: SGLang 0.5.17's loader for {model_type} models renames block-wise FP8 scales "
+            "(weight_scale_inv) to per-tensor ones (weight_scale), so the servers would generate with unloaded "
+            "scales (NaN) and die at their first request: serve this model in bf16 (--rollout.precision bf16)"
+        )
+
+
 def kv_scales(named: NamedTensors, model_type: str = "") -> NamedTensors:
     """SGLang's KV-cache scales of each attention layer in `named` (found by its o_proj), at 1.0: the value SGLang
     gives a checkpoint that has none, under the name the loader of `model_type` takes. They are parameters in the

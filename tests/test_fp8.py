@@ -164,6 +164,23 @@ def test_fp8_turns_the_correction_on_and_refuses_what_cannot_work():
     assert "FP8 servers hold rounded weights" in str(info.value)
 
 
+def test_fp8_on_a_loader_that_cannot_take_block_scales_is_refused_before_the_launcher(tmp_path):
+    """SGLang 0.5.17's Llama loader renames weight_scale_inv to weight_scale: a Llama served in FP8 sampled from NaN
+    and died at its first request on a GPU. `dsrl train` refuses it for SGLang, before any rank starts; the embedded
+    engine (dsrl's own loader) and Qwen2 on SGLang go on."""
+    from dsrl.fp8 import check_servers_load_fp8
+
+    config = json.loads((ROOT / "examples/toy/model/config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"model_type": "llama", "architectures": ["Llama"]}))
+    llama = to_config(build_parser(), build_parser().parse_args([*TOY, "--rollout.precision", "fp8"]))
+    llama.model.path = str(tmp_path)
+    with pytest.raises(ValueError, match=r"precision fp8: SGLang 0.5.17's loader for llama models renames"):
+        check_servers_load_fp8(llama, "sglang")
+    check_servers_load_fp8(llama, "embedded")
+    llama.model.path = str(ROOT / "examples/toy/model")  # (Qwen2)
+    check_servers_load_fp8(llama, "sglang")
+
+
 STEPS = 4
 
 

@@ -529,7 +529,8 @@ PY
     fp8_toy)  # 1 GPU (issue 64): the GPU toy, bf16 against FP8 rollout, FP8_TOY_SEEDS (2 runs ~130 s each a seed).
       # SGLang's FP8 layers split weights into 128-row blocks: the toy at hidden 128 and 4 KV heads (q, k, v 128 rows
       # each), both precisions on it. FP8_TOY_ARCH=llama|qwen3 serves it as that architecture (the toy is Qwen2), and
-      # FP8_TOY_KV=fp8_e4m3 with an FP8 KV cache: the loaders that rename the KV scales (dsrl.fp8.RENAMES_KV_SCALES)
+      # FP8_TOY_KV=fp8_e4m3 with an FP8 KV cache: the loaders that rename the KV scales (dsrl.fp8.RENAMES_KV_SCALES).
+      # llama: refused since 2026-11-28 (its loader drops block scales: dsrl.fp8.RENAMES_BLOCK_SCALES)
       mkdir -p /tmp/models/toy128 && cp examples/toy/model/tokenizer* /tmp/models/toy128/
       python3 -c "import json; c = json.load(open('examples/toy/model/config.json')); c.update(hidden_size=128, \
 intermediate_size=256, num_key_value_heads=4); arch = {'llama': 'LlamaForCausalLM', 'qwen3': 'Qwen3ForCausalLM'}; \
