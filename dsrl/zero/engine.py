@@ -124,12 +124,13 @@ def load_engine(
     if packs(cfg):  # packed rows: attention within each sequence, no mask (`dsrl/zero/varlen.py`)
         kwargs["attn_implementation"] = varlen.NAME
         log.info("packed micro-batches, no padding: attention by %s", varlen.describe(kwargs["dtype"], use_cuda(cfg)))
-    if critic:
-        config = AutoConfig.from_pretrained(c.path or model_dir, trust_remote_code=cfg.model.trust_remote_code)
-        config.num_labels, config.classifier_dropout = 1, 0.0  # no dropout before the head (HF's default: 0.1)
-        model = AutoModelForTokenClassification.from_pretrained(c.path or model_dir, config=config, **kwargs)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    with said_while("loading the weights into ZeRO-3's partitions"):  # (Qwen3-30B-A3B: 5 silent minutes)
+        if critic:
+            config = AutoConfig.from_pretrained(c.path or model_dir, trust_remote_code=cfg.model.trust_remote_code)
+            config.num_labels, config.classifier_dropout = 1, 0.0  # no dropout before the head (HF's default: 0.1)
+            model = AutoModelForTokenClassification.from_pretrained(c.path or model_dir, config=config, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     model.config.use_cache = False
     moe.prepare(model, cfg)  # (a mixture of experts: its blocks ZeRO-3 leaves, routing replay)
     choice = cfg.model.gradient_checkpointing
@@ -164,8 +165,8 @@ def load_engine(
 
 
 def said_while(what: str, every_s: float = 30.0):
-    """On rank 0, a build that takes longer than `every_s` says so as it goes, with the host's memory in use, which
-    grows as ZeRO-Offload makes the optimizer's states there (32B: 3 silent minutes in deepspeed.initialize)."""
+    """On rank 0, a load or build that takes longer than `every_s` says so as it goes, with the host's memory in use,
+    which grows as ZeRO-Offload makes the optimizer's states there (32B: 3 silent minutes in deepspeed.initialize)."""
     start = time.monotonic()
 
     def report(so_far: str) -> None:
