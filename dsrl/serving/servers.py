@@ -80,7 +80,8 @@ class LogProgress:
     each one once its HTTP server is up) do not count, so a server that hangs after that is still seen as silent."""
 
     def __init__(self, path: Path):
-        self.path, self.read, self.at = path, 0, time.monotonic()
+        self.path, self.at = path, time.monotonic()
+        self.read = path.stat().st_size if path.is_file() else 0  # (a restarted server appends to its old log)
 
     def check(self) -> float:
         """Seconds since the log last said something."""
