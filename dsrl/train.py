@@ -166,8 +166,11 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     context = server_context(cfg, model_dir, cfg.rollout.engine)
     dataset, held_out = check_datasets(cfg, tokenizer, context, runner.tool_schemas)  # every rank: the same errors
     cfg, graphs = decode_graphs(cfg, world)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    if routing_replay(cfg, config) and fleet_kind(cfg.rollout) != "external":
+        cfg = with_routed_experts(cfg)  # (the servers this run starts return each request's routing)
     servers_dir = servers_model_dir(cfg, model_dir, run_dir)
-    cfg, launched = launch_before_trainer(cfg, model_dir, servers_dir, run_dir, rank)
+    launched = launch_before_trainer(cfg, servers_dir, run_dir, rank)
     try:
         trainer = Trainer(cfg, model_dir, world, tokenizer)
     except BaseException:
@@ -183,8 +186,6 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
         offload_states(engine, plan.offload, params=False)  # the memory it finds free
     if cfg.sync.lora == "adapter":
         cfg = lora_servers(cfg, target_modules(trainer.actor.module))
-    if trainer.routing_replay and fleet_kind(cfg.rollout) != "external":
-        cfg = with_routed_experts(cfg)
     fleet, client = start_rollout_servers(cfg, servers_dir, run_dir, launched)
     client.return_routed_experts = trainer.routing_replay
     reward_model = start_reward_model(cfg, tokenizer, client, run_dir, rank == 0)
@@ -204,17 +205,14 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     )  # fmt: skip
 
 
-def launch_before_trainer(cfg: Config, model_dir: str, servers_dir: str, run_dir: Path, rank: int,
-                          ) -> tuple[Config, ServerFleet | None]:  # fmt: skip
+def launch_before_trainer(cfg: Config, servers_dir: str, run_dir: Path, rank: int) -> ServerFleet | None:
     """Where `servers_first` (disaggregated, on GPUs of their own), rank 0 starts the rollout servers before the
     trainer loads, and `start_rollout_servers` waits for them after: a large model's trainer takes minutes
     (Qwen3-30B-A3B on 2 x H200: 8, and its TP-2 server 2 more after it)."""
-    if not servers_first(cfg, dist.get_world_size()):
-        return cfg, None
-    if routing_replay(cfg, AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)):
-        cfg = with_routed_experts(cfg)
-    r, multi_node = cfg.rollout, bool(cfg.trainer.hostfile)
-    return cfg, launch_fleet(r, servers_dir, run_dir, cfg.seed, r.engine, multi_node) if rank == 0 else None
+    if not servers_first(cfg, dist.get_world_size()) or rank != 0:
+        return None
+    r = cfg.rollout
+    return launch_fleet(r, servers_dir, run_dir, cfg.seed, r.engine, multi_node=bool(cfg.trainer.hostfile))
 
 
 def take_run_dir(cfg: Config, run_dir: Path, rank: int) -> rundir.RunLock | None:
