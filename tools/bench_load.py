@@ -5,9 +5,9 @@ Qwen3-30B-A3B shape loaded in 305 s on 2 H200 ranks; the dense 32B took 12 s on 
     python tools/bench_load.py    # "<model>: load N s" a run (docs/benchmarks.md, "Mixture of experts")
 """
 
+import argparse
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -52,14 +52,17 @@ def load(path: str) -> None:  # (one rank of the launcher's two)
 
 
 def main() -> None:
-    if len(sys.argv) > 1:
-        return load(sys.argv[-1])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--load", help="(one rank of the launcher's, which this script starts) the model to load")
+    args = p.parse_args()
+    if args.load:
+        return load(args.load)
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     with tempfile.TemporaryDirectory() as tmp:
         for name in MODELS:
             build(Path(tmp) / name, name)
         for name in [*MODELS, *MODELS]:
-            cmd = ["deepspeed", "--num_accelerators", "2", "--no_local_rank", __file__, str(Path(tmp) / name)]
+            cmd = ["deepspeed", "--num_accelerators", "2", "--no_local_rank", __file__, "--load", str(Path(tmp) / name)]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True).stdout
             print(next((line for line in out.splitlines() if ": load " in line), f"{name}: failed"), flush=True)
 
