@@ -193,6 +193,7 @@ def test_moe_with_lora_adapters_resumes_bit_for_bit(tmp_path):
     the engine's batch-invariant mode makes the same in both runs)."""
     args = ["--trainer.total_steps", "4", "--eval.path", "null", "--model.lora_rank", "8", "--trainer.lr", "1e-2"]
     args += ["--rollout.server_args", '{"dtype": "bfloat16", "enable_deterministic_inference": true}']
+    args += ["--rollout.prompts_per_step", "8", "--rollout.n_samples", "4"]  # one forward a request: keep them few
     first, again = tmp_path / "first", tmp_path / "again"
     saved = ["--logging.save_every", "2", "--logging.keep_last", "0"]
     log = run_to_end(train_cmd("toy_cpu_moe.yaml", first, *args, *saved))
