@@ -68,7 +68,6 @@ class ServerActor:
                     raise RuntimeError(f"on node {ray.util.get_node_ip_address()}: {e}") from None
 
     def poll(self) -> int | None:
-        """The server's exit code, None while it runs."""
         return self.server.proc.poll() if self.server else None
 
     def stop(self) -> None:
