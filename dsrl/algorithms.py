@@ -11,14 +11,10 @@ from typing import Literal
 import torch
 
 LossAgg = Literal["token_mean", "seq_mean", "seq_mean_token_sum_norm"]
-Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"]
 
 LOG_RATIO_LIMIT = 20.0
 """Log-ratios are clamped to +-20 before exp (as verl and OpenRLHF do): a token sampled under weights
 many versions old could give exp(25) = 7e10 and a loss of 1e10; beyond e^20 a ratio is noise anyway."""
-
-
-# -- advantages -----------------------------------------------------------------------------------
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6):
@@ -101,9 +97,6 @@ def overlong_penalty(length: int, max_new_tokens: int, buffer: int, factor: floa
     if buffer <= 0 or length <= max_new_tokens - buffer:
         return 0.0
     return -factor * min(1.0, (length - (max_new_tokens - buffer)) / buffer)
-
-
-# -- losses ---------------------------------------------------------------------------------------
 
 
 def aggregate(

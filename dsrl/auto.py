@@ -144,9 +144,8 @@ def _count_params(model_dir: str, trust_remote_code: bool) -> int:
 
 
 def local_ranks(default: int = 1) -> int:
-    """The trainer ranks on this node: DeepSpeed's launcher says so in LOCAL_SIZE (it sets no LOCAL_WORLD_SIZE, which
-    the checks of host memory read until 2026-11-27: one rank counted where a node had four), torchrun in
-    LOCAL_WORLD_SIZE; `default` outside a launcher."""
+    """The trainer ranks on this node: DeepSpeed's launcher says so in LOCAL_SIZE (it sets no LOCAL_WORLD_SIZE),
+    torchrun in LOCAL_WORLD_SIZE; `default` outside a launcher."""
     return int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or default)
 
 

@@ -73,7 +73,9 @@ def train(argv: list[str]) -> int:
         if cfg.reward_model.path and not cfg.reward_model.server_urls:
             check_server_args(reward_rollout(cfg), engine, "--reward_model.server_args")
         check_data(cfg, engine)
-        check_fp8_servers(cfg, engine)
+        from dsrl.fp8 import check_servers_load_fp8  # (torch: not imported before the launcher otherwise)
+
+        check_servers_load_fp8(cfg, engine)
         check_lora_targets(cfg)
         check_reward_model(cfg)
         lock = RunLock(run_dir).acquire("dsrl train")  # before anything is written there
@@ -102,12 +104,6 @@ def check_data(cfg, engine: str) -> None:
         tools = tool_schemas(load_function(cfg.rollout.env, "rollout.env"))
         check_rendering(Renderer(tokenizer, tools, cfg.data.apply_chat_template))
     check_datasets(cfg, tokenizer, server_context(cfg, cfg.model.path, engine), tools)
-
-
-def check_fp8_servers(cfg, engine: str) -> None:
-    from dsrl.fp8 import check_servers_load_fp8  # (torch: not imported before the launcher otherwise)
-
-    check_servers_load_fp8(cfg, engine)
 
 
 def check_reward_model(cfg) -> None:
@@ -388,7 +384,7 @@ def export(argv: list[str]) -> int:
 
 
 def export_to_hf(checkpoint: Path, out: Path | None, shard_bytes: int = 2 << 30, overwrite: bool = False) -> Path:
-    """The checkpoint's run tells which model (and tokenizer) its weights belong to."""
+    """`dsrl export`'s work; the checkpoint's run tells which model (and tokenizer) its weights belong to."""
     import yaml
 
     from dsrl.zero.checkpoint import export_checkpoint

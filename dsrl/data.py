@@ -101,7 +101,6 @@ class Sample:
         return min(version for _, version in self.spans)
 
     def mask(self) -> list[int]:
-        """The loss mask of every response token."""
         return self.loss_mask if self.loss_mask is not None else [1] * len(self.response_ids)
 
     def model_tokens(self) -> int:

@@ -165,7 +165,6 @@ class GpuLending:
                 )
 
     def wake_kv_cache(self) -> None:
-        """One-step-off, after the update's last backward pass (every rank waits until the servers have it)."""
         free_cached_memory()
         with agreed("waking the servers to generate ahead", (ServerError,)):
             self.wake("kv_cache")
@@ -189,7 +188,6 @@ class GpuLending:
             self.size_replacements()
 
     def for_update(self, timer: Timer) -> None:
-        """In the weight update, before the send: the trainers' optimizer states off the GPU, the weights back."""
         if self.measured and self.sleeping:  # (after an update: the servers slept for it)
             self.measure_peak()
         if self.offload:
@@ -199,7 +197,6 @@ class GpuLending:
             self.wake("weights")
 
     def to_servers(self, timer: Timer) -> None:
-        """In the weight update, after its checks: the KV cache needs the memory the trainers' parameters held."""
         if self.colocated:
             with timer("offload"):
                 if self.offload == "all":

@@ -45,7 +45,6 @@ class Timer:
                 self.memory[f"memory/{phase}_device_used_gb"] = (total - free) / 1e9
 
     def each(self, items, phase: str):
-        """Iterate `items`, counting the time spent producing each one under `phase`."""
         it = iter(items)
         while True:
             with self(phase):

@@ -124,12 +124,10 @@ def _holders(path: Path) -> list[tuple[int, str]]:
     """The processes of this host (of this user) with `path` open, found in /proc."""
     target, found = str(path.resolve()), []
     for proc in Path("/proc").glob("[0-9]*"):
-        try:
+        with contextlib.suppress(OSError):
             if any(os.readlink(fd) == target for fd in (proc / "fd").iterdir()):
                 command = (proc / "cmdline").read_bytes().replace(b"\0", b" ")[:60].decode(errors="replace")
                 found.append((int(proc.name), command.strip()))
-        except OSError:
-            continue
     return found
 
 

@@ -166,7 +166,6 @@ class Engine:
         self.client, self.route_key, self.runner = client, route_key, runner
 
     async def generate(self, input_ids: list[int], sampling: dict) -> Generation:
-        """One `/generate`: token ids in, the tokens out with their logprobs and weight version."""
         return await generate_one(self.client, input_ids, sampling, self.route_key)
 
     async def sample(self, prompt: Prompt, sampling: dict) -> Sample:

@@ -104,8 +104,6 @@ class RolloutClient:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
         return asyncio.Semaphore(n), aiohttp.ClientSession(timeout=timeout, connector=connector, headers=self.headers)
 
-    # -- running coroutines from synchronous code ---------------------------------------------------
-
     def submit(self, coro: Coroutine) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
@@ -119,8 +117,6 @@ class RolloutClient:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
         self.loop.close()
-
-    # -- requests -----------------------------------------------------------------------------------
 
     async def request(
         self, url: str, path: str, payload: Any = None, method: str = "POST", timeout_s: float | None = None
@@ -228,8 +224,7 @@ class RolloutClient:
         id (and 0.5.17's HTTP layer ignores an id prefix), so ~1,300 single aborts held every weight
         update ~0.7 s on an H200. The servers are the run's own: another client's requests on them
         (another trainer rank's) are aborted too, which its manager handles as an interruption.
-        A request still waiting for a concurrency slot is never sent and answers as aborted. A server
-        that cannot be reached is left to `generate`, which resubmits its requests.
+        A request still waiting for a concurrency slot is never sent and answers as aborted.
         """
         self.cancelled |= self.waiting
         calls = [self.request(url, "/abort_request", {"abort_all": True}) for url in self.busy_urls()]
@@ -282,7 +277,6 @@ class RolloutClient:
         return out
 
     def call_all(self, path: str, payload: Any = None, method: str = "POST") -> list[Any]:
-        """Send the same control call to every server and wait for all replies."""
         return self.run(self.all_servers(path, payload, method))
 
     def weight_versions(self) -> list[str]:
@@ -306,7 +300,6 @@ class RolloutClient:
             self.down.append(url)
 
     def busy_urls(self) -> list[str]:
-        """Servers running any of this client's /generate requests."""
         return [url for url, n in self.in_flight.items() if n]
 
     def live_urls(self) -> list[str]:

@@ -39,7 +39,6 @@ class FleetControl:
     def __init__(self, fleet: Fleet, run_dir: Path, host: str, api_key: str | None, frozen: str | None):
         self.fleet, self.run_dir, self.host, self.api_key = fleet, run_dir, host, api_key
         self.frozen = frozen
-        """Why the fleet cannot change in this run (CUDA IPC ties servers to the trainer's GPUs), or None."""
         self.runner: web.AppRunner | None = None
 
     async def start(self) -> str:

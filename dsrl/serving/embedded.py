@@ -348,12 +348,15 @@ class Engine:
                 self._finish(req, {"type": "abort", "message": message})
             return len(hits)
 
+    def lora_adapters(self) -> Adapters:
+        if self.adapters is None:
+            raise BadRequest("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        return self.adapters
+
     def make_request(
         self, input_ids: list[int], params: dict, rid: str, loop, lora: str | None = None, routed: bool = False
     ) -> Request:
-        if lora is not None and self.adapters is None:
-            raise BadRequest("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
-        adapter = self.adapters.named(lora) if lora is not None else None
+        adapter = self.lora_adapters().named(lora) if lora is not None else None
         unknown = set(params) - SAMPLING_KEYS
         if unknown:
             raise BadRequest(f"unknown sampling_params {sorted(unknown)}; allowed: {sorted(SAMPLING_KEYS)}")
@@ -824,19 +827,14 @@ class Api:
         return web.json_response(rows)
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
-        body, adapters = await body_of(request), self._adapters()
+        body, adapters = await body_of(request), self.engine.lora_adapters()
         await asyncio.to_thread(adapters.load, body["lora_name"], body["lora_path"])
         return web.json_response({"success": True, "loaded_adapters": {n: n for n in adapters.loaded}})
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
-        adapters = self._adapters()
+        adapters = self.engine.lora_adapters()
         adapters.unload((await body_of(request))["lora_name"])  # requests that named it keep its weights
         return web.json_response({"success": True, "loaded_adapters": {n: n for n in adapters.loaded}})
-
-    def _adapters(self) -> Adapters:
-        if self.engine.adapters is None:
-            raise BadRequest("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
-        return self.engine.adapters
 
     def _weights_updated(self, body: dict, message: str, **extra) -> web.Response:
         if body.get("weight_version") is not None:

@@ -3,11 +3,9 @@
 Trainer rank 0 joins the Ray cluster (--rollout.ray_address, default: the running one, else a local
 one) and reserves one bundle per server -- `cpus_per_server` CPUs, and `tp_size` GPUs for SGLang --
 in one placement group spread by --rollout.placement_strategy. Each actor owns its server's process
-on the node Ray put it on: it binds the node's address on a free port, waits for /health and
-reports the URL, or the end of the server's log when it fails to start. The server dies with its
-actor (the embedded engine watches its parent; SGLang gets SIGKILL from the kernel when the actor
-goes), so a killed actor leaves no orphan. The trainer keeps the deepspeed launcher; Ray only
-places servers.
+on the node Ray put it on (`ServerActor.start`). The server dies with its actor (the embedded engine
+watches its parent; SGLang gets SIGKILL from the kernel when the actor goes), so a killed actor
+leaves no orphan. The trainer keeps the deepspeed launcher; Ray only places servers.
 
 Servers added to a live run (`dsrl fleet add`) get a placement group of their own; a dead actor is
 replaced in its bundle. dsrl must be importable on every node (installed there, or on a shared path).
@@ -68,7 +66,6 @@ class ServerActor:
                     raise RuntimeError(f"on node {ray.util.get_node_ip_address()}: {e}") from None
 
     def poll(self) -> int | None:
-        """The server's exit code, None while it runs."""
         return self.server.proc.poll() if self.server else None
 
     def stop(self) -> None:

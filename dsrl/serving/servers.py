@@ -1,9 +1,5 @@
 """Rollout-server lifecycle: start servers as subprocesses (or take external URLs), wait for health,
-and shut everything down on exit, error or Ctrl-C with no orphans.
-
-Each server runs in its own process session with its log in <run_dir>/logs, so a failure to
-start shows the end of that log, and stopping kills the server's whole process group.
-"""
+and shut everything down on exit, error or Ctrl-C with no orphans."""
 
 import argparse
 import contextlib
@@ -68,11 +64,9 @@ class ServerProcess:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 return
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(wait_s)
                 return
-            except subprocess.TimeoutExpired:
-                continue
 
 
 class LogProgress:
@@ -275,7 +269,6 @@ class Fleet(ABC):
         """Stop a replacement that will not join (it failed to start, or the run ends)."""
 
     def numbers(self) -> list[int]:
-        """Each server's number, in `urls`' order."""
         return list(range(len(self.urls)))
 
     def replace(self, dead: set[str]) -> list[str]:

@@ -1,11 +1,7 @@
 """The weight update, with one owner: `WeightSync.update(version)` runs the whole sequence, in order.
 
-    heal       servers that died are set aside, and the update goes on with the others (their
-               replacements start in the background and join at the first update after they
-               answer); servers asked to join or leave do (`dsrl fleet add/remove`); the
-               transport's per-fleet state (the broadcast group) is rebuilt only when membership
-               changed, and a joining server takes no request before this update has given it
-               the weights
+    heal       the fleet's changes applied (`_heal`): dead servers set aside, queued joins and leaves;
+               the transport's per-fleet state (the broadcast group) is rebuilt only when membership changed
     lend       colocated: the GPU goes to the update (`GpuLending.for_update`: the trainers'
                optimizer states leave it, the servers take their weights' memory back)
     pause      interrupt pause: the servers pause, their requests stay on them through the update

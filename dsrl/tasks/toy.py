@@ -82,13 +82,6 @@ def write_example(root: Path) -> None:
             f.writelines(json.dumps(row) + "\n" for row in make_rows(n, seed))
 
 
-if __name__ == "__main__":
-    write_example(Path(sys.argv[1] if len(sys.argv) > 1 else "examples/toy"))
-
-
-# -- the agent task --------------------------------------------------------------------------------
-
-
 def lookup(key: str) -> str:
     """The value of a key, known only to this tool: 1-3 digits."""
     return str((int(key) * 7919 + 17) % 1000) if key.isdigit() else ""
@@ -115,3 +108,7 @@ class KeyLookupEnv(Environment):
         if self.call_score is None:
             return Step(reward=0.0, done=True)
         return Step(reward=self.call_score * (0.5 + 0.5 * reward("", text, lookup(self.key))), done=True)
+
+
+if __name__ == "__main__":
+    write_example(Path(sys.argv[1] if len(sys.argv) > 1 else "examples/toy"))

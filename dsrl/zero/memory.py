@@ -8,12 +8,8 @@ Colocated on a GPU, the trainers and the rollout servers take turns (`dsrl.lendi
                          tokens, not the batch's: nothing of a micro-batch outlives it) + what the sleeping servers
                          keep + margin
 
-`plan_memory` decides trainer.offload_states (auto: the least that lets the servers fit), states both sums for the
-batch configured (its longest prompt and response), and whether a dead server's replacement can start beside the
-update (`replacement_room`: then the trainers need not wait for it); `AutoCheckpointing` decides
-the layers' checkpointing per update, from that update's largest micro-batch. The margin, for the servers'
-activations, CUDA graphs and the allocator's slack, is `margin` for all. A wake that would not fit is refused
-before it is asked for (`dsrl.lending.GpuLending`), with the numbers, rather than leave a server to die of it.
+`plan_memory` decides trainer.offload_states and states both sums for the batch configured; `AutoCheckpointing`
+decides the layers' checkpointing per update, from that update's largest micro-batch.
 """
 
 import logging

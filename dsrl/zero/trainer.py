@@ -131,7 +131,7 @@ class Trainer:
     def export(self, out: Path, rank: int) -> None:
         """The trained model as a Hugging Face model in `out`; with LoRA, its adapter beside it (`adapter`)."""
         # The probe's forward may leave ZeRO-3 prefetches in flight, which a gather refuses to partition
-        # again (seen on an H200 with the states kept on the GPU); offloading used to reset them.
+        # again (seen on an H200 with the states kept on the GPU).
         self.actor.empty_partition_cache()
         export_hf(self.actor.module, self.model_dir, out, self.cfg.sync.bucket_bytes)
         if is_lora(self.actor.module):
