@@ -414,6 +414,8 @@ print('verl stack: verl', verl.__version__, 'sglang', sglang.__version__, 'trans
         --gpus ${PEERS_GPUS:-1} --workload ${PEERS_WORKLOAD:-step} --limits ${PEERS_LIMITS:-330 170} \
         --steps ${PEERS_STEPS:-3} --verl-site $VSITE --out "$OUT" --budget $((${PEERS_LIMIT:-540} - 20)) ${PEERS_EXTRA:-}
       grep -a "^| \|dsrl step\|dsrl / verl" "$OUT/peers.log" | tail -12 | tee -a "$SUMMARY"
+      # A side that died without a traceback (verl's 7B server on a 128 GiB host, 2026-11-28): the kernel's word on it
+      dmesg 2>/dev/null | grep -a -i "out of memory\|killed process" | tail -4 | tee -a "$SUMMARY"
       ;;
     rm)  # 1 GPU: GRPO 64x8x512 colocated with SGLang, rewarded by a 1.5B reward model on its own SGLang server
       # (--is-embedding, /classify) on the same GPU: three tenants. The memory plan, the phases, and the reward model's
