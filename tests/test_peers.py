@@ -560,7 +560,8 @@ def test_each_run_names_its_host_and_gpus(monkeypatch):
 
     monkeypatch.setattr(peers, "gpu_query", lambda field: "GPU-a\nGPU-b\nGPU-c\nGPU-d" if field == "uuid" else "")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert peers.where(1) == {"host": socket.gethostname(), "gpu": "GPU-a"}
+    one = peers.where(1)
+    assert one.pop("host_gb") > 1 and one == {"host": socket.gethostname(), "gpu": "GPU-a"}
     assert peers.where(4)["gpu"] == "GPU-a,GPU-b,GPU-c,GPU-d"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert peers.where(2)["gpu"] == "GPU-c,GPU-d"

@@ -558,14 +558,15 @@ def gpu_query(field: str) -> str:
         return ""
 
 
-def where(gpus: int = 1) -> dict[str, str]:
-    """The host and the GPUs a run uses: nvidia-smi's UUIDs of the first `gpus` it lists (or of CUDA_VISIBLE_DEVICES'
-    indices where set), comma-joined, "" without nvidia-smi."""
+def where(gpus: int = 1) -> dict:
+    """The host, its memory (GB: verl's 7B on one GPU outgrew a host of 128 GiB) and the GPUs a run uses: nvidia-smi's
+    UUIDs of the first `gpus` it lists (or of CUDA_VISIBLE_DEVICES' indices where set), comma-joined, "" without
+    nvidia-smi."""
     uuids = gpu_query("uuid").split()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     if visible and all(v.isdigit() and int(v) < len(uuids) for v in visible.split(",")):
         uuids = [uuids[int(v)] for v in visible.split(",")]
-    return {"host": socket.gethostname(), "gpu": ",".join(uuids[:gpus])}
+    return {"host": socket.gethostname(), "host_gb": round(meminfo_gb("MemTotal"), 1), "gpu": ",".join(uuids[:gpus])}
 
 
 def gpu_gb(field: str) -> list[float]:
@@ -580,10 +581,13 @@ def gpu_used_gb() -> float:
     return sum(gpu_gb("memory.used"))
 
 
-def host_used_gb() -> float:
+def meminfo_gb(field: str) -> float:
     info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-    kb = int(info["MemTotal"].split()[0]) - int(info["MemAvailable"].split()[0])
-    return kb * 1024 / 1e9
+    return int(info[field].split()[0]) * 1024 / 1e9
+
+
+def host_used_gb() -> float:
+    return meminfo_gb("MemTotal") - meminfo_gb("MemAvailable")
 
 
 def run(argv: list[str], log: Path, limit: float, env: dict, finished: str | None = None) -> dict:
