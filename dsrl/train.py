@@ -166,8 +166,8 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     context = server_context(cfg, model_dir, cfg.rollout.engine)
     dataset, held_out = check_datasets(cfg, tokenizer, context, runner.tool_schemas)  # every rank: the same errors
     cfg, graphs = decode_graphs(cfg, world)
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    if routing_replay(cfg, config) and fleet_kind(cfg.rollout) != "external":
+    replay = routing_replay(cfg, AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code))
+    if replay and fleet_kind(cfg.rollout) != "external":
         cfg = with_routed_experts(cfg)  # (the servers this run starts return each request's routing)
     servers_dir = servers_model_dir(cfg, model_dir, run_dir)
     launched = launch_before_trainer(cfg, servers_dir, run_dir, rank)
@@ -187,7 +187,7 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     if cfg.sync.lora == "adapter":
         cfg = lora_servers(cfg, target_modules(trainer.actor.module))
     fleet, client = start_rollout_servers(cfg, servers_dir, run_dir, launched)
-    client.return_routed_experts = trainer.routing_replay
+    client.return_routed_experts = replay  # (a mixture of experts replays the servers' routing: dsrl.moe)
     reward_model = start_reward_model(cfg, tokenizer, client, run_dir, rank == 0)
     rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env), model=reward_model)
     rewarder.restore((rank_state or {}).get("rewarder"))

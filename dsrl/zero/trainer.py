@@ -5,7 +5,6 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
 from dsrl.advantages import KlController, compute_advantages
 from dsrl.auto import old_from_update
@@ -13,7 +12,6 @@ from dsrl.collectives import all_ranks
 from dsrl.config import Config, critic_of_its_own
 from dsrl.data import Sample
 from dsrl.metrics import reduce_across_ranks
-from dsrl.moe import routing_replay
 from dsrl.zero.actor import compute_logprobs, update_actor
 from dsrl.zero.checkpoint import export_hf, find_checkpoint, load_checkpoint, save_checkpoint, warn_disk_room
 from dsrl.zero.critic import compute_values, has_values, update_actor_and_critic, update_critic
@@ -35,9 +33,6 @@ class Trainer:
         check_host_memory(cfg, model_dir, world)  # ZeRO-Offload's states, before DeepSpeed allocates them
         check_device_memory(cfg, model_dir, world)  # and the GPU's share
         warn_disk_room(cfg, model_dir)  # and the run directory's disk, for what the run will write
-        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-        self.routing_replay = routing_replay(cfg, config)
-        """A mixture of experts replays the servers' routing (`dsrl.moe`)."""
         self.actor = load_engine(cfg, model_dir, world, train=True)
         self.ref = None
         """The reference policy (KL); with LoRA the actor itself, its adapters off (`reference_off`)."""

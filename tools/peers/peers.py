@@ -566,7 +566,7 @@ def where(gpus: int = 1) -> dict:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     if visible and all(v.isdigit() and int(v) < len(uuids) for v in visible.split(",")):
         uuids = [uuids[int(v)] for v in visible.split(",")]
-    return {"host": socket.gethostname(), "host_gb": round(meminfo_gb("MemTotal"), 1), "gpu": ",".join(uuids[:gpus])}
+    return {"host": socket.gethostname(), "host_gb": round(meminfo_gb()["MemTotal"], 1), "gpu": ",".join(uuids[:gpus])}
 
 
 def gpu_gb(field: str) -> list[float]:
@@ -581,13 +581,15 @@ def gpu_used_gb() -> float:
     return sum(gpu_gb("memory.used"))
 
 
-def meminfo_gb(field: str) -> float:
+def meminfo_gb() -> dict[str, float]:
+    """/proc/meminfo's fields in GB, read once."""
     info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-    return int(info[field].split()[0]) * 1024 / 1e9
+    return {field: int(value.split()[0]) * 1024 / 1e9 for field, value in info.items() if value.strip().endswith("kB")}
 
 
 def host_used_gb() -> float:
-    return meminfo_gb("MemTotal") - meminfo_gb("MemAvailable")
+    info = meminfo_gb()
+    return info["MemTotal"] - info["MemAvailable"]
 
 
 def run(argv: list[str], log: Path, limit: float, env: dict, finished: str | None = None) -> dict:
