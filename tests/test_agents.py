@@ -247,10 +247,10 @@ def test_a_template_that_renders_turns_differently_whole_is_refused(chat_model):
 
 @pytest.fixture(scope="module")
 def toy_server(toy_weights, tmp_path_factory):
-    """The toy model, 3 ms per decode step (requests are in flight at updates), batch-invariant (greedy
-    tokens do not depend on what else runs)."""
+    """The toy model, 25 ms per decode step (a turn of 6 tokens is still generating 50 ms after it started, even
+    on a loaded machine), batch-invariant (greedy tokens do not depend on what else runs)."""
     cfg = Config(model=ModelConfig(path=str(toy_weights)), data=DataConfig(train_path="unused.jsonl")).rollout
-    cfg.server_args = {"decode_delay_ms": 3, "enable_deterministic_inference": True}
+    cfg.server_args = {"decode_delay_ms": 25, "enable_deterministic_inference": True}
     fleet = start_fleet(cfg, str(toy_weights), tmp_path_factory.mktemp("run"), 0, "embedded")
     client = RolloutClient(fleet.urls, timeout_s=60)
     yield client
@@ -284,6 +284,14 @@ def simulated_update(client, version: int, mode: str) -> None:
     client.call_all("/continue_generation", {})
 
 
+def wait_for_a_request_in_flight(manager: RolloutManager, timeout_s: float = 10.0) -> None:
+    """Until a request is at the servers (or none comes): a fixed sleep after a collect let the update land before
+    the groups admitted at the last update had started, on a loaded machine, and then no episode spanned it."""
+    deadline = time.monotonic() + timeout_s
+    while manager.in_flight == 0 and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
 @pytest.mark.parametrize("interrupt", ["partial", "pause"])
 def test_episodes_interrupted_by_weight_updates_finish_with_the_uninterrupted_tokens(toy_server, tmp_path, interrupt):
     """Weight updates land in the middle of model turns and between them; every episode then goes on at the
@@ -304,7 +312,9 @@ def test_episodes_interrupted_by_weight_updates_finish_with_the_uninterrupted_to
     try:
         for step in range(4):
             samples += manager.collect(step).samples
-            time.sleep(0.02)  # the trainer's update: episodes are mid-turn or between turns now
+            if step:  # the groups admitted at the last update
+                wait_for_a_request_in_flight(manager)
+            time.sleep(0.05)  # the trainer's update: a turn is a few tokens in now
             manager.before_update()
             simulated_update(toy_server, step + 1, "in_place" if interrupt == "pause" else "abort")
             manager.after_update(step + 1)
