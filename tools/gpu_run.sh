@@ -109,8 +109,10 @@ placement() {
   grep -a "written in" "$OUT/pl_$name.log" | sed 's/.*\[dsrl\] /  /' | tee -a "$SUMMARY"  # a checkpoint's, an export's cost
 }
 
-# The GPUs this call ran on, whatever its stages (a record without `setup` named none)
-[[ " $* " == *" setup "* ]] || nvidia-smi --query-gpu=name,uuid --format=csv,noheader 2>/dev/null | tee -a "$SUMMARY"
+# The GPUs this call ran on, whatever its stages (a record without `setup` named none): those CUDA_VISIBLE_DEVICES
+# leaves it where it is set (nvidia-smi itself lists every GPU of the host)
+[[ " $* " == *" setup "* ]] || nvidia-smi ${CUDA_VISIBLE_DEVICES:+-i "$CUDA_VISIBLE_DEVICES"} --query-gpu=name,uuid \
+  --format=csv,noheader 2>/dev/null | tee -a "$SUMMARY"
 for s in "$@"; do
   case $s in
     setup)
