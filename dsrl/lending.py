@@ -78,7 +78,7 @@ class GpuLending:
         the reward model's servers; `fleet` (rank 0): the rollout servers' (a replacement or a new server joins
         asleep, as the others are)."""
         plan = plan or MemoryPlan()
-        self.trainers, self.offload = trainers, plan.offload
+        self.trainers, self.offload, self.moments_share = trainers, plan.offload, plan.share
         self.colocated = cfg.rollout.placement == "colocate"
         self.ahead = self.colocated and cfg.rollout.max_staleness > 0
         """One-step-off colocated: the servers generate the next batch beside the last optimizer step."""
@@ -220,7 +220,7 @@ class GpuLending:
 
     def offload_trainers(self, params: bool) -> None:  # (optimizer states; with `params` the parameters too)
         for engine in self.trainers:
-            offload_states(engine, self.offload, params)
+            offload_states(engine, self.offload, params, self.moments_share)
 
     @contextmanager
     def trainers_on_gpu(self, resync: Callable[[], object] | None):
