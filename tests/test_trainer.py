@@ -384,6 +384,23 @@ def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_f
     assert offload is None and f"trainers' states {states / 4 / 1e9:.1f} GB" in why and "ZeRO-Offload" in why
 
 
+def test_the_moments_that_leave_are_whole_tensors_from_the_first_until_the_planned_share():
+    """offload_states moments moves the share of Adam's moments the plan needs gone: whole flat tensors (one per
+    moment and ZeRO-3 sub-group), the first that hold at least the share, so the room made is never less than
+    planned and at most one tensor more."""
+    from dsrl.zero.engine import first_share
+
+    moments = [torch.zeros(n) for n in (4, 4, 8, 4)]  # 80 bytes
+
+    def chosen(share):
+        picked = first_share(moments, share)
+        assert all(a is b for a, b in zip(picked, moments))
+        return [t.numel() for t in picked]
+
+    assert chosen(1.0) == [4, 4, 8, 4] and chosen(0.0) == []
+    assert chosen(0.2) == [4] and chosen(0.21) == [4, 4] and chosen(0.5) == [4, 4, 8]
+
+
 def test_a_dead_servers_replacement_starts_beside_the_update_with_its_kv_cache_capped_at_the_room_left(monkeypatch):
     """Colocated on a GPU, a replacement that starts while the trainers update would size its KV cache from the memory
     it finds free, which the trainers change: it starts with its cache capped at what the update's peak leaves (on a

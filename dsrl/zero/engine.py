@@ -325,22 +325,29 @@ def free_cached_memory() -> None:
 
 
 def moved_moments(engine, share: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Adam's moments that leave the GPU, each with its pinned host buffer (kept from move to move): the first of
-    the optimizer's flat tensors (exp_avg, exp_avg_sq of each of ZeRO-3's sub-groups, ~4 GB each at 7B) that hold
-    `share` of their bytes. Moving only what the servers need: at 7B on one H200 a third of the 61 GB, whose moves
-    took 1.1 s each way a step."""
+    """Adam's moments that leave the GPU (`first_share`), each with its pinned host buffer, kept from move to move.
+    Moving only what the servers need: at 7B on one H200 a third of the 57 GB, whose moves took 1.1 s each way a
+    step."""
     buffers = engine.__dict__.setdefault("dsrl_host_moments", {})
     states = engine.optimizer.optimizer.state.values()
     moments = [state[k] for state in states for k in ("exp_avg", "exp_avg_sq") if k in state]
-    due, engine.dsrl_moved = share * sum(m.numel() * m.element_size() for m in moments), []
-    for m in moments:
-        if due <= 0:
-            break
+    for m in first_share(moments, share):
         if id(m) not in buffers:
             buffers[id(m)] = torch.empty_like(m, device="cpu", pin_memory=True)
-        engine.dsrl_moved.append((m, buffers[id(m)]))
-        due -= m.numel() * m.element_size()
+    engine.dsrl_moved = [(m, buffers[id(m)]) for m in first_share(moments, share)]
     return engine.dsrl_moved
+
+
+def first_share(tensors: list[torch.Tensor], share: float) -> list[torch.Tensor]:
+    """The first of `tensors` that hold at least `share` of their bytes (FusedAdam's flat moments: exp_avg and
+    exp_avg_sq of each ZeRO-3 sub-group, ~4 GB each at 7B)."""
+    due, chosen = share * sum(t.numel() * t.element_size() for t in tensors), []
+    for t in tensors:
+        if due <= 0:
+            break
+        chosen.append(t)
+        due -= t.numel() * t.element_size()
+    return chosen
 
 
 def reload_states(engine) -> None:
