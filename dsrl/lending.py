@@ -154,6 +154,12 @@ class GpuLending:
         if torch.cuda.mem_get_info()[0] < need:
             free_cached_memory()
         free, held = torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated()
+        if free < need and self.offload == "moments" and self.moments_share < 1:  # the plan's share left too little
+            log.warning("waking the rollout servers' %s needs %.1f GB and %.1f GB are free: the rest of Adam's moments "
+                        "leave the GPU too, from now on", tag, need / GB, free / GB)  # fmt: skip
+            self.moments_share = 1.0
+            self.offload_trainers(params=False)
+            free, held = torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated()
         with agreed(f"waking the rollout servers' {tag}", (MemoryError,)):
             if free < need:
                 raise MemoryError(
