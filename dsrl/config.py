@@ -277,10 +277,11 @@ class TrainerConfig:
     submodule, DeepSpeed's default."""
     offload_states: Literal["auto", "always", "moments", "never"] = "auto"
     """Colocated on GPUs: what of the trainers' states moves to CPU while the servers generate. always: the
-    optimizer states, fp32 master weights, grads and parameters; moments: Adam's two moments alone (8 bytes per
-    trained parameter), so the optimizer still steps on the GPU (verl's way; a 7B on one H200 without ZeRO-Offload);
-    never. auto decides at start-up (and prints why) from the GPU's memory, the states' size and the servers'
-    mem_fraction_static: nothing moves when all fit, else the moments when that is enough, else always."""
+    optimizer states, fp32 master weights, grads and parameters; moments: of Adam's two moments (8 bytes per
+    trained parameter) as many as the servers need (a third at 7B on one H200), so the optimizer still steps on the
+    GPU (verl's way, which moves them all); never. auto decides at start-up (and prints why) from the GPU's memory,
+    the states' size and the servers' mem_fraction_static: nothing moves when all fit, else moments when that is
+    enough, else always."""
     max_bad_steps: int = 3
     """Steps in a row with non-finite logprobs, advantages or gradients (each skipped) before the run stops."""
 

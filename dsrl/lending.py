@@ -78,7 +78,7 @@ class GpuLending:
         the reward model's servers; `fleet` (rank 0): the rollout servers' (a replacement or a new server joins
         asleep, as the others are)."""
         plan = plan or MemoryPlan()
-        self.trainers, self.offload = trainers, plan.offload
+        self.trainers, self.offload, self.moments_share = trainers, plan.offload, plan.share
         self.colocated = cfg.rollout.placement == "colocate"
         self.ahead = self.colocated and cfg.rollout.max_staleness > 0
         """One-step-off colocated: the servers generate the next batch beside the last optimizer step."""
@@ -154,6 +154,12 @@ class GpuLending:
         if torch.cuda.mem_get_info()[0] < need:
             free_cached_memory()
         free, held = torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated()
+        if free < need and self.offload == "moments" and self.moments_share < 1:  # the plan's share left too little
+            log.warning("waking the rollout servers' %s needs %.1f GB and %.1f GB are free: the rest of Adam's moments "
+                        "leave the GPU too, from now on", tag, need / GB, free / GB)  # fmt: skip
+            self.moments_share = 1.0
+            self.offload_trainers(params=False)
+            free, held = torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated()
         with agreed(f"waking the rollout servers' {tag}", (MemoryError,)):
             if free < need:
                 raise MemoryError(
@@ -220,7 +226,7 @@ class GpuLending:
 
     def offload_trainers(self, params: bool) -> None:  # (optimizer states; with `params` the parameters too)
         for engine in self.trainers:
-            offload_states(engine, self.offload, params)
+            offload_states(engine, self.offload, params, self.moments_share)
 
     @contextmanager
     def trainers_on_gpu(self, resync: Callable[[], object] | None):

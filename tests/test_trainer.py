@@ -325,8 +325,9 @@ def test_gradient_checkpointing_auto_turns_on_for_an_update_whose_micro_batch_wo
 
 def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_fit(monkeypatch):
     """--trainer.offload_states auto on a GPU (a fake one: trainer.device cuda, and its memory): the states (16 bytes
-    per trained bf16 parameter) stay when they, the servers' share and the margin fit; else Adam's two moments
-    (8 of the 16 bytes) leave while the servers generate when that is enough; else all of them. With ZeRO-Offload
+    per trained bf16 parameter) stay when they, the servers' share and the margin fit; else as much of Adam's two
+    moments (8 of the 16 bytes) as makes room leaves while the servers generate, when that can; else all the states.
+    With ZeRO-Offload
     they always stay (DeepSpeed moves CPU Adam's states between phases for no one), and the message says which knob
     to turn."""
     import psutil
@@ -353,14 +354,15 @@ def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_f
 
     gpu(int(((4 << 30) + states * 1.01) / 0.45))  # servers 50%, margin 5% + 4 GiB: the states just fit
     assert plan_memory(cfg, engines).offload is None
-    gpu(int(((4 << 30) + states * 0.99) / 0.45))  # half of them (the moments) off the GPU is enough
-    offload, why, _ = astuple(plan_memory(cfg, engines))
-    assert offload == "moments" and f"Adam's moments ({states / 2 / 1e9:.1f} GB) leave the GPU" in why
+    gpu(int(((4 << 30) + states * 0.9) / 0.45))  # a fifth of the moments (a tenth of the states) off is enough
+    offload, why, _, share = astuple(plan_memory(cfg, engines))
+    assert offload == "moments" and share == pytest.approx(0.2, rel=0.01)
+    assert f"{states / 10 / 1e9:.1f} of Adam's {states / 2 / 1e9:.1f} GB of moments leave the GPU" in why
     gpu(int(((4 << 30) + states * 0.49) / 0.45))  # not even half fits beside the servers
-    offload, why, _ = astuple(plan_memory(cfg, engines))
+    offload, why, _, _ = astuple(plan_memory(cfg, engines))
     assert offload == "all" and f"trainers' states {states / 1e9:.1f} GB" in why and "leave the GPU" in why
-    cfg.trainer.offload_states = "moments"  # given: as given, whatever fits
-    assert plan_memory(cfg, engines).offload == "moments"
+    cfg.trainer.offload_states = "moments"  # given: as given, whatever fits (all the moments: they are not enough)
+    assert astuple(plan_memory(cfg, engines))[::3] == ("moments", 1.0)
     host(GPU_PROCESS_HOST_BYTES + (8 << 30) + states / 2 * 0.9)  # the moments: not beside the server
     with pytest.raises(MemoryError, match=r"offload_states moments: the 1 rank\(s\) of this node would move .* host "
                                           r"memory .*--trainer.offload_optimizer true"):  # fmt: skip
@@ -378,8 +380,25 @@ def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_f
         plan_memory(cfg, engines)
     cfg.rollout.max_staleness = 0
     cfg.trainer.offload_optimizer = True  # 4 of the 16 bytes stay: weights and grads
-    offload, why, _ = astuple(plan_memory(cfg, engines))
+    offload, why, _, _ = astuple(plan_memory(cfg, engines))
     assert offload is None and f"trainers' states {states / 4 / 1e9:.1f} GB" in why and "ZeRO-Offload" in why
+
+
+def test_the_moments_that_leave_are_whole_tensors_from_the_first_until_the_planned_share():
+    """offload_states moments moves the share of Adam's moments the plan needs gone: whole flat tensors (one per
+    moment and ZeRO-3 sub-group), the first that hold at least the share, so the room made is never less than
+    planned and at most one tensor more."""
+    from dsrl.zero.engine import first_share
+
+    moments = [torch.zeros(n) for n in (4, 4, 8, 4)]  # 80 bytes
+
+    def chosen(share):
+        picked = first_share(moments, share)
+        assert all(a is b for a, b in zip(picked, moments))
+        return [t.numel() for t in picked]
+
+    assert chosen(1.0) == [4, 4, 8, 4] and chosen(0.0) == []
+    assert chosen(0.2) == [4] and chosen(0.21) == [4, 4] and chosen(0.5) == [4, 4, 8]
 
 
 def test_a_dead_servers_replacement_starts_beside_the_update_with_its_kv_cache_capped_at_the_room_left(monkeypatch):

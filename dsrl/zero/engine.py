@@ -284,14 +284,18 @@ def unlink_shm_workspace() -> None:
     Path("/dev/shm", name).unlink(missing_ok=True)
 
 
-def offload_states(engine, what: str, params: bool) -> None:
+def offload_states(engine, what: str, params: bool, share: float = 1.0) -> None:
     """Colocated on GPUs: move the trainers' states to CPU, so the rollout server can have the memory. `what`
-    "all": optimizer states, fp32 master weights and grads (and the bf16 params when `params`); "moments": Adam's
-    two moments alone (8 of 16 bytes per trained parameter), the rest stays and the optimizer steps on the GPU."""
+    "all": optimizer states, fp32 master weights and grads (and the bf16 params when `params`); "moments": at least
+    `share` of Adam's two moments (8 of 16 bytes per trained parameter), the rest stays and the optimizer steps on
+    the GPU."""
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
 
     if what == "moments":
-        engine.offload_states(include=[State.optim_states], pin_memory=True, non_blocking=True)
+        engine.empty_partition_cache()  # (as DeepSpeed's offload_states does first)
+        for moment, host in moved_moments(engine, share):
+            host.copy_(moment, non_blocking=True)
+            moment.data = host
         params = False
     else:
         states = [State.optim_states, State.hp_params, State.lp_grads, State.contiguous_grad_buffer]
@@ -320,8 +324,36 @@ def free_cached_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def moved_moments(engine, share: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Adam's moments that leave the GPU (`first_share`), each with its pinned host buffer, kept from move to move.
+    Moving only what the servers need: at 7B on one H200 a third of the 57 GB, whose moves took 1.1 s each way a
+    step."""
+    buffers = engine.__dict__.setdefault("dsrl_host_moments", {})
+    states = engine.optimizer.optimizer.state.values()
+    moments = [state[k] for state in states for k in ("exp_avg", "exp_avg_sq") if k in state]
+    for m in first_share(moments, share):
+        if id(m) not in buffers:
+            buffers[id(m)] = torch.empty_like(m, device="cpu", pin_memory=True)
+    engine.dsrl_moved = [(m, buffers[id(m)]) for m in first_share(moments, share)]
+    return engine.dsrl_moved
+
+
+def first_share(tensors: list[torch.Tensor], share: float) -> list[torch.Tensor]:
+    """The first of `tensors` that hold at least `share` of their bytes (FusedAdam's flat moments: exp_avg and
+    exp_avg_sq of each ZeRO-3 sub-group, ~4 GB each at 7B)."""
+    due, chosen = share * sum(t.numel() * t.element_size() for t in tensors), []
+    for t in tensors:
+        if due <= 0:
+            break
+        chosen.append(t)
+        due -= t.numel() * t.element_size()
+    return chosen
+
+
 def reload_states(engine) -> None:
     engine.reload_states(non_blocking=True)  # (from pinned buffers; synchronized below)
+    for moment, _ in getattr(engine, "dsrl_moved", []):
+        moment.data = moment.data.to(engine.device, non_blocking=True)
     for p in frozen_replicated(engine):
         p.data = p.data.to(engine.device, non_blocking=True)
     torch.cuda.synchronize()

@@ -309,6 +309,8 @@ class MemoryPlan:
     """The plan for the log (None: not colocated on GPUs, nothing to plan)."""
     peak: float = 0.0
     """The update's peak on a rank, as `update_peak` estimates it (bytes; 0: not colocated on GPUs)."""
+    share: float = 1.0
+    """With "moments": the share of them that leaves (what the servers need, or all)."""
 
 
 PEAK_SLACK = 1.3
@@ -367,22 +369,26 @@ def plan_memory(cfg: Config, engines: list) -> MemoryPlan:
         f"{replacement} (measured from the second step)"
     )
     moments = 8 * trained  # (fp32 exp_avg and exp_avg_sq)
+    over = states + servers + spare - total  # what must leave for the servers
+    share = min(1.0, over / moments) if over > 0 else 1.0  # (moments: the least that makes room, or all if given)
 
     def plan(offload: str | None, line: str) -> MemoryPlan:
         if offload:  # Adam's moments; or all but the bf16 weights: grads, fp32 master copy, moments
-            check_offload_room(cfg, moments if offload == "moments" else states - weights * weight_bytes(cfg),
+            check_offload_room(cfg, share * moments if offload == "moments" else states - weights * weight_bytes(cfg),
                                offload)  # fmt: skip
-        return MemoryPlan(offload, f"memory plan: {line}", peak)
+        return MemoryPlan(offload, f"memory plan: {line}", peak, share if offload == "moments" else 1.0)
 
     if choice != "auto":
         offload = {"always": "all", "moments": "moments", "never": None}[choice]
-        return plan(offload, f"trainer.offload_states {choice} (given); {why}")
+        moved = f", {share * moments / GB:.1f} of Adam's {moments / GB:.1f} GB of moments" * (offload == "moments")
+        return plan(offload, f"trainer.offload_states {choice} (given{moved}); {why}")
     if cfg.trainer.offload_optimizer:  # DeepSpeed moves states between phases for FusedAdam only, not CPU Adam
         hint = "" if keep else ": raise --trainer.offload_optimizer_ratio or lower mem_fraction_static"
         return plan(None, f"trainer.offload_states never, with ZeRO-Offload ({why}{hint})")
     if keep:
         return plan(None, f"trainer.offload_states never, the states stay on the GPU ({why})")
     if states - moments + servers + spare < total:
-        return plan("moments", f"trainer.offload_states moments, Adam's moments ({moments / GB:.1f} GB) leave the "
-                               f"GPU while the servers generate, the rest stays ({why})")  # fmt: skip
+        return plan("moments", f"trainer.offload_states moments, {share * moments / GB:.1f} of Adam's "
+                               f"{moments / GB:.1f} GB of moments leave the GPU while the servers generate, the rest "
+                               f"stays ({why})")  # fmt: skip
     return plan("all", f"trainer.offload_states always, the states leave the GPU while the servers generate ({why})")
