@@ -183,8 +183,8 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     plan = plan_memory(cfg, trainer.engines)  # do they lend the GPU to the servers?
     log_decisions(decided + graphs + ([plan.line] if plan.line else []))
     for engine in trainer.engines if plan.offload else []:  # before any server starts: it sizes its KV cache from
-        offload_states(engine, plan.offload, params=False)  # the memory it finds free: every moment, not
-        # plan.share, so its KV cache is what it was when they all moved
+        offload_states(engine, plan.offload, params=False)  # the memory it finds free (Adam's moments exist here
+        # only after a resume, Adam makes them at its first step: then all of them move, later plan.share)
     if cfg.sync.lora == "adapter":
         cfg = lora_servers(cfg, target_modules(trainer.actor.module))
     fleet, client = start_rollout_servers(cfg, servers_dir, run_dir, launched)
