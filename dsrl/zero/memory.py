@@ -330,6 +330,13 @@ def replacement_fits(room: float, kv: float) -> bool:
     return room >= kv / 2
 
 
+def replacement_line(room: float, kv: float) -> str:
+    """The plan line's words on a dead server's replacement (`replacement_fits`)."""
+    if replacement_fits(room, kv):
+        return f"starts beside it with a KV cache of at most {room / GB:.1f} GB"
+    return f"would have {max(room, 0) / GB:.1f} GB beside it, under half a server's KV cache: the trainers wait for it"
+
+
 def plan_memory(cfg: Config, engines: list) -> MemoryPlan:
     """trainer.offload_states, colocated on GPUs, and whether a replacement server fits beside the update
     (`MemoryPlan`). auto keeps the states when this rank's (parameters, fp32 master copy, Adam's two moments,
@@ -357,20 +364,17 @@ def plan_memory(cfg: Config, engines: list) -> MemoryPlan:
     server_weights = server_weight_bytes(cfg, engines[0].module)
     room = replacement_room(total, PEAK_SLACK * peak, server_weights)
     kv = cfg.rollout.mem_fraction_static * total - server_weights  # (a server's KV cache, as `size_replacements`)
-    replacement = (
-        f"starts beside it with a KV cache of at most {room / GB:.1f} GB" if replacement_fits(room, kv) else
-        f"would have {max(room, 0) / GB:.1f} GB beside it, under half a server's KV cache: the trainers wait for it"
-    )  # fmt: skip
     why = (
         f"generating: trainers' states {states / GB:.1f} GB + servers {servers / GB:.1f} GB (the reward model's "
         f"{reward / GB:.1f}) + margin {spare / GB:.1f} GB {'fit in' if keep else 'exceed'} the GPU's "
         f"{total / GB:.1f} GB; updating: at most {peak / GB:.1f} GB (states and a micro-batch of {tokens} tokens, "
         f"layers {'checkpointed' if checkpointed else 'not checkpointed'}); a dead server's replacement "
-        f"{replacement} (measured from the second step)"
+        f"{replacement_line(room, kv)} (measured from the second step)"
     )
     moments = 8 * trained  # (fp32 exp_avg and exp_avg_sq)
     over = states + servers + spare - total  # what must leave for the servers
     share = min(1.0, over / moments) if over > 0 else 1.0  # (moments: the least that makes room, or all if given)
+    moved = f"{share * moments / GB:.1f} of Adam's {moments / GB:.1f} GB of moments"
 
     def plan(offload: str | None, line: str) -> MemoryPlan:
         if offload:  # Adam's moments; or all but the bf16 weights: grads, fp32 master copy, moments
@@ -380,15 +384,14 @@ def plan_memory(cfg: Config, engines: list) -> MemoryPlan:
 
     if choice != "auto":
         offload = {"always": "all", "moments": "moments", "never": None}[choice]
-        moved = f", {share * moments / GB:.1f} of Adam's {moments / GB:.1f} GB of moments" * (offload == "moments")
-        return plan(offload, f"trainer.offload_states {choice} (given{moved}); {why}")
+        given = f"given, {moved}" if offload == "moments" else "given"
+        return plan(offload, f"trainer.offload_states {choice} ({given}); {why}")
     if cfg.trainer.offload_optimizer:  # DeepSpeed moves states between phases for FusedAdam only, not CPU Adam
         hint = "" if keep else ": raise --trainer.offload_optimizer_ratio or lower mem_fraction_static"
         return plan(None, f"trainer.offload_states never, with ZeRO-Offload ({why}{hint})")
     if keep:
         return plan(None, f"trainer.offload_states never, the states stay on the GPU ({why})")
     if states - moments + servers + spare < total:
-        return plan("moments", f"trainer.offload_states moments, {share * moments / GB:.1f} of Adam's "
-                               f"{moments / GB:.1f} GB of moments leave the GPU while the servers generate, the rest "
-                               f"stays ({why})")  # fmt: skip
+        return plan("moments", f"trainer.offload_states moments, {moved} leave the GPU while the servers generate, "
+                               f"the rest stays ({why})")  # fmt: skip
     return plan("all", f"trainer.offload_states always, the states leave the GPU while the servers generate ({why})")
