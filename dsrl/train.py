@@ -180,7 +180,7 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     start_step, rank_state = trainer.resume(run_dir)
     if rank == 0:
         rundir.trim_trace(run_dir / "trained_prompts.jsonl", start_step)
-    plan = plan_memory(cfg, trainer.engines)  # do they lend the GPU to the servers?
+    plan = plan_memory(cfg, trainer.engines, start_step > 0)  # do they lend the GPU to the servers?
     log_decisions(decided + graphs + ([plan.line] if plan.line else []))
     for engine in trainer.engines if plan.offload else []:  # before any server starts: it sizes its KV cache from
         offload_states(engine, plan.offload, params=False)  # the memory it finds free (Adam's moments exist here

@@ -358,6 +358,11 @@ def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_f
     offload, why, _, share = astuple(plan_memory(cfg, engines))
     assert offload == "moments" and share == pytest.approx(0.2, rel=0.01)
     assert f"{states / 10 / 1e9:.1f} of Adam's {states / 2 / 1e9:.1f} GB of moments leave the GPU" in why
+    host(GPU_PROCESS_HOST_BYTES + (8 << 30) + states / 2 * 0.5)  # the host holds that fifth, not all the moments,
+    plan_memory(cfg, engines)  # which a resumed run moves at start-up (they exist then: Adam made them)
+    with pytest.raises(MemoryError, match=r"offload_states moments: the 1 rank\(s\) of this node would move"):
+        plan_memory(cfg, engines, resumed=True)
+    host(1e12)
     gpu(int(((4 << 30) + states * 0.49) / 0.45))  # not even half fits beside the servers
     offload, why, _, _ = astuple(plan_memory(cfg, engines))
     assert offload == "all" and f"trainers' states {states / 1e9:.1f} GB" in why and "leave the GPU" in why

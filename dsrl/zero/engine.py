@@ -325,16 +325,16 @@ def free_cached_memory() -> None:
 
 
 def moved_moments(engine, share: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Adam's moments that leave the GPU (`first_share`), each with its pinned host buffer, kept from move to move.
-    Moving only what the servers need: at 7B on one H200 a third of the 57 GB, whose moves took 1.1 s each way a
-    step."""
-    buffers = engine.__dict__.setdefault("dsrl_host_moments", {})
+    """Adam's moments that leave the GPU (`first_share`), each with its pinned host buffer, kept from move to move
+    (the share's alone: a resumed run moves all of them once, at start-up). Moving only what the servers need: at
+    7B on one H200 a third of the 57 GB, 0.4 s each way a step against 1.1 s for all of them."""
     states = engine.optimizer.optimizer.state.values()
-    moments = [state[k] for state in states for k in ("exp_avg", "exp_avg_sq") if k in state]
-    for m in first_share(moments, share):
-        if id(m) not in buffers:
-            buffers[id(m)] = torch.empty_like(m, device="cpu", pin_memory=True)
-    engine.dsrl_moved = [(m, buffers[id(m)]) for m in first_share(moments, share)]
+    moved = first_share([state[k] for state in states for k in ("exp_avg", "exp_avg_sq") if k in state], share)
+    kept = getattr(engine, "dsrl_host_moments", {})
+    engine.dsrl_host_moments = {
+        id(m): kept[id(m)] if id(m) in kept else torch.empty_like(m, device="cpu", pin_memory=True) for m in moved
+    }
+    engine.dsrl_moved = [(m, engine.dsrl_host_moments[id(m)]) for m in moved]
     return engine.dsrl_moved
 
 

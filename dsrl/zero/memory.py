@@ -337,12 +337,12 @@ def replacement_line(room: float, kv: float) -> str:
     return f"would have {max(room, 0) / GB:.1f} GB beside it, under half a server's KV cache: the trainers wait for it"
 
 
-def plan_memory(cfg: Config, engines: list) -> MemoryPlan:
+def plan_memory(cfg: Config, engines: list, resumed: bool = False) -> MemoryPlan:
     """trainer.offload_states, colocated on GPUs, and whether a replacement server fits beside the update
     (`MemoryPlan`). auto keeps the states when this rank's (parameters, fp32 master copy, Adam's two moments,
     gradients) plus the servers' share and the margin fit in the GPU's memory; else moves the moments alone when that
-    is enough; else all. Moving them costs seconds per step at 7B, so the least that fits moves. The line states the
-    update's peak beside it (`update_peak`)."""
+    is enough; else all. Moving them costs seconds per step at 7B, so the least that fits moves (a `resumed` run's
+    moments all move once, at start-up). The line states the update's peak beside it (`update_peak`)."""
     choice = cfg.trainer.offload_states
     if cfg.rollout.placement != "colocate" or not use_cuda(cfg):
         return MemoryPlan()
@@ -375,10 +375,11 @@ def plan_memory(cfg: Config, engines: list) -> MemoryPlan:
     over = states + servers + spare - total  # what must leave for the servers
     share = min(1.0, over / moments) if over > 0 else 1.0  # (moments: the least that makes room, or all if given)
     moved = f"{share * moments / GB:.1f} of Adam's {moments / GB:.1f} GB of moments"
+    first = moments if resumed else share * moments  # (the host holds the most at the first move)
 
     def plan(offload: str | None, line: str) -> MemoryPlan:
         if offload:  # Adam's moments; or all but the bf16 weights: grads, fp32 master copy, moments
-            check_offload_room(cfg, share * moments if offload == "moments" else states - weights * weight_bytes(cfg),
+            check_offload_room(cfg, first if offload == "moments" else states - weights * weight_bytes(cfg),
                                offload)  # fmt: skip
         return MemoryPlan(offload, f"memory plan: {line}", peak, share if offload == "moments" else 1.0)
 
