@@ -465,6 +465,24 @@ print('verl stack: verl', verl.__version__, 'sglang', sglang.__version__, 'trans
         --samples ${UM_SAMPLES:-64 256 64}
       grep -a "^samples\|^  alive" "$OUT/update_memory.log" | tee -a "$SUMMARY"
       ;;
+    moments)  # 1 GPU: Adam's moments off the GPU and back by the plan's share, bit for bit (tools/gpu_moments.py); then
+      # the colocated toy with a share of them (mem_fraction_static 0.78 at 1.5B: half) to a checkpoint at step 4,
+      # and the same command to step 6, resumed (its moments all move at start-up, the share after). The 1.5B checkpoint
+      # (~28 GB) took over 30 s at ~590 MB/s, and a run's 140 s did not reach its end (2026-11-28): ~220 s a run
+      stage moments ${MOMENTS_LIMIT:-120} python3 tools/gpu_moments.py --model /tmp/models/${MOMENTS_MODEL:-1.5b}
+      grep -a "moment tensors\|^share\|moments check\|Error" "$OUT/moments.log" | cut -c1-300 | tee -a "$SUMMARY"
+      rm -rf /tmp/runs/moments
+      for steps in 4 6; do
+        stage moments_to_$steps ${MOMENTS_RUN_LIMIT:-220} python3 -m dsrl.cli train --config configs/gpu_colocate.yaml \
+          --model.path /tmp/models/${MOMENTS_MODEL:-1.5b} --rollout.mem_fraction_static ${MOMENTS_MEM:-0.78} \
+          --trainer.offload_states moments --trainer.total_steps $steps --logging.save_every 4 \
+          --logging.export_hf false --logging.run_dir /tmp/runs/moments
+        grep -a "memory plan\|resumed from\|\[dsrl\] step\|Error\|WARNING.*moments" "$OUT/moments_to_$steps.log" \
+          | sed 's/.*\[dsrl\]//' | cut -c1-240 | tail -8 | tee -a "$SUMMARY"
+        grep -ao '"timing/release": [0-9.]*\|"timing/sync_offload": [0-9.]*\|"memory/generate_device_used_gb": [0-9.]*' \
+          "$OUT/moments_to_$steps.log" | tail -3 | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
+      done
+      ;;
     soak)  # `dsrl train` on the tail workload for SOAK_STEPS steps, one line per run (issue 60; tools/soak.py). SOAK_RUNS:
       # NAME:GPUS[:split][:killK][:stepsN] each, e.g. "colo1:1 colo2_kill:2:kill5:steps14 async2:2:split"; SOAK_EXTRA: flags for every
       # run (after the workload's), SOAK_EXTRA_<NAME> one run's; SOAK_MODEL (1.5b) or SOAK_MODEL_<NAME>, a model of
