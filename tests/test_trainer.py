@@ -327,9 +327,8 @@ def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_f
     """--trainer.offload_states auto on a GPU (a fake one: trainer.device cuda, and its memory): the states (16 bytes
     per trained bf16 parameter) stay when they, the servers' share and the margin fit; else as much of Adam's two
     moments (8 of the 16 bytes) as makes room leaves while the servers generate, when that can; else all the states.
-    With ZeRO-Offload
-    they always stay (DeepSpeed moves CPU Adam's states between phases for no one), and the message says which knob
-    to turn."""
+    With ZeRO-Offload they always stay (DeepSpeed moves CPU Adam's states between phases for no one), and the message
+    says which knob to turn."""
     import psutil
     from accelerate import init_empty_weights
 

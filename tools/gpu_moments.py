@@ -16,13 +16,9 @@ from bench_trainer import synthetic  # (tools/ is first on sys.path when run as 
 
 from dsrl.config import Config, DataConfig, ModelConfig
 from dsrl.zero.actor import update_actor
-from dsrl.zero.engine import init_distributed, load_engine, offload_states, reload_states
+from dsrl.zero.engine import adam_moments, init_distributed, load_engine, offload_states, reload_states
 
 GB = 1e9
-
-
-def moments_of(engine) -> list[torch.Tensor]:
-    return [s[k] for s in engine.optimizer.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq") if k in s]
 
 
 def main() -> None:
@@ -38,7 +34,7 @@ def main() -> None:
     engine = load_engine(cfg, args.model, 1, train=True)
     vocab = engine.module.config.vocab_size
     update_actor(engine, synthetic(32, "longtail", 256, vocab, 32, seed=0), cfg, pad_id=0, kl_coef=0.0)
-    moments = moments_of(engine)
+    moments = adam_moments(engine)
     sizes = [m.numel() * m.element_size() for m in moments]
     print(f"{len(moments)} moment tensors, {sum(sizes) / GB:.2f} GB: {', '.join(f'{b / GB:.2f}' for b in sizes)} GB; "
           f"norms {', '.join(f'{m.float().norm():.3g}' for m in moments)}", flush=True)  # fmt: skip
