@@ -24,6 +24,9 @@ the same order and seeds, the records merged by report.py.
   dsrl disaggregated against verl's `separate_async` trainer (`hybrid_engine=false`, its recipe's NCCL checkpoint
   engine, a weight sync every step). verl's experimental `one_step_off_policy` and `fully_async_policy` recipes need
   the same split; `separate_async` is the one its main entry point runs.
+- `best-split` (2 GPUs or more): best against best on split GPUs, each side's asynchronous design as its users run it:
+  dsrl 2 + 2 async with a staleness bound of 2, partial rollout and TIS, against verl's `separate_async` with two
+  batches generated ahead (`num_warmup_batches` 2). Not like for like in the samples' staleness: a row of its own.
 
 verl runs at its best: FSDP2, its fused log-prob kernels, dynamic batch sizes by tokens, its replay buffer with a
 0.05 s poll in place of its fixed 2 s (its own extension point: tools/peers/verl_sampler.py; `--verl-poll 2` keeps
@@ -271,6 +274,25 @@ PAIRS = {
                 "what separate_async asks for (its one-step-off recipe's too)",
             ),
             Setting(BYPASS.key, True, "what verl's one-step-off recipe sets (the rollout's log-probs as the old ones)"),
+        ),
+        split=True,
+    ),
+    "best-split": Pair(
+        "each at its best, split GPUs",
+        {"--rollout.max_staleness": 2, "--rollout.interrupt": "partial", "--algorithm.off_policy": "tis"},
+        (
+            Setting(
+                "trainer.v1.trainer_mode", "separate_async", "verl's own asynchronous trainer with rollout GPUs of their own"
+            ),
+            Setting(
+                "trainer.v1.separate_async.num_warmup_batches",
+                2,
+                "two batches generated ahead, as dsrl's staleness bound of 2 lets its servers run",
+            ),
+            Setting("trainer.v1.separate_async.parameter_sync_step", 1, "a weight sync every step, as dsrl's"),
+            Setting("actor_rollout_ref.hybrid_engine", False, "the servers on their own GPUs only"),
+            Setting("actor_rollout_ref.rollout.checkpoint_engine.backend", "nccl", "what separate_async asks for"),
+            Setting(BYPASS.key, True, "what verl's asynchronous recipes set (the rollout's log-probs as the old ones)"),
         ),
         split=True,
     ),
