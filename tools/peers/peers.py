@@ -282,7 +282,9 @@ PAIRS = {
         {"--rollout.max_staleness": 2, "--rollout.interrupt": "partial", "--algorithm.off_policy": "tis"},
         (
             Setting(
-                "trainer.v1.trainer_mode", "separate_async", "verl's own asynchronous trainer with rollout GPUs of their own"
+                "trainer.v1.trainer_mode",
+                "separate_async",
+                "verl's own asynchronous trainer with rollout GPUs of their own",
             ),
             Setting(
                 "trainer.v1.separate_async.num_warmup_batches",
