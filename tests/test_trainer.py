@@ -3,6 +3,7 @@ to the computation it replaced (right-padded rows, the full fp32 log-softmax): v
 to fp32 rounding. The ZeRO-3 gradient over two ranks with unequal micro-batch counts is in test_sync.py."""
 
 import json
+import logging
 import math
 import os
 import random
@@ -523,21 +524,23 @@ def test_metrics_over_ranks_keep_maxima_minima_and_each_ranks_peak():
     }  # fmt: skip
 
 
-def test_a_wake_the_gpu_has_no_room_for_stops_the_run_with_the_numbers_before_the_server_is_asked(monkeypatch):
-    """Colocated on a GPU (a fake one: its free memory, and a server as a tenant that frees and takes it back as
-    SGLang's memory saver does), every rank measures what the servers released on its GPU; when the trainer then
-    holds so much that the KV cache would not fit, the wake fails with the numbers and the server is never asked
-    (SGLang's scheduler dies of such a wake, and its server with it). With room, it wakes."""
+@pytest.fixture
+def fake_gpu_lending(monkeypatch):
+    """A GpuLending colocated on a fake GPU (its free memory in `gpu`, stubbed into torch.cuda) with one fake server
+    as its tenant, releasing and taking back memory as SGLang's memory saver does (50 GB, 3 of them its weights),
+    and fake trainer states: with `plan` "moments", moving a share of 30 GB of Adam's moments frees that share.
+    Yields `make(plan)`, which returns the lending, its server and `gpu` (with "moved": the shares moved)."""
     import torch.distributed as dist
     from accelerate import init_empty_weights
 
+    import dsrl.lending
     from dsrl.config import Config, DataConfig, ModelConfig
     from dsrl.lending import GpuLending
     from dsrl.serving.servers import free_port
 
-    gpu = {"free": 40e9}
+    gpu = {"free": 40e9, "moved": [], "off": 0.0}
 
-    class SleepingServer:  # (fake: SGLang on a GPU) releases 50 GB, 3 of them its weights
+    class SleepingServer:  # (fake: SGLang on a GPU)
         woken: list[str] = []
 
         def release(self, tags):
@@ -547,30 +550,72 @@ def test_a_wake_the_gpu_has_no_room_for_stops_the_run_with_the_numbers_before_th
             gpu["free"] -= 3e9 if tag == "weights" else 47e9
             self.woken.append(tag)
 
+    def offload_states(engine, what, params, share):  # (fake: DeepSpeed's moments on a GPU)
+        gpu["moved"].append(share)
+        gpu["free"] += 30e9 * share - gpu["off"]
+        gpu["off"] = 30e9 * share
+
+    def reload_states(engine):
+        gpu["free"] -= gpu["off"]
+        gpu["off"] = 0.0
+
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (gpu["free"], 141e9))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 141e9 - gpu["free"])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (free_cached_memory: nothing to free)
+    monkeypatch.setattr(dsrl.lending, "offload_states", offload_states)
+    monkeypatch.setattr(dsrl.lending, "reload_states", reload_states)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(toy.build_model_config())
     cfg = Config(model=ModelConfig(path="unused"), data=DataConfig(train_path="unused.jsonl"))
     cfg.rollout.placement, cfg.trainer.device = "colocate", "cuda"
+
+    def make(plan=None):
+        lending = GpuLending(cfg, client=None, trainers=[SimpleNamespace(module=model)], plan=plan)
+        lending.servers, lending.weight_bytes = [SleepingServer()], 3e9
+        return lending, lending.servers[0], gpu
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        lending = GpuLending(cfg, client=None, trainers=[SimpleNamespace(module=model)])
-        server = SleepingServer()
-        lending.servers = [server]
-        lending.weight_bytes = 3e9
-        lending.to_trainers()
-        assert lending.asleep == 50e9
-        gpu["free"] -= 60e9  # the update's activations, kept
-        lending.wake("weights")
-        with pytest.raises(MemoryError, match=r"the rollout servers' kv_cache needs 47.0 GB on GPU 0 .* 27.0 GB are"):
-            lending.wake("kv_cache")
-        assert server.woken == ["weights"], "the server was asked to wake with no room"
-        lending.to_trainers()
-        lending.wake("weights")
-        lending.wake("kv_cache")  # (the trainer let go of its activations)
-        assert server.woken == ["weights", "weights", "kv_cache"]
+        yield make
     finally:
         dist.destroy_process_group()
+
+
+def test_a_wake_the_gpu_has_no_room_for_stops_the_run_with_the_numbers_before_the_server_is_asked(fake_gpu_lending):
+    """Colocated on a GPU (a fake one), every rank measures what the servers released on its GPU; when the trainer
+    then holds so much that the KV cache would not fit, the wake fails with the numbers and the server is never asked
+    (SGLang's scheduler dies of such a wake, and its server with it). With room, it wakes."""
+    lending, server, gpu = fake_gpu_lending()
+    lending.to_trainers()
+    assert lending.asleep == 50e9
+    gpu["free"] -= 60e9  # the update's activations, kept
+    lending.wake("weights")
+    with pytest.raises(MemoryError, match=r"the rollout servers' kv_cache needs 47.0 GB on GPU 0 .* 27.0 GB are"):
+        lending.wake("kv_cache")
+    assert server.woken == ["weights"], "the server was asked to wake with no room"
+    lending.to_trainers()
+    lending.wake("weights")
+    lending.wake("kv_cache")  # (the trainer let go of its activations)
+    assert server.woken == ["weights", "weights", "kv_cache"]
+
+
+def test_a_wake_short_of_room_by_the_plans_share_of_the_moments_moves_the_rest_and_wakes(fake_gpu_lending, caplog):
+    """The plan moves a third of Adam's moments for the servers; where a wake then finds less room than the plan's
+    sums promised (the update still holding more than they counted), the rest of the moments leave too, with a
+    warning, and the servers wake; the steps after move every moment."""
+    from dsrl.metrics import Timer
+    from dsrl.zero.memory import MemoryPlan
+
+    lending, server, gpu = fake_gpu_lending(MemoryPlan(offload="moments", share=1 / 3))
+    for held in (10e9, 60e9):  # what the update still holds at the wake: 10 GB, then 60 (a longer batch)
+        lending.to_trainers()  # (the moments come back)
+        gpu["free"] -= held
+        lending.offload_trainers(params=False)  # what `for_update` does, but for measuring the peak (a real GPU's)
+        lending.wake("weights")
+        with caplog.at_level(logging.WARNING, logger="dsrl.lending"):
+            lending.to_servers(Timer())  # the KV cache needs 47 GB: 87 GB free, then 37 + the rest of the moments' 20
+        gpu["free"] += held
+    assert "the rest of Adam's moments leave the GPU too, from now on" in caplog.text
+    assert gpu["moved"] == [1 / 3, 1 / 3, 1.0] and lending.moments_share == 1.0
+    assert server.woken == ["weights", "kv_cache", "weights", "kv_cache"]
