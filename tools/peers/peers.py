@@ -33,7 +33,7 @@ verl runs at its best: FSDP2, its fused log-prob kernels, dynamic batch sizes by
 verl's and the poll then shows in its generate phase), on its own pinned stack where `--verl-site` holds one
 (tools/peers/build_site.sh STACK=own). Every setting the harness gives verl is a `Setting` with its reason, kept in
 each verl run's record and printed beside the table (report.settings_text). `--gpus N` runs both on N GPUs of one
-host: dsrl with N colocated ranks and N servers (or N/2 + N/2 disaggregated for `offpolicy-split`), verl with N
+host: dsrl with N colocated ranks and N servers (or N/2 + N/2 disaggregated for the split pairs), verl with N
 FSDP ranks and N SGLang replicas of TP 1 (its tuning guide: more replicas before more TP).
 
 Workloads (report.WORKLOADS): `step` (every sample to 512 tokens; a random-init model's rewards all 0), `tail` (the
