@@ -27,6 +27,9 @@ the same order and seeds, the records merged by report.py.
 - `best-split` (2 GPUs or more): best against best on split GPUs, each side's asynchronous design as its users run it:
   dsrl 2 + 2 async with a staleness bound of 2, partial rollout and TIS, against verl's `separate_async` with two
   batches generated ahead (`num_warmup_batches` 2). Not like for like in the samples' staleness: a row of its own.
+  verl's `separate_async` can also lend its idle trainer GPUs to rollout (`hybrid_rollout.enable_switch`, with its
+  hybrid engine on), which dsrl has no counterpart for: a second run of the pair with `--verl-overrides
+  actor_rollout_ref.hybrid_engine=true trainer.v1.separate_async.hybrid_rollout.enable_switch=true`.
 
 verl runs at its best: FSDP2, its fused log-prob kernels, dynamic batch sizes by tokens, its replay buffer with a
 0.05 s poll in place of its fixed 2 s (its own extension point: tools/peers/verl_sampler.py; `--verl-poll 2` keeps
