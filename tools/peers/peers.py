@@ -247,6 +247,16 @@ BYPASS = Setting(
     "verl's own switch that skips its pass for the old log-probs (the rollout's stand for them), as "
     "dsrl's `auto` skips its own (the update's forward gives them): the same passes on both sides",
 )
+SEPARATE_ASYNC = (
+    Setting(
+        "trainer.v1.trainer_mode", "separate_async", "verl's own asynchronous trainer with rollout GPUs of their own"
+    ),
+    Setting("trainer.v1.separate_async.parameter_sync_step", 1, "a weight sync every step, as dsrl's"),
+    Setting("actor_rollout_ref.hybrid_engine", False, "the servers on their own GPUs only"),
+    Setting("actor_rollout_ref.rollout.checkpoint_engine.backend", "nccl", "what separate_async asks for"),
+    Setting(BYPASS.key, True, "what verl's asynchronous recipes set (the rollout's log-probs as the old ones)"),
+)
+"""verl's `separate_async` trainer as both split pairs run it (its one batch ahead by default)."""
 PAIRS = {
     "auto": Pair("no old log-probs pass", {"--trainer.old_logprobs": "auto"}, (BYPASS,)),
     "recompute": Pair("old log-probs pass", {"--trainer.old_logprobs": "recompute"}),
@@ -265,39 +275,19 @@ PAIRS = {
     "offpolicy-split": Pair(
         "one-step-off, split GPUs",
         {"--rollout.max_staleness": 1, "--algorithm.off_policy": "tis"},
-        (
-            Setting(
-                "trainer.v1.trainer_mode", "separate_async", "verl's own one-step-off with rollout GPUs of their own"
-            ),
-            Setting("trainer.v1.separate_async.parameter_sync_step", 1, "a weight sync every step, as dsrl's"),
-            Setting("actor_rollout_ref.hybrid_engine", False, "the servers on their own GPUs only"),
-            Setting(
-                "actor_rollout_ref.rollout.checkpoint_engine.backend",
-                "nccl",
-                "what separate_async asks for (its one-step-off recipe's too)",
-            ),
-            Setting(BYPASS.key, True, "what verl's one-step-off recipe sets (the rollout's log-probs as the old ones)"),
-        ),
+        SEPARATE_ASYNC,
         split=True,
     ),
     "best-split": Pair(
         "each at its best, split GPUs",
         {"--rollout.max_staleness": 2, "--rollout.interrupt": "partial", "--algorithm.off_policy": "tis"},
         (
-            Setting(
-                "trainer.v1.trainer_mode",
-                "separate_async",
-                "verl's own asynchronous trainer with rollout GPUs of their own",
-            ),
+            *SEPARATE_ASYNC,
             Setting(
                 "trainer.v1.separate_async.num_warmup_batches",
                 2,
                 "two batches generated ahead, as dsrl's staleness bound of 2 lets its servers run",
             ),
-            Setting("trainer.v1.separate_async.parameter_sync_step", 1, "a weight sync every step, as dsrl's"),
-            Setting("actor_rollout_ref.hybrid_engine", False, "the servers on their own GPUs only"),
-            Setting("actor_rollout_ref.rollout.checkpoint_engine.backend", "nccl", "what separate_async asks for"),
-            Setting(BYPASS.key, True, "what verl's asynchronous recipes set (the rollout's log-probs as the old ones)"),
         ),
         split=True,
     ),
