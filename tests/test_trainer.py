@@ -406,6 +406,29 @@ def test_the_moments_that_leave_are_whole_tensors_from_the_first_until_the_plann
     assert chosen(0.2) == [4] and chosen(0.21) == [4, 4] and chosen(0.5) == [4, 4, 8]
 
 
+def test_a_resumed_runs_moments_all_leave_at_start_up_and_all_come_back_though_its_first_sync_moves_a_share(
+    monkeypatch,
+):
+    """A resumed run's moments exist at start-up, and all of them leave before the servers start; its first sync then
+    asks for the plan's share alone, before any came back. Every moment must still come back for the update: on an
+    H200 the reload brought back the share, and FusedAdam's step found the rest on the host ("A tensor was not on the
+    same device"). The moments' values survive the moves. (No GPU here: CPU tensors play the GPU's, and what
+    `reload_states` brings back is the engine's list of moved moments.)"""
+    from dsrl.zero.engine import offload_states
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    exp_avg, exp_avg_sq = torch.full((8,), 0.5), torch.full((8,), 2.0)
+    engine = SimpleNamespace(
+        optimizer=SimpleNamespace(optimizer=SimpleNamespace(state={0: {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}})),
+        empty_partition_cache=lambda: None,
+    )  # fmt: skip
+    on_gpu = [exp_avg.data, exp_avg_sq.data]
+    offload_states(engine, "moments", params=False, share=1.0)  # start-up, resumed: all of them
+    offload_states(engine, "moments", params=False, share=0.3)  # the first sync: the share (exp_avg alone)
+    assert all(m.data_ptr() != g.data_ptr() and torch.equal(m, g) for m, g in zip((exp_avg, exp_avg_sq), on_gpu))
+    assert [id(m) for m, _ in engine.dsrl_moved] == [id(exp_avg), id(exp_avg_sq)], "a moment would stay on the host"
+
+
 def test_a_dead_servers_replacement_starts_beside_the_update_with_its_kv_cache_capped_at_the_room_left(monkeypatch):
     """Colocated on a GPU, a replacement that starts while the trainers update would size its KV cache from the memory
     it finds free, which the trainers change: it starts with its cache capped at what the update's peak leaves (on a

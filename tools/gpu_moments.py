@@ -1,7 +1,8 @@
 """Adam's moments off the GPU and back (`--trainer.offload_states moments`, the plan's share): one rank, ZeRO-3, one
 update on synthetic samples so Adam has its moments, then a move per share. Each move must take the share's moment
 tensors to the host (the GPU's allocated memory falls by their bytes), keep pinned buffers for that share alone, and
-bring every moment back equal to its value before, bit for bit; an update after the moves must still step them.
+bring every moment back equal to its value before, bit for bit, also when all left first and a share is asked
+before they came back (a resumed run's start-up and first sync); an update after the moves must still step them.
 Prints a line per move and `moments check: ok` or what failed (exit status 1).
 
     python tools/gpu_moments.py --model /tmp/models/1.5b          # one GPU
@@ -61,6 +62,13 @@ def main() -> None:
         if moved < share * sum(sizes) or freed < 0.99 * moved or pinned != moved:
             sums = f"{moved / GB:.2f}, {freed / GB:.2f}, {pinned / GB:.2f} GB"
             failures.append(f"share {share}: moved, freed, pinned {sums}")
+    offload_states(engine, "moments", params=False, share=1.0)  # a resumed run: all leave at start-up, and its first
+    offload_states(engine, "moments", params=False, share=args.shares[0])  # sync asks for the share before a reload
+    reload_states(engine)
+    equal = all(m.is_cuda and torch.equal(m, b) for m, b in zip(moments, before, strict=True))
+    print(f"resumed (1.0, then {args.shares[0]} before a reload): every moment back, bit for bit: {equal}", flush=True)
+    if not equal:
+        failures.append("resumed: a moment stayed on the host or came back changed")
     update_actor(engine, synthetic(32, "longtail", 256, vocab, 32, seed=1), cfg, pad_id=0, kl_coef=0.0)
     if all(torch.equal(m, b) for m, b in zip(moments, before, strict=True)):
         failures.append("the update after the moves left every moment as it was")

@@ -466,11 +466,12 @@ print('verl stack: verl', verl.__version__, 'sglang', sglang.__version__, 'trans
       grep -a "^samples\|^  alive" "$OUT/update_memory.log" | tee -a "$SUMMARY"
       ;;
     moments)  # 1 GPU: Adam's moments off the GPU and back by the plan's share, bit for bit (tools/gpu_moments.py); then
-      # the colocated toy with a share of them (mem_fraction_static 0.78 at 1.5B: half) to a checkpoint at step 4,
-      # and the same command to step 6, resumed (its moments all move at start-up, the share after). The 1.5B checkpoint
-      # (~28 GB) took over 30 s at ~590 MB/s, and a run's 140 s did not reach its end (2026-11-28): ~220 s a run
+      # the colocated toy with a share of them (MOMENTS_MEM, mem_fraction_static: 0.78 at 1.5B gave 0.3, 0.88 at 0.5B
+      # 0.43) to a checkpoint at step 4, and the same command to step 6, resumed (its moments all move at start-up, the
+      # share after). The 1.5B checkpoint (~28 GB) took over 30 s at ~590 MB/s, and a run's 140 s did not reach its
+      # end (2026-11-28): MOMENTS_MODEL=0.5b, whose runs took 198 s and 139 s
       stage moments ${MOMENTS_LIMIT:-120} python3 tools/gpu_moments.py --model /tmp/models/${MOMENTS_MODEL:-1.5b}
-      grep -a "moment tensors\|^share\|moments check\|Error" "$OUT/moments.log" | cut -c1-300 | tee -a "$SUMMARY"
+      grep -a "moment tensors\|^share\|^resumed\|moments check\|Error" "$OUT/moments.log" | cut -c1-300 | tee -a "$SUMMARY"
       rm -rf /tmp/runs/moments
       for steps in 4 6; do
         stage moments_to_$steps ${MOMENTS_RUN_LIMIT:-220} python3 -m dsrl.cli train --config configs/gpu_colocate.yaml \
