@@ -379,14 +379,14 @@ def test_both_run_on_n_gpus_of_one_host_dsrl_at_its_placement_for_n():
     assert split.rollout.placement == "disaggregate" and split.rollout.max_staleness == 1
     verl = _verl(w, gpus=4, pair="offpolicy-split")
     assert (verl["trainer.n_gpus_per_node"], verl["actor_rollout_ref.rollout.n_gpus_per_node"]) == ("2", "2")
-    assert verl["actor_rollout_ref.hybrid_engine"] == "false" and verl["trainer.v1.trainer_mode"] == "separate_async"
+    assert "actor_rollout_ref.hybrid_engine" not in verl and verl["trainer.v1.trainer_mode"] == "separate_async"
     assert verl["actor_rollout_ref.rollout.checkpoint_engine.backend"] == "nccl"
     assert verl["actor_rollout_ref.rollout.gpu_memory_utilization"] == str(split.rollout.mem_fraction_static)
     best, _ = _dsrl(w, gpus=4, pair="best-split")
     assert (best.trainer.num_ranks, best.rollout.num_servers, best.rollout.placement) == (2, 2, "disaggregate")
     assert (best.rollout.max_staleness, best.rollout.interrupt, best.algorithm.off_policy) == (2, "partial", "tis")
     verl = _verl(w, gpus=4, pair="best-split")
-    assert verl["trainer.v1.trainer_mode"] == "separate_async" and verl["actor_rollout_ref.hybrid_engine"] == "false"
+    assert verl["trainer.v1.trainer_mode"] == "separate_async" and "actor_rollout_ref.hybrid_engine" not in verl
     assert verl["trainer.v1.separate_async.num_warmup_batches"] == "2"
     one, _ = _dsrl(w, gpus=1)
     assert one.trainer.offload_optimizer and "--trainer.num_ranks" not in peers.dsrl_command(

@@ -21,15 +21,16 @@ the same order and seeds, the records merged by report.py.
   colocated asynchronous trainer (`trainer.v1.trainer_mode=colocate_async`, one batch ahead, partial rollout, the
   rollout's log-probs as its one-step-off recipe sets them). A row of its own, never the headline.
 - `offpolicy-split` (2 GPUs or more): one-step-off with the trainer on half the GPUs and the servers on the other half:
-  dsrl disaggregated against verl's `separate_async` trainer (`hybrid_engine=false`, its recipe's NCCL checkpoint
-  engine, a weight sync every step). verl's experimental `one_step_off_policy` and `fully_async_policy` recipes need
-  the same split; `separate_async` is the one its main entry point runs.
+  dsrl disaggregated against verl's `separate_async` trainer (its recipe's NCCL checkpoint engine, a weight sync
+  every step; its trainer's GPUs hold replicas that sleep from the first step: `SEPARATE_ASYNC`). verl's experimental
+  `one_step_off_policy` and `fully_async_policy` recipes need the same split; `separate_async` is the one its main
+  entry point runs.
 - `best-split` (2 GPUs or more): best against best on split GPUs, each side's asynchronous design as its users run it:
   dsrl 2 + 2 async with a staleness bound of 2, partial rollout and TIS, against verl's `separate_async` with two
   batches generated ahead (`num_warmup_batches` 2). Not like for like in the samples' staleness: a row of its own.
   verl's `separate_async` can also lend its idle trainer GPUs to rollout (`hybrid_rollout.enable_switch`, with its
   hybrid engine on), which dsrl has no counterpart for: a second run of the pair with `--verl-overrides
-  actor_rollout_ref.hybrid_engine=true trainer.v1.separate_async.hybrid_rollout.enable_switch=true`.
+  trainer.v1.separate_async.hybrid_rollout.enable_switch=true`.
 
 verl runs at its best: FSDP2, its fused log-prob kernels, dynamic batch sizes by tokens, its replay buffer with a
 0.05 s poll in place of its fixed 2 s (its own extension point: tools/peers/verl_sampler.py; `--verl-poll 2` keeps
@@ -252,11 +253,13 @@ SEPARATE_ASYNC = (
         "trainer.v1.trainer_mode", "separate_async", "verl's own asynchronous trainer with rollout GPUs of their own"
     ),
     Setting("trainer.v1.separate_async.parameter_sync_step", 1, "a weight sync every step, as dsrl's"),
-    Setting("actor_rollout_ref.hybrid_engine", False, "the servers on their own GPUs only"),
     Setting("actor_rollout_ref.rollout.checkpoint_engine.backend", "nccl", "what separate_async asks for"),
     Setting(BYPASS.key, True, "what verl's asynchronous recipes set (the rollout's log-probs as the old ones)"),
 )
-"""verl's `separate_async` trainer as both split pairs run it (its one batch ahead by default)."""
+"""verl's `separate_async` trainer as both split pairs run it (its one batch ahead by default). Its hybrid engine stays
+on, its default: replicas on the trainer's GPUs generate until the first step, then sleep (`enable_switch` off). With
+`actor_rollout_ref.hybrid_engine=false` (the servers' GPUs alone) verl 0.9.1 dies in its setup: `logger.info(...,
+flush=True)` in trainer_separate_async.py, a TypeError of Python's logging (2 x H200, 2026-11-28)."""
 PAIRS = {
     "auto": Pair("no old log-probs pass", {"--trainer.old_logprobs": "auto"}, (BYPASS,)),
     "recompute": Pair("old log-probs pass", {"--trainer.old_logprobs": "recompute"}),
