@@ -394,6 +394,12 @@ for s in "$@"; do
         [ -f /tmp/verlsite/.ok ] || { mkdir -p /tmp/verlsite && tar xJf ${VERL_SITE:-.peers/verl_site.tar.xz} -C /tmp/verlsite \
           && touch /tmp/verlsite/.ok; } || note "no verl site (.peers/verl_stack.tar.xz or .peers/verl_site.tar.xz)"
       fi
+      if [ "${PEERS_VERL_PATCH:-0}" = 1 ]; then  # verl 0.9.1's separate_async with hybrid_engine=false dies in its
+        # setup on `logger.info(..., flush=True)` (2026-11-28): drop that argument alone, for PEERS_EXTRA="--verl-overrides
+        # actor_rollout_ref.hybrid_engine=false" (its trainer's GPUs without replicas; docs/benchmarks.md)
+        sed -i '/^ *flush=True,$/d' $VSITE/verl/trainer/ppo/v1/trainer_separate_async.py \
+          && note "verl patched: trainer_separate_async.py without its logger.info(..., flush=True)"
+      fi
       if [ "$VSITE" = /tmp/verlstack ] && [ "$CHECK" = 1 ]; then  # once a machine: its imports without the dsrl site
         PYTHONPATH=/tmp/verlstack:$PWD:$PWD/tools/peers timeout 300 python3 -c "import verl.trainer.main_ppo, \
 verl.workers.rollout.sglang_rollout.async_sglang_server, verl.experimental.agent_loop.single_turn_agent_loop, \
