@@ -259,7 +259,9 @@ def toy_server(toy_weights, tmp_path_factory):
 
 
 def scripted_config(tmp_path, interrupt: str) -> Config:
-    """Greedy episodes of 3 model turns of 6 tokens each and two observations "12+"."""
+    """Greedy episodes of 3 model turns of 6 tokens each and two observations "12+", each step of the environment 20 ms
+    long: an episode outlasts the 50 ms an update waits for (the test's thread, late on a loaded machine, once let every
+    episode finish before the update, and none spanned one)."""
     rows = [{**row, "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}} for row in toy.make_rows(40, 3)]
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -268,7 +270,7 @@ def scripted_config(tmp_path, interrupt: str) -> Config:
     r = cfg.rollout
     r.env, r.env_args, r.temperature, r.prompts_per_step, r.n_samples = (
         "tests._agents:Scripted",
-        {"turns": 3},
+        {"turns": 3, "sleep_s": 0.02},
         0.0,
         2,
         2,
