@@ -397,8 +397,10 @@ for s in "$@"; do
       if [ "${PEERS_VERL_PATCH:-0}" = 1 ]; then  # verl 0.9.1's separate_async with hybrid_engine=false dies in its
         # setup on `logger.info(..., flush=True)` (2026-11-28): drop that argument alone, for PEERS_EXTRA="--verl-overrides
         # actor_rollout_ref.hybrid_engine=false" (its trainer's GPUs without replicas; docs/benchmarks.md)
-        sed -i '/^ *flush=True,$/d' $VSITE/verl/trainer/ppo/v1/trainer_separate_async.py \
+        F=$VSITE/verl/trainer/ppo/v1/trainer_separate_async.py
+        if grep -q '^ *flush=True,$' "$F"; then sed -i '/^ *flush=True,$/d' "$F" \
           && note "verl patched: trainer_separate_async.py without its logger.info(..., flush=True)"
+        else note "verl patch: no flush=True line in trainer_separate_async.py (patched before on this machine?)"; fi
       fi
       if [ "$VSITE" = /tmp/verlstack ] && [ "$CHECK" = 1 ]; then  # once a machine: its imports without the dsrl site
         PYTHONPATH=/tmp/verlstack:$PWD:$PWD/tools/peers timeout 300 python3 -c "import verl.trainer.main_ppo, \
