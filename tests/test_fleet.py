@@ -15,10 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from dsrl.serving.servers import free_port
+from dsrl.serving.servers import free_port, wait_healthy
 from tests.conftest import ROOT
 from tests.test_reliability import assert_every_prompt_accounted_for, trace, train_cmd
 
@@ -141,7 +142,10 @@ def test_the_weight_update_group_is_rebuilt_only_when_membership_changes(ray_run
 def test_training_against_external_servers_that_go_down_and_come_back(tmp_path):
     """Servers the user runs (`dsrl serve`, here the embedded engine): one is killed at step 3 and is set
     aside, the run goes on with the other; started again on its address at step 6, it rejoins at the next
-    update with that update's weights, and takes requests again. Every step trains its whole batch."""
+    update with that update's weights, and takes requests again. Every step trains its whole batch.
+
+    The run is suspended while the server starts again: a restart takes seconds (7 s on an idle 2-core host, more
+    beside another test), steps half a second; a CI run once ended before the server answered."""
     ports = [free_port(), free_port()]
     serve = [sys.executable, "-m", "dsrl.cli", "serve", "--model-path", str(ROOT / "examples/toy/model")]
     logs = [tmp_path / f"external_{i}.log" for i in range(2)]
@@ -152,7 +156,7 @@ def test_training_against_external_servers_that_go_down_and_come_back(tmp_path):
 
     servers = [start(0), start(1)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    run_dir, steps = tmp_path / "external", 30  # the restarted engine takes a few seconds, steps ~0.5 s
+    run_dir, steps = tmp_path / "external", 20
     args = ["--rollout.server_urls", json.dumps(urls), "--rollout.placement", "disaggregate"]
     args += ["--trainer.total_steps", str(steps), "--rollout.prompts_per_step", "16", "--sync.verify", "probe"]
     proc = subprocess.Popen(train_cmd("toy_cpu.yaml", run_dir, *args), cwd=ROOT, stderr=subprocess.PIPE, text=True)
@@ -165,8 +169,16 @@ def test_training_against_external_servers_that_go_down_and_come_back(tmp_path):
             set_aside |= "is down: set aside" in line
             step = int(m.group(1)) if (m := re.search(rf"step (\d+)/{steps} \|", line)) else 0
             if step >= 6 and set_aside and not restarted:  # (lines read late: not before it was set aside)
-                servers[1].wait()
-                servers[1], restarted = start(1), True
+                run = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+                for p in run:
+                    p.suspend()
+                try:
+                    servers[1].wait()
+                    servers[1], restarted = start(1), True
+                    wait_healthy(urls[1], 300)
+                finally:
+                    for p in run:
+                        p.resume()
         assert proc.wait(600) == 0, "".join(log[-60:])
     finally:
         proc.kill()
