@@ -107,6 +107,7 @@ def main(model_dir: str, train_path: str, out: str) -> None:
         fleet.stop()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()  # every group: gloo's threads left to the exit can abort a rank (_lora_worker.py)
 
 
 class RecordingClient(RolloutClient):

@@ -148,9 +148,11 @@ def test_tools_that_hang_raise_crash_or_flood_become_error_results_and_the_episo
 
 
 def test_an_episode_stops_at_its_deadline(chat_model, chat_server):
+    """Steps of 1 s against a 3 s deadline: the third ends it. In the trainer's process: a worker's start, several
+    seconds on a loaded machine, would count against the deadline (a tool's process that hangs: above)."""
     tokenizer = AutoTokenizer.from_pretrained(chat_model)
-    cfg = agent_config(chat_model, "tests._agents:Scripted", episode_timeout_s=1.0, max_turns=20)
-    cfg.rollout.env_args = {"turns": 20, "observation": "go on", "sleep_s": 0.4}
+    cfg = agent_config(chat_model, "tests._agents:Scripted", episode_timeout_s=3.0, max_turns=20, env_workers=0)
+    cfg.rollout.env_args = {"turns": 20, "observation": "go on", "sleep_s": 1.0}
     runner = EpisodeRunner(cfg, tokenizer)
     try:
         prompt = PromptDataset(cfg.data, tokenizer).prompts[0]
