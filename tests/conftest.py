@@ -82,6 +82,13 @@ def run_ranks(ranks: int, script: Path, *args) -> int:
     return port
 
 
+def run_processes(pid: int) -> list[psutil.Process]:
+    """`dsrl train` (its pid) and every process it started: the launcher has a session of its own, so its process
+    group would miss the ranks."""
+    owner = psutil.Process(pid)
+    return [owner, *owner.children(recursive=True)]
+
+
 def still_running(pids: list[int], within_s: float = 10) -> list[int]:
     """Those of `pids` still running (not gone, not a zombie) after up to `within_s`: a SIGKILL is delivered, and a
     process torn down, a moment after it is sent (CI once saw a killed child "running" the instant after)."""

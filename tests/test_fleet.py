@@ -15,12 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dsrl.serving.servers import free_port, wait_healthy
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_processes
 from tests.test_reliability import assert_every_prompt_accounted_for, trace, train_cmd
 
 STEPS = 40
@@ -169,7 +168,7 @@ def test_training_against_external_servers_that_go_down_and_come_back(tmp_path):
             set_aside |= "is down: set aside" in line
             step = int(m.group(1)) if (m := re.search(rf"step (\d+)/{steps} \|", line)) else 0
             if step >= 6 and set_aside and not restarted:  # (lines read late: not before it was set aside)
-                run = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+                run = run_processes(proc.pid)
                 for p in run:
                     p.suspend()
                 try:

@@ -35,7 +35,7 @@ from dsrl.rundir import (
 )
 from dsrl.tasks import toy
 from dsrl.zero.checkpoint import ShardWriter, export_hf
-from tests.conftest import ROOT, TOY_MODEL, still_running
+from tests.conftest import ROOT, TOY_MODEL, run_processes, still_running
 
 TOY = ["--config", str(ROOT / "configs/toy_cpu.yaml"), "--eval.path", "null", "--logging.export_hf", "false"]
 
@@ -185,7 +185,7 @@ def stopped_run(tmp_path_factory) -> SimpleNamespace:
             time.sleep(0.1)
             logged = steps_logged(out.read_text())  # the steps done when the signal is sent
         assert proc.poll() is None, out.read_text()[-3000:]
-        run = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        run = [p.pid for p in run_processes(proc.pid)]
         assert len(run) >= 5, "the CLI, the launcher, its launch process, 2 ranks (and the server)"
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)

@@ -25,7 +25,7 @@ from dsrl.config import DataConfig
 from dsrl.data import PromptDataset
 from dsrl.rollout.manager import PromptStream
 from dsrl.tasks import toy
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_processes
 
 pytestmark = pytest.mark.slow  # each test a `dsrl train` run or two: tests/conftest.py runs them first
 
@@ -60,8 +60,7 @@ def run_and_kill(cmd: list[str], at_step: int, total: int, on_line: Callable[[st
             if on_line is not None:
                 on_line(line)
             if f"step {at_step}/{total} |" in line:
-                run = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-                for p in run:
+                for p in run_processes(proc.pid):
                     with contextlib.suppress(psutil.NoSuchProcess):
                         p.kill()
                 break
