@@ -97,6 +97,14 @@ def test_bad_requests_are_400_with_a_message(server):
     assert len(gen(server, {"max_new_tokens": 2, "ignore_eos": True})["output_ids"]) == 2  # and it goes on serving
 
 
+def test_an_engine_failure_is_a_500_naming_it(server, tmp_path):
+    """Not aiohttp's bare "500 Internal Server Error": the trainer's error says what failed (CI once saw only that)."""
+    (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ServerError, match=r"HTTP 500: SafetensorError: .*header"):
+        server.call_all("/update_weights_from_disk", {"model_path": str(tmp_path)})
+    assert len(gen(server, {"max_new_tokens": 2, "ignore_eos": True})["output_ids"]) == 2  # and it goes on serving
+
+
 def test_pause_holds_requests_until_continue(server):
     server.call_all("/pause_generation", {"mode": "in_place"})
     pending = server.submit(server.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}))

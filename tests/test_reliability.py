@@ -24,6 +24,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from dsrl.config import DataConfig
 from dsrl.data import PromptDataset
 from dsrl.rollout.manager import PromptStream
+from dsrl.serving.servers import log_tail
 from dsrl.tasks import toy
 from tests.conftest import ROOT, run_processes
 
@@ -43,7 +44,10 @@ def train_cmd(config: str, run_dir: Path, *extra: str) -> list[str]:
 
 def run_to_end(cmd: list[str]) -> str:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if proc.returncode != 0:  # the servers' side of a failure is in their logs
+        logs = Path(cmd[cmd.index("--logging.run_dir") + 1]) / "logs"
+        servers = "".join(f"\n--- {p.name}:\n{log_tail(p)}" for p in sorted(logs.glob("server_*.log")))
+        raise AssertionError(proc.stdout[-3000:] + proc.stderr[-3000:] + servers)
     return proc.stderr
 
 

@@ -633,12 +633,18 @@ def require_key(api_key: str):
 
 @web.middleware
 async def errors(request: web.Request, handler):
-    """SGLang's way to refuse a request: HTTP 400 with the reason as `message`."""
+    """SGLang's way to refuse a request: HTTP 400 with the reason as `message`; a failure of the engine's own is a
+    500 that names it too (and its traceback goes to the server's log)."""
     try:
         return await handler(request)
     except (BadRequest, KeyError, TypeError, ValueError) as e:
-        message = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-        return web.json_response({"success": False, "message": message, "error": {"message": message}}, status=400)
+        message, status = f"missing field {e}" if isinstance(e, KeyError) else str(e), 400
+    except web.HTTPException:
+        raise
+    except Exception as e:  # noqa: BLE001 -- the caller's error names the cause, not a bare "500 Internal Server Error"
+        log.exception("%s failed", request.path)
+        message, status = f"{type(e).__name__}: {e}", 500
+    return web.json_response({"success": False, "message": message, "error": {"message": message}}, status=status)
 
 
 def request_ids(body: dict, n: int) -> list[str]:
