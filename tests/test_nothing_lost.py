@@ -187,6 +187,7 @@ def stopped_run(tmp_path_factory) -> SimpleNamespace:
         assert proc.poll() is None, out.read_text()[-3000:]
         run = [p.pid for p in run_processes(proc.pid)]
         assert len(run) >= 5, "the CLI, the launcher, its launch process, 2 ranks (and the server)"
+        logged = steps_logged(out.read_text())  # again, the instant before: a step may have ended since
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
     finally:
