@@ -186,12 +186,14 @@ def launch(cfg, run_dir: Path, cuda: bool) -> int:
 
 
 def pin_cpu_kernels(env) -> None:
-    """torch's AVX2 kernels in the processes started with `env`, on an x86 CPU with AVX-512 too: the two round
-    differently, sampling grows it, and the toy run's numbers parted at step 27 (README); with the pin, an AVX-512
-    machine printed the figures another VM's run had (a user's own ATEN_CPU_CAPABILITY stays)."""
+    """AVX2 kernels in the processes started with `env`, on an x86 CPU with AVX-512 too: torch's own and MKL's GEMMs
+    (MKL_CBWR, its reproducible mode). AVX2 and AVX-512 round differently and sampling grows it: without torch's pin
+    the toy run's numbers parted at step 27 (README); with it alone, an AMX-capable VM still parted before step 50,
+    where MKL chose other kernels. A user's own setting of either stays."""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file() and "avx2" in cpuinfo.read_text().split():
         env.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+        env.setdefault("MKL_CBWR", "AVX2")
 
 
 def supervise(proc: subprocess.Popen, run_dir: Path, signals: list[int], stop_timeout_s: float) -> int:

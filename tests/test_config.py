@@ -199,9 +199,9 @@ def test_launcher_keeps_the_trainer_on_the_visible_gpus():
     assert cmd[2] == "deepspeed.launcher.runner" and cmd[-2:] == ["--num_gpus", "2"]
 
 
-def test_cpu_ranks_run_torchs_avx2_kernels_on_an_x86_cpu_with_avx512_too():
-    """The toy run's numbers are the same on AVX-512 and AVX2 machines only while torch runs its AVX2 kernels on both
-    (README): the pin `dsrl train` gives its ranks, honoured by torch; a user's own choice stays."""
+def test_cpu_ranks_run_avx2_kernels_on_an_x86_cpu_with_avx512_too():
+    """The toy run's numbers are the same on AVX-512 and AVX2 machines only while torch and MKL run their AVX2 kernels
+    on both (README): the pins `dsrl train` gives its ranks, torch's honoured; a user's own choice stays."""
     import os
     import subprocess
     import sys
@@ -215,9 +215,10 @@ def test_cpu_ranks_run_torchs_avx2_kernels_on_an_x86_cpu_with_avx512_too():
     code = "import torch; print(torch.backends.cpu.get_cpu_capability())"
     run = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
     assert run.stdout.strip() == "AVX2", run.stdout + run.stderr
-    own = {"ATEN_CPU_CAPABILITY": "default"}
+    assert env["MKL_CBWR"] == "AVX2"  # MKL's GEMMs too: they chose by the CPU, and an AMX-capable VM's numbers parted
+    own = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "AUTO"}
     pin_cpu_kernels(own)
-    assert own == {"ATEN_CPU_CAPABILITY": "default"}
+    assert own == {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "AUTO"}
 
 
 def test_pause_retract_starts_sglang_without_the_prefix_cache_unless_told():
