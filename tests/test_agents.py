@@ -5,7 +5,6 @@ updates (partial, pause) that finish with the same tokens, and the toy agent tas
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 
@@ -25,6 +24,7 @@ from dsrl.serving.fleet import start_fleet
 from dsrl.tasks import calculator, toy
 from dsrl.zero.batches import MicroBatch
 from tests.conftest import ROOT
+from tests.test_reliability import run_to_end
 
 CALC = ROOT / "examples/calculator"
 
@@ -357,8 +357,7 @@ def test_the_toy_agent_learns_to_call_the_tool_and_answer(tmp_path):
     cmd = [sys.executable, "-m", "dsrl.cli", "train", "--config", str(ROOT / "configs/toy_cpu_agent.yaml")]
     cmd += ["--trainer.total_steps", str(steps), "--logging.run_dir", str(tmp_path), "--eval.every", "0"]
     cmd += ["--logging.export_hf", "false"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_to_end(cmd)
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
 

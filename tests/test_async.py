@@ -4,7 +4,6 @@ trained twice, partial rollout resuming exactly, and the schedules learning end 
 import asyncio
 import json
 import random
-import subprocess
 import sys
 import time
 
@@ -22,6 +21,7 @@ from dsrl.serving.client import RolloutClient
 from dsrl.serving.fleet import start_fleet
 from dsrl.tasks import toy
 from tests.conftest import ROOT
+from tests.test_reliability import run_to_end
 
 TOKENIZER = toy.build_tokenizer()
 
@@ -306,8 +306,7 @@ def test_async_schedules_learn_the_toy_task(tmp_path, config, k, flags):
     steps = 40
     cmd = [sys.executable, "-m", "dsrl.cli", "train", "--config", str(ROOT / "configs" / config), *flags]
     cmd += ["--trainer.total_steps", str(steps), "--logging.run_dir", str(tmp_path), "--logging.export_hf", "false"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_to_end(cmd)
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     reward = [e.value for e in events.Scalars("reward/mean")]

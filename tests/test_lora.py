@@ -160,9 +160,7 @@ def lora_run(tmp_path_factory):
            "--model.path", str(base), "--model.init_from_config", "false", "--model.lora_rank", "8",
            "--trainer.lr", "1e-2", "--algorithm.kl_coef", "0.001", "--trainer.total_steps", str(STEPS),
            "--logging.save_every", str(STEPS), "--eval.path", "null", "--logging.run_dir", str(run_dir)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return base, run_dir, proc.stderr
+    return base, run_dir, run_to_end(cmd)
 
 
 def test_lora_trains_only_the_adapters_and_the_servers_match_the_trainer(lora_run):

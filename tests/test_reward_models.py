@@ -25,6 +25,7 @@ from dsrl.serving.client import RolloutClient, ServedAdapter
 from dsrl.serving.fleet import start_fleet
 from dsrl.tasks import toy
 from tests.conftest import ROOT
+from tests.test_reliability import run_to_end
 
 TOKENIZER = toy.build_tokenizer()
 TOY = ["--model.path", str(ROOT / "examples/toy/model"), "--data.train_path", str(ROOT / "examples/toy/train.jsonl")]
@@ -52,10 +53,9 @@ def test_grpo_against_a_reward_model_raises_its_score_and_the_hidden_rule_reward
     common = ["--reward_model.path", str(reward_model), "--eval.path", str(held_out), "--logging.run_dir", str(run_dir)]
     cmd = [sys.executable, "-m", "dsrl.cli", "train", "--config", str(ROOT / "configs/toy_cpu_rm.yaml"), *common]
     cmd += ["--trainer.total_steps", str(STEPS), "--logging.save_every", "20", "--reward_model.normalize", "running"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = run_to_end(cmd)
     # each step's line names the trained reward's parts (it used to show the model's raw score as 'reward')
-    assert re.search(rf"step {STEPS}/{STEPS} \| reward \S+ \| model score -?[\d.]+ \| rule reward [\d.]+ ", proc.stderr)
+    assert re.search(rf"step {STEPS}/{STEPS} \| reward \S+ \| model score -?[\d.]+ \| rule reward [\d.]+ ", log)
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     for tag, rise in (("reward/model_mean", 1.0), ("reward/rule_mean", 0.04)):
