@@ -151,8 +151,8 @@ def update_sequences(cfg: Config, actor, fleet, client: RecordingClient, run_dir
 
 
 def failure_on_rank0(cfg: Config, actor, fleet, client: RecordingClient, run_dir: Path) -> str:
-    """A server that refuses the update (its weights released behind dsrl's back) fails it on rank 0;
-    every rank must raise, after the one retry, rather than go on alone."""
+    """Servers that refuse the update (their weights released behind dsrl's back) fail it on rank 0;
+    every rank must raise, after the retries, rather than go on alone."""
     cfg.rollout = replace(cfg.rollout, placement="disaggregate", interrupt="partial")
     cfg.sync = SyncConfig(type="broadcast", bucket_bytes=256 << 20, timeout_s=30)
     transport = make_transport(cfg.sync, client, run_dir, "gloo")

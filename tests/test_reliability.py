@@ -214,9 +214,12 @@ def assert_run_went_on_without_waiting(log: list[str]) -> None:
     assert after and "restarted at" not in after[0], "the update waited for the replacement:\n" + "".join(after)
 
 
-def test_crash_of_a_rollout_server_during_a_weight_sync_loses_nothing(tmp_path):
+@pytest.mark.parametrize("marker_says", ["", "fail"], ids=["dies", "fails"])
+def test_crash_of_a_rollout_server_during_a_weight_sync_loses_nothing(tmp_path, marker_says):
     """A server dies mid-sync (after taking its update request, before receiving): the sync fails,
-    the server's replacement starts, the sync is redone, and the run trains every prompt once."""
+    the server's replacement starts, the sync is redone, and the run trains every prompt once. Or the server
+    lives and fails that update and every later one with an error (HTTP 500): after its second failure it is
+    replaced as a dead one is, and the third try syncs without it."""
     rows = toy.make_rows(64, seed=9)
     data = tmp_path / "epoch.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -229,10 +232,14 @@ def test_crash_of_a_rollout_server_during_a_weight_sync_loses_nothing(tmp_path):
     for line in proc.stderr:
         log.append(line)
         if "step 1/4 |" in line:
-            marker.touch()  # the next weight update kills the server that takes it
+            marker.write_text(marker_says)  # the next weight update kills (or sickens) the server that takes it
     assert proc.wait(600) == 0, "".join(log[-60:])
     text = "".join(log)
     assert not marker.exists(), "no server took the crash marker"
     assert "weight sync to version" in text and "starting its replacement" in text  # (it joins once it answers)
+    if marker_says == "fail":
+        assert "said fail: this server fails every weight update" in text
+        assert "failed the weight update twice: replacing it" in text and "(stopped): starting its replacement" in text
+    assert scalars(run_dir)["fleet/server_deaths"][4] == 1
     trained = [row for r in trace(run_dir) for row in r["rows"]]
     assert sorted(trained) == list(range(64)), "every prompt of the epoch, exactly once"

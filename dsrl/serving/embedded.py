@@ -193,6 +193,7 @@ class Engine:
         self.decode_delay_s = decode_delay_ms / 1000  # emulate a slower engine (tests, benchmarks)
         self.deterministic = deterministic  # batch-invariant: each request's forward runs alone
         self.crash_marker = crash_marker  # fault injection for tests: see --crash-marker
+        self.failing = False
         self.weight_version = "default"
         self.running: list[Request] = []
         self.paused = False
@@ -531,14 +532,21 @@ class Engine:
             work.wait()
 
     def _maybe_crash(self) -> None:
-        """Die in the middle of a weight update, once, when the test asks for it (a crash mid-sync)."""
-        if self.crash_marker:
+        """When a test asks for it, the server that takes the crash marker dies in the middle of a weight update
+        (a crash mid-sync), or, when the marker says `fail`, fails this and every later update (a sick server)."""
+        if self.crash_marker and not self.failing:
+            taken = f"{self.crash_marker}.{os.getpid()}"
             try:
-                os.remove(self.crash_marker)  # one server takes it
+                os.rename(self.crash_marker, taken)  # one server takes it
             except FileNotFoundError:
                 return
-            log.error("crash marker %s found: exiting in the middle of a weight update", self.crash_marker)
-            os._exit(1)
+            self.failing = Path(taken).read_text().strip() == "fail"
+            os.remove(taken)
+            if not self.failing:
+                log.error("crash marker %s found: exiting in the middle of a weight update", self.crash_marker)
+                os._exit(1)
+        if self.failing:
+            raise RuntimeError(f"crash marker {self.crash_marker} said fail: this server fails every weight update")
 
     def _storage_slice(self, names: list[str], dtypes: list, sizes: list[int]) -> torch.Tensor | None:
         start = self.offsets.get(names[0], (None,))[0]

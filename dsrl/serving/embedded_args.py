@@ -17,7 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--enable-deterministic-inference", action="store_true", help="Batch-invariant results "
                         "(each request's forward alone), as SGLang's flag of that name.")  # fmt: skip
     parser.add_argument("--crash-marker", default=None, help="Fault injection for tests: exit during a weight update "
-                        "if this file exists (removing it first).")  # fmt: skip
+                        "if this file exists (removing it first); if it says `fail`, fail that update and every "
+                        "later one with an error instead.")  # fmt: skip
     parser.add_argument("--api-key", default=None, help="Refuse requests without `Authorization: Bearer <key>`.")
     parser.add_argument("--config", default=None,
                         help="A YAML file of these flags, as SGLang's (the command line wins).")  # fmt: skip

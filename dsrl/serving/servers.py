@@ -430,7 +430,9 @@ class ServerFleet(Fleet):
     def set_aside(self, url: str) -> int:
         old = self.processes.pop(self.urls.index(url))
         self.urls.remove(url)
-        log.warning("rollout server %s is down (exit code %s): starting its replacement", url, old.proc.poll())
+        code = old.proc.poll()  # (None: a server that hangs, or failed its weight updates)
+        state = "stopped" if code is None else f"exit code {code}"
+        log.warning("rollout server %s is down (%s): starting its replacement", url, state)
         old.stop(grace_s=0)  # (one that hangs rather than exited: its GPU is needed)
         return self.index(old)
 

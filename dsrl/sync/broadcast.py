@@ -193,9 +193,9 @@ class BroadcastTransport(Transport):
         """Wait for a broadcast, failing fast when a server has already answered with an error."""
         due = time.monotonic() + self.cfg.timeout_s
         while not work.is_completed():
-            failed = next((r for r in replies if r.done() and r.exception() is not None), None)
+            failed = next((r.exception() for r in replies if r.done() and r.exception() is not None), None)
             if failed is not None:
-                raise SyncError(f"a server failed during the weight update: {failed.exception()}")
+                raise SyncError(f"a server failed during the weight update: {failed}") from failed
             if time.monotonic() > due:
                 waiting = self.client.live_urls()
                 raise SyncError(

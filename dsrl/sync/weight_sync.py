@@ -17,8 +17,8 @@
 
 Every trainer rank calls it (the parameters are gathered from every rank's partitions); only
 trainer rank 0 talks to the servers, and a failure there surfaces on every rank (`agreed`). A
-failed send is tried once more after the fleet is healed. Which tenant of the GPU sleeps, wakes
-or offloads, and when, is `dsrl.lending`'s.
+failed send is tried again after the fleet is healed (`_after_failure`). Which tenant of the GPU
+sleeps, wakes or offloads, and when, is `dsrl.lending`'s.
 """
 
 import logging
@@ -34,8 +34,8 @@ from dsrl.config import Config, SyncConfig
 from dsrl.lending import GpuLending
 from dsrl.metrics import Timer
 from dsrl.rundir import deadline
-from dsrl.serving.client import RolloutClient
-from dsrl.serving.servers import ServerFleet
+from dsrl.serving.client import RolloutClient, ServerError
+from dsrl.serving.servers import ExternalFleet, ServerFleet
 from dsrl.sync.adapter import AdapterServing
 from dsrl.sync.base import SERVER_ERRORS, SyncError, Transport
 from dsrl.sync.verify import probe_reference, probe_servers, verify_weights
@@ -60,6 +60,8 @@ class WeightSync:
         """(rank 0) the last update's probe of the servers, running beside the rollout's requests."""
         self.probed: dict[str, float] = {}
         """(rank 0) the figures of the probe awaited last, until `check_probe` hands them on."""
+        self.failing: set[str] = set()
+        """(rank 0) servers that answer but failed the update twice: the next `_heal` replaces them."""
         self.adapters = AdapterServing(transport, client) if is_lora(actor.module) and not transport.merge else None
         """A LoRA actor whose adapter the servers serve on their own (`--sync.lora adapter`)."""
 
@@ -73,7 +75,7 @@ class WeightSync:
 
     def _update(self, version: int) -> dict[str, float]:
         timer, metrics = Timer(), self.check_probe()
-        for attempt in (1, 2):
+        for attempt in (1, 2, 3):
             with timer("heal"):
                 self._heal()
             try:
@@ -97,9 +99,9 @@ class WeightSync:
             except SERVER_ERRORS as e:
                 if self.adapters is not None:
                     self.adapters.reset()  # the retry sends the base again, on every rank
-                if attempt == 2:
-                    raise SyncError(f"weight sync to version {version} failed twice") from e
-                self._find_dead_servers(version, e)
+                if not self._after_failure(version, e, attempt):
+                    tries = "twice" if attempt == 2 else "three times"
+                    raise SyncError(f"weight sync to version {version} failed {tries}") from e
         reference, verify = None, self._verifies(version)
         if verify == "weights":
             with timer("verify"), agreed(f"the weight check of version {version}", SERVER_ERRORS):
@@ -165,7 +167,8 @@ class WeightSync:
             answering = [url for url in reported if self.client.responds(url)]
             for url in answering:
                 log.warning("rollout server %s answers again after a failed request: it stays in the fleet", url)
-            decided = [self.fleet.heal(reported - set(answering) | exited), answering]
+            decided = [self.fleet.heal(reported - set(answering) | exited | self.failing), answering]
+            self.failing = set()
             for url in decided[0].leaving if decided[0] else []:
                 self.client.run(self.client.abort_server(url))
         if world > 1:
@@ -182,13 +185,28 @@ class WeightSync:
             for url in change.leaving if change else []:
                 self.fleet.stop_server(url)
 
-    def _find_dead_servers(self, version: int, error: Exception) -> None:
-        """After a failed update: a server that does not answer is marked down, for `_heal` to replace."""
-        if self.rank0:
-            log.warning("weight sync to version %d failed (%s); checking the servers and syncing again", version, error)
-            for url in self.client.live_urls():
-                if not self.client.responds(url):
-                    self.client.mark_down(url, "no answer after a failed weight sync")
+    def _after_failure(self, version: int, error: Exception, attempt: int) -> bool:
+        """After a failed update: a server that does not answer is marked down, for `_heal` to replace, and the
+        update is tried again. After a second failure with every server answering, the server whose error it was
+        (it took neither try) is replaced as a dead one would be, if dsrl started it, and the update tried a third
+        time without it. Returns whether to try again, on every rank."""
+        again = [attempt == 1]
+        if self.rank0 and attempt < 3:
+            log.warning("weight sync to version %d failed (%s); checking the servers", version, error)
+            silent = [url for url in self.client.live_urls() if not self.client.responds(url)]
+            for url in silent:
+                self.client.mark_down(url, "no answer after a failed weight sync")
+            culprit = failing_server(error)
+            if attempt == 2 and not silent and culprit in self.client.live_urls():
+                if isinstance(self.fleet, ExternalFleet):
+                    log.error("%s failed the weight update twice; dsrl did not start it, so cannot replace it", culprit)
+                else:
+                    log.warning("%s failed the weight update twice: replacing it, and syncing without it", culprit)
+                    self.failing.add(culprit)
+                    again = [True]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(again, src=0)
+        return again[0]
 
     def _call(self, path: str, payload: dict) -> None:
         if self.rank0:
@@ -212,6 +230,13 @@ class WeightSync:
             tolerance = self.cfg.sync.probe_tolerance
             probe = probe_servers(self.client, ids, reference, tolerance, flush=False, fp8=self.transport.fp8)
             self.probe = self.client.submit(_timed(probe))
+
+
+def failing_server(error: BaseException | None) -> str | None:
+    """The server that answered a request of the failed update with an error of its own (not a death), if one did."""
+    while error is not None and not isinstance(error, ServerError):
+        error = error.__cause__
+    return error.url if error is not None and not error.down else None
 
 
 async def _timed(work: Awaitable[float]) -> tuple[float, float]:
