@@ -61,7 +61,7 @@ class WeightSync:
         self.probed: dict[str, float] = {}
         """(rank 0) the figures of the probe awaited last, until `check_probe` hands them on."""
         self.failing: set[str] = set()
-        """(rank 0) servers that answer but failed the update twice: the next `_heal` replaces them."""
+        """(rank 0) servers that answer but failed the retried update: the next `_heal` replaces them."""
         self.adapters = AdapterServing(transport, client) if is_lora(actor.module) and not transport.merge else None
         """A LoRA actor whose adapter the servers serve on their own (`--sync.lora adapter`)."""
 
@@ -187,9 +187,9 @@ class WeightSync:
 
     def _after_failure(self, version: int, error: Exception, attempt: int) -> bool:
         """After a failed update: a server that does not answer is marked down, for `_heal` to replace, and the
-        update is tried again. After a second failure with every server answering, the server whose error it was
-        (it took neither try) is replaced as a dead one would be, if dsrl started it, and the update tried a third
-        time without it. Returns whether to try again, on every rank."""
+        update is tried again. After a second failure with every server answering, the server whose error failed
+        it is replaced as a dead one would be, if dsrl started it, and the update tried a third time without it.
+        Returns whether to try again, on every rank."""
         again = [attempt == 1]
         if self.rank0 and attempt < 3:
             log.warning("weight sync to version %d failed (%s); checking the servers", version, error)
@@ -199,9 +199,11 @@ class WeightSync:
             culprit = failing_server(error)
             if attempt == 2 and not silent and culprit in self.client.live_urls():
                 if isinstance(self.fleet, ExternalFleet):
-                    log.error("%s failed the weight update twice; dsrl did not start it, so cannot replace it", culprit)
+                    log.error(
+                        "%s failed the retried weight update; dsrl cannot replace a server it did not start", culprit
+                    )
                 else:
-                    log.warning("%s failed the weight update twice: replacing it, and syncing without it", culprit)
+                    log.warning("%s failed the retried weight update: replacing it, and syncing without it", culprit)
                     self.failing.add(culprit)
                     again = [True]
         if dist.get_world_size() > 1:
