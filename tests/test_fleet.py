@@ -190,3 +190,27 @@ def test_training_against_external_servers_that_go_down_and_come_back(tmp_path):
     first = re.search(r"first /generate, under weight version (\d+)", restarted)
     assert first is not None and int(first.group(1)) >= 6, "the server that came back took no request, or too early"
     assert [len(r["rows"]) for r in trace(run_dir)] == [16] * steps
+
+
+def test_an_external_server_that_fails_its_updates_ends_the_run_naming_it(tmp_path):
+    """A server the user runs that answers but fails every weight update (its crash marker says `fail`) cannot
+    be replaced by dsrl: after the retry the run ends, naming the server and its error (a server dsrl started is
+    replaced instead: test_reliability's sync-crash test)."""
+    port, marker = free_port(), tmp_path / "marker"
+    marker.write_text("fail")
+    serve = [sys.executable, "-m", "dsrl.cli", "serve", "--model-path", str(ROOT / "examples/toy/model")]
+    server = subprocess.Popen([*serve, "--port", str(port), "--crash-marker", str(marker)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, 300)
+        args = ["--rollout.server_urls", json.dumps([url]), "--rollout.placement", "disaggregate"]
+        out = subprocess.run(
+            train_cmd("toy_cpu.yaml", tmp_path / "run", *args, "--trainer.total_steps", "3"),
+            cwd=ROOT, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    finally:
+        server.kill()
+    assert out.returncode != 0
+    assert f"{url} failed the retried weight update; dsrl cannot replace a server it did not start" in out.stderr
+    assert "SyncError: weight sync to version 0 failed twice" in out.stderr  # (external servers get version 0)
+    assert "said fail: this server fails every weight update" in out.stderr
