@@ -310,7 +310,7 @@ class SyncConfig:
     timeout_s: float = 300.0
     """Seconds a weight-update group set-up or one bucket's transfer may take; one that does not fail by then is
     tried again after the fleet is healed. A wait stuck past it in NCCL ends the run, every process of it, with a
-    line naming the wait and the servers; so does a whole update that outlasts two tries."""
+    line naming the wait and the servers; so does a whole update past three times it and 30 s (its tries)."""
     disk_dir: str | None = None
     """Directory the disk transport writes to; must be readable by every server. Default: <run_dir>/weights."""
     master_address: str | None = None

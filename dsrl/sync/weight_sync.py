@@ -67,10 +67,10 @@ class WeightSync:
 
     def update(self, version: int) -> dict[str, float]:
         """Bring every server to weight `version`; returns the sync metrics (rank 0's are the real ones). An update
-        that outlasts two tries ends the run on every rank, naming it: the ranks above 0 wait in collectives for
+        that outlasts its tries ends the run on every rank, naming it: the ranks above 0 wait in collectives for
         rank 0 all along, whose own waits have deadlines of --sync.timeout_s."""
         what = f"the weight update to version {version} (servers {', '.join(self.client.urls)})"
-        with deadline(what, 2 * self.cfg.sync.timeout_s + 30, "twice --sync.timeout_s, and 30 s"):
+        with deadline(what, 3 * self.cfg.sync.timeout_s + 30, "three times --sync.timeout_s, and 30 s"):
             return self._update(version)
 
     def _update(self, version: int) -> dict[str, float]:
