@@ -307,20 +307,22 @@ def test_episodes_interrupted_by_weight_updates_finish_with_the_uninterrupted_to
     dataset = PromptDataset(cfg.data, tokenizer)
     runner = EpisodeRunner(cfg, tokenizer)
     simulated_update(toy_server, 0, "abort")
-    reference = toy_server.run(generate(toy_server, dataset.prompts[:12], cfg.rollout, runner=runner))
+    reference = toy_server.run(generate(toy_server, dataset.prompts[:16], cfg.rollout, runner=runner))
     by_row = {s.prompt.index: s for s in reference}
     rewarder = Rewarder(cfg.algorithm, tokenizer, env=True)
     manager = RolloutManager(toy_server, cfg, PromptStream(dataset, 2, 0, 1), rewarder, runner)
     manager.start()
-    interrupted, samples = 0, []
+    interrupted, samples, pause = 0, [], interrupt == "pause"
     try:
-        for step in range(4):
+        for step in range(8):  # 4 steps, more while no episode went on across one (a fresh clone's suite, once)
             samples += manager.collect(step).samples
+            if step >= 3 and any(len({v for _, v in s.spans}) > 1 for s in samples) and (interrupted or pause):
+                break
             if step:  # the groups admitted at the last update
                 wait_for_a_request_in_flight(manager)
             time.sleep(0.05)  # the trainer's update: a turn is a few tokens in now
             manager.before_update()
-            simulated_update(toy_server, step + 1, "in_place" if interrupt == "pause" else "abort")
+            simulated_update(toy_server, step + 1, "in_place" if pause else "abort")
             manager.after_update(step + 1)
             interrupted += manager.take_stats().interrupted
     finally:

@@ -232,7 +232,9 @@ def test_crash_of_a_rollout_server_during_a_weight_sync_loses_nothing(tmp_path, 
     for line in proc.stderr:
         log.append(line)
         if "step 1/4 |" in line:
-            marker.write_text(marker_says)  # the next weight update kills (or sickens) the server that takes it
+            written = marker.with_suffix(".new")  # (whole before it appears: a server takes it by its name)
+            written.write_text(marker_says)
+            written.rename(marker)  # the next weight update kills (or sickens) the server that takes it
     assert proc.wait(600) == 0, "".join(log[-60:])
     text = "".join(log)
     assert not marker.exists(), "no server took the crash marker"
