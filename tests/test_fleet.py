@@ -24,6 +24,8 @@ from tests.test_reliability import assert_every_prompt_accounted_for, trace, tra
 
 STEPS = 40
 ADD_AT, REMOVE_AT, KILL_AT = 8, 16, 24
+SERVE = [sys.executable, "-m", "dsrl.cli", "serve", "--model-path", str(ROOT / "examples/toy/model")]
+"""A server the user runs (`dsrl serve`, the embedded engine) of the toy model; add --port."""
 
 
 @pytest.fixture(scope="module")
@@ -146,12 +148,11 @@ def test_training_against_external_servers_that_go_down_and_come_back(tmp_path):
     The run is suspended while the server starts again: a restart takes seconds (7 s on an idle 2-core host, more
     beside another test), steps half a second; a CI run once ended before the server answered."""
     ports = [free_port(), free_port()]
-    serve = [sys.executable, "-m", "dsrl.cli", "serve", "--model-path", str(ROOT / "examples/toy/model")]
     logs = [tmp_path / f"external_{i}.log" for i in range(2)]
 
     def start(i: int) -> subprocess.Popen:
         with open(logs[i], "a") as out:
-            return subprocess.Popen([*serve, "--port", str(ports[i])], stdout=out, stderr=subprocess.STDOUT)
+            return subprocess.Popen([*SERVE, "--port", str(ports[i])], stdout=out, stderr=subprocess.STDOUT)
 
     servers = [start(0), start(1)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -198,8 +199,7 @@ def test_an_external_server_that_fails_its_updates_ends_the_run_naming_it(tmp_pa
     replaced instead: test_reliability's sync-crash test)."""
     port, marker = free_port(), tmp_path / "marker"
     marker.write_text("fail")
-    serve = [sys.executable, "-m", "dsrl.cli", "serve", "--model-path", str(ROOT / "examples/toy/model")]
-    server = subprocess.Popen([*serve, "--port", str(port), "--crash-marker", str(marker)])
+    server = subprocess.Popen([*SERVE, "--port", str(port), "--crash-marker", str(marker)])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, 300)
