@@ -174,7 +174,12 @@ class RolloutConfig:
     """Seconds one HTTP request to a server may take before it fails."""
     startup_timeout_s: float = 300.0
     """Seconds a server this run starts may go without a new line in its log before it answers /health (its start
-    may take longer while it loads, compiles and captures); an external server's to answer /health at all."""
+    may take longer while it loads, compiles and captures); an external server's to answer /health at all. With
+    every server down (a lone server died), a request waits for a replacement (or an external server to answer
+    again) this long, each try of a start counted on its own."""
+    max_restarts: int = 3
+    """Tries in a row to start a dead server's replacement before it is given up; with no server left then, the run
+    stops, naming the server and the end of its log, with a checkpoint of the last step it trained."""
     server_args: dict[str, Any] = field(default_factory=dict)
     """Extra launch arguments for started servers, by field or flag name, e.g. {attention_backend: triton,
     fp8_gemm_backend: deep_gemm}; true adds a bare flag."""
@@ -641,6 +646,7 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
         "ipc needs --rollout.placement colocate (trainer and server on the same GPUs)",
     )
     check(r.max_concurrency >= 1, "rollout.max_concurrency", r.max_concurrency, "must be >= 1")
+    check(r.max_restarts >= 1, "rollout.max_restarts", r.max_restarts, "must be >= 1")
     check(r.max_staleness >= 0, "rollout.max_staleness", r.max_staleness, "must be >= 0")
     check(
         r.max_ahead is None or 0 <= r.max_ahead <= r.max_staleness,

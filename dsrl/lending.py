@@ -44,7 +44,8 @@ class ServerMemory:
         self.client, self.released = client, {}
 
     def release(self, tags: tuple[str, ...]) -> None:
-        self.client.call_all("/release_memory_occupation", {"tags": list(tags)})
+        if self.client.live_urls():  # (none: every one died, and the run stops for want of one)
+            self.client.call_all("/release_memory_occupation", {"tags": list(tags)})
         self.released = {url: set(tags) for url in self.client.live_urls()}
 
     def put_to_sleep(self, url: str, tags: tuple[str, ...]) -> None:
@@ -127,6 +128,13 @@ class GpuLending:
         self.asleep = self.free_bytes(barrier_before=True) - before if self.measured else 0.0
         self.sleeping = set(self.sleep_tags)
         for engine in self.trainers if self.offload else []:  # (where they were offloaded)
+            reload_states(engine)
+
+    def for_recovery(self) -> None:
+        """Mid-rollout, before a lone server's replacement gets its weights (`WeightSync.recover`): the trainers' states
+        that left come back, as in `to_trainers` (the servers hold nothing: the dead one's memory is free, the
+        replacement's released), so that the update finds them where it expects them."""
+        for engine in self.trainers if self.offload else []:
             reload_states(engine)
 
     def free_bytes(self, barrier_before: bool = False, barrier_after: bool = False) -> float:

@@ -6,11 +6,15 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -46,7 +50,7 @@ from dsrl.rundir import ExportTargetError, OwnerWatch, RunDirLocked, RunStopped,
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.control import FleetControl, start_control
 from dsrl.serving.fleet import launch_fleet, start_rollout_servers
-from dsrl.serving.servers import Fleet, ServerFleet, check_server_args
+from dsrl.serving.servers import Fleet, ServerFleet, ServersLost, check_server_args
 from dsrl.sync.weight_sync import WeightSync, make_transport
 from dsrl.zero.checkpoint import CheckpointError
 from dsrl.zero.engine import init_distributed, offload_states, prepare_model_dir
@@ -55,6 +59,7 @@ from dsrl.zero.memory import plan_memory
 from dsrl.zero.trainer import Trainer
 
 log = logging.getLogger("dsrl")
+T = TypeVar("T")
 
 
 def train(cfg: Config, watch: OwnerWatch | None = None) -> dict[str, float]:
@@ -76,7 +81,7 @@ def train(cfg: Config, watch: OwnerWatch | None = None) -> dict[str, float]:
             timer = Timer(memory=True)
             with timer("step"):
                 with timer("generate"):
-                    batch = run.rollouts.collect(step)
+                    batch = served(run, partial(run.rollouts.collect, step), step)
                 if run.gpu.colocated:
                     with timer("generate_wait"):  # the slowest rank's generation (and the last sync's probe: one that
                         run.weights.await_probe()  # failed stops the run before it trains on the batch)
@@ -97,6 +102,10 @@ def train(cfg: Config, watch: OwnerWatch | None = None) -> dict[str, float]:
                 checkpoint(run, step + 1, last=step + 1 >= cfg.trainer.total_steps)
             stop_if_asked(run, step + 1, saved)
         finish(run, metrics)
+    except ServersLost:  # (in a step's rollout: the trainer holds the weights of the last step logged)
+        if run.weights.version > start:
+            checkpoint(run, run.weights.version, last=True)
+        raise
     finally:
         run.close()
     return metrics
@@ -130,6 +139,8 @@ class Run:
     """Rank 0, unless `dsrl train` holds it for the ranks: the run directory's lock."""
     watch: OwnerWatch | None
     """Launched by `dsrl train`: ends this rank when it dies, or rank 0 does (SIGKILL included)."""
+    lost: ServersLost | None = None
+    """Set when a weight update found no server left, none able to come back: the run stops once its step is logged."""
 
     def close(self) -> None:
         if self.watch is not None:
@@ -227,6 +238,9 @@ def take_run_dir(cfg: Config, run_dir: Path, rank: int) -> rundir.RunLock | None
 def stop_if_asked(run: Run, step: int, saved: bool) -> None:
     """At the end of a step: when any rank was asked to stop (a signal, or `dsrl train`'s STOP file),
     every rank checkpoints (unless it just did, or --logging.save_on_signal false) and stops."""
+    if run.lost is not None:  # (on every rank: rank 0's heal decided it)
+        checkpoint(run, step, last=True)
+        raise run.lost
     signum = run.stop.requested()
     if all_ranks(signum is None):
         return
@@ -269,13 +283,36 @@ def beside_optimizer_step(run: Run, step: int) -> Callable[[], None] | None:
 def sync(run: Run, version: int) -> dict[str, float]:
     """Every server to weight `version`, with the rollout schedule's requests drained (or left to the pause)."""
     timer = Timer()
-    with timer("drain"):
-        run.rollouts.before_update()
-        dist.barrier()
-    metrics = run.weights.update(version)
+    try:
+        with timer("drain"):
+            served(run, run.rollouts.before_update, version)
+            dist.barrier()
+        metrics = run.weights.update(version)
+    except ServersLost as e:  # the step trained: it is logged, then the run stops (`stop_if_asked`)
+        run.lost = e
+        return {}
     with timer("readmit"):
         run.rollouts.after_update(version)
     return metrics | timer.metrics("timing/sync_")
+
+
+def served(run: Run, work: Callable[[], T], version: int) -> T:
+    """`work` (which waits for the rollout servers), on a thread of its own while this one watches the fleet: when a
+    request waits for a server because every one is down (a lone server died), every rank heals the fleet together,
+    and the replacement gets weight `version` (the trainer's now) before the requests waiting for it go on."""
+    pending: Future = Future()
+
+    def target() -> None:
+        try:
+            pending.set_result(work())
+        except BaseException as e:  # noqa: BLE001 -- raised below, on this thread
+            pending.set_exception(e)
+
+    # A daemon: a run that ends while it waits (no server could come back) does not wait for it at exit
+    threading.Thread(target=target, daemon=True, name="rollout-wait").start()
+    while not all_ranks(not run.client.wait_or_starve(pending)):
+        run.weights.recover(version)
+    return pending.result()
 
 
 def log_step(run: Run, step: int, batch: Batch, local: dict, rank0: dict) -> dict[str, float]:
@@ -327,11 +364,12 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.get("RANK", "0") == "0":  # said once
             log.warning("%s; the same command resumes the run", e)
     except USER_ERRORS as e:  # they name the file, row or flag: a traceback would only hide that line
-        log.error("error: %s", e)
+        if not isinstance(e, ServersLost) or os.environ.get("RANK", "0") == "0":  # (every rank has that one)
+            log.error("error: %s", e)
         sys.exit(1)
 
 
-USER_ERRORS = (WriteError, CheckpointError, DatasetError, RunDirLocked, ExportTargetError, MemoryError)
+USER_ERRORS = (WriteError, CheckpointError, DatasetError, RunDirLocked, ExportTargetError, MemoryError, ServersLost)
 """Errors whose message says all a user needs: logged as one line, without a traceback."""
 
 

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -246,3 +247,87 @@ def test_crash_of_a_rollout_server_during_a_weight_sync_loses_nothing(tmp_path, 
     assert scalars(run_dir)["fleet/server_deaths"][4] == 1
     trained = [row for r in trace(run_dir) for row in r["rows"]]
     assert sorted(trained) == list(range(64)), "every prompt of the epoch, exactly once"
+
+
+def server_pid(run_dir: Path, number: int = 0) -> int:
+    """The pid of rollout server `number`'s latest process (a restarted server appends to its log)."""
+    return int(re.findall(r"\(pid (\d+)\)", (run_dir / "logs" / f"server_{number}.log").read_text())[-1])
+
+
+def test_a_lone_server_killed_mid_generate_and_mid_sync_three_times_the_run_finishes(tmp_path):
+    """The README's setup, one server: killed in a step's rollout, in a weight sync, and in a rollout again. Each time
+    the requests wait for its replacement (started at once), which gets the current weights first; the run ends with
+    every prompt trained exactly once, the last weights verified on the server, and every death counted. Before the
+    lone server's replacement was waited for, the first kill ended the run: `NoServerLeft: every rollout server is
+    down`."""
+    steps, per_step = 10, 16
+    rows = toy.make_rows(steps * per_step, seed=9)
+    data = tmp_path / "epoch.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir, marker = tmp_path / "lone", tmp_path / "crash_now"
+    args = ["--data.train_path", str(data), "--rollout.prompts_per_step", str(per_step), "--trainer.total_steps"]
+    args += [str(steps), "--trainer.micro_batch_size", "64", "--sync.verify", "weights", "--sync.timeout_s", "60"]
+    args += ["--rollout.server_args", json.dumps({"decode_delay_ms": 20, "crash_marker": str(marker)})]
+    proc = subprocess.Popen(train_cmd("toy_cpu.yaml", run_dir, *args), cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    log = []
+    for line in proc.stderr:
+        log.append(line)
+        if f"step 2/{steps} |" in line or f"step 7/{steps} |" in line:  # the next step's rollout is under way
+            time.sleep(0.1)
+            os.kill(server_pid(run_dir), signal.SIGKILL)
+        if f"step 4/{steps} |" in line:  # the server that takes it dies in the next weight sync
+            written = marker.with_suffix(".new")
+            written.write_text("")
+            written.rename(marker)
+    assert proc.wait(600) == 0, "".join(log[-60:])
+    text = "".join(log)
+    assert not marker.exists(), "no server took the crash marker"
+    assert text.count("the rollout waits for a replacement") >= 2, text[-6000:]
+    assert "NoServerLeft" not in text
+    assert scalars(run_dir)["fleet/server_deaths"][steps] == 3
+    assert scalars(run_dir)["fleet/restarts"][steps] == 3
+    trained = [row for r in trace(run_dir) for row in r["rows"]]
+    assert sorted(trained) == list(range(steps * per_step)), "every prompt of the epoch, exactly once"
+
+
+def test_a_lone_server_killed_in_async_mode_loses_nothing(tmp_path):
+    """Disaggregated, k=4 with partial rollout and one server, killed with requests in flight: they wait for its
+    replacement, which gets the trainer's weights first, and every prompt is trained once or still waiting."""
+    run_dir = tmp_path / "lone_async"
+    args = ["--trainer.total_steps", "6", "--logging.save_every", "6"]
+    args += ["--rollout.server_args", json.dumps({"decode_delay_ms": 10})]  # requests in flight at the kill
+    proc = subprocess.Popen(
+        train_cmd("toy_cpu_async.yaml", run_dir, *args), cwd=ROOT, stderr=subprocess.PIPE, text=True
+    )
+    log = []
+    for line in proc.stderr:
+        log.append(line)
+        if "step 2/6 |" in line:
+            os.kill(server_pid(run_dir), signal.SIGKILL)
+    assert proc.wait(600) == 0, "".join(log[-60:])
+    assert "the rollout waits for a replacement" in "".join(log)
+    assert [r["step"] for r in trace(run_dir)] == list(range(6))
+    assert_every_prompt_accounted_for(run_dir, "step_6")
+    assert scalars(run_dir)["fleet/server_deaths"][6] == 1
+
+
+def test_a_lone_server_that_cannot_start_again_stops_the_run_with_a_checkpoint(tmp_path):
+    """The lone server dies and its model directory is gone: its replacement fails --rollout.max_restarts times, and
+    the run stops with one line naming the server and its log's end, after a checkpoint of the last step trained."""
+    run_dir = tmp_path / "lost"
+    args = ["--trainer.total_steps", "8", "--rollout.prompts_per_step", "16", "--rollout.max_restarts", "2"]
+    args += ["--rollout.server_args", json.dumps({"decode_delay_ms": 20}), "--eval.path", "null"]
+    proc = subprocess.Popen(train_cmd("toy_cpu.yaml", run_dir, *args), cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    log = []
+    for line in proc.stderr:
+        log.append(line)
+        if "step 2/8 |" in line:
+            shutil.rmtree(run_dir / "init_model")  # what the servers load
+            os.kill(server_pid(run_dir), signal.SIGKILL)
+    assert proc.wait(600) == 1, "".join(log[-60:])
+    error = [line for line in log if "error:" in line]
+    assert len(error) == 1 and "no rollout server left: rollout server 0 did not start in 2 tries" in error[0], log
+    assert "exited with code 1 while starting; end of" in error[0] and "server_0.log: OSError" in error[0]
+    assert "Traceback" not in "".join(log)
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_2"
+    assert [r["step"] for r in trace(run_dir)] == [0, 1]

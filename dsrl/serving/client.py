@@ -54,8 +54,12 @@ class ServerError(RuntimeError):
         super().__init__(f"{url}{path}: {message}")
 
 
-class NoServerLeft(RuntimeError):
+class NoServerLeft(ServerError):
     """Every rollout server is down."""
+
+    def __init__(self, message: str):
+        RuntimeError.__init__(self, message)
+        self.url, self.path, self.down = "", "", True
 
 
 class RolloutClient:
@@ -68,6 +72,7 @@ class RolloutClient:
         api_key: str | None = None,
         route: str = "least_loaded",
         gone: Callable[[str], bool] | None = None,
+        wait_s: float = 0.0,
     ):
         if not urls:
             raise ValueError("RolloutClient needs at least one server URL")
@@ -86,6 +91,11 @@ class RolloutClient:
         self.waiting: set[str] = set()  # request ids waiting for a concurrency slot
         self.cancelled: set[str] = set()  # ... and aborted meanwhile: never sent
         self.down: list[str] = []  # servers that stopped answering; the trainer restarts or drops them
+        self.wait_s = wait_s
+        """How long a /generate waits for a server when every one is down (a lone server died): the trainer ranks heal
+        the fleet meanwhile (`dsrl.train.served`). 0: it fails at once (`NoServerLeft`)."""
+        self.starving = 0  # /generate requests waiting for a server to come back
+        self.wakers: set[threading.Event] = set()  # set when a request starts waiting (`wait_or_starve`)
         self.adapter: ServedAdapter | None = None
         """Set by the weight sync when the servers serve a LoRA adapter: every `generate` (and the probe) names it,
         so none can be served by the bare base, and its tokens are of the adapter's version (`adapter_version` in a
@@ -102,6 +112,7 @@ class RolloutClient:
         """What belongs to the client's event loop: the concurrency limit and the HTTP session."""
         timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=30)
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+        self.changed = asyncio.Condition()  # the fleet changed: a request waiting for a server looks again
         return asyncio.Semaphore(n), aiohttp.ClientSession(timeout=timeout, connector=connector, headers=self.headers)
 
     def submit(self, coro: Coroutine) -> concurrent.futures.Future:
@@ -181,7 +192,7 @@ class RolloutClient:
                 self.cancelled.discard(rid)
                 return {"output_ids": [], "meta_info": {"id": rid, "finish_reason": ABORTED_BEFORE_SENT}}
             while True:
-                url = self._pick(route_key)
+                url = await self._server(route_key)
                 self.in_flight[url] = self.in_flight.get(url, 0) + 1
                 try:
                     out = await self.request(url, "/generate", payload)
@@ -201,8 +212,48 @@ class RolloutClient:
             if adapter is not None:
                 self.adapter_requests[adapter.name] -= 1
 
+    async def _server(self, route_key: object) -> str:
+        """A live server for a request (`_pick`). With none (every one down: a lone server died), the request waits
+        up to `wait_s` for the fleet to bring one back, with the current weights (`set_urls`, `release_held`)."""
+        if self._open() or not self.wait_s:
+            return self._pick(route_key)
+        self.starving += 1
+        for wake in list(self.wakers):
+            wake.set()
+        try:
+            async with self.changed:
+                await asyncio.wait_for(self.changed.wait_for(self._open), self.wait_s)
+        except TimeoutError:
+            raise NoServerLeft(f"every rollout server is down ({', '.join(self.down)}), and none came back within "
+                               f"{self.wait_s:.0f}s") from None  # fmt: skip
+        finally:
+            self.starving -= 1
+        return self._pick(route_key)
+
+    def _open(self) -> list[str]:
+        """The servers that take /generate requests: live, and holding the current weights."""
+        return [url for url in self.live_urls() if url not in self.held]
+
+    def wait_or_starve(self, work: concurrent.futures.Future) -> bool:
+        """(another thread) Wait until `work` is done, or until a request waits for a server because every one is
+        down; returns whether one waits."""
+        wake = threading.Event()
+        self.wakers.add(wake)
+        work.add_done_callback(lambda _: wake.set())
+
+        def starved() -> bool:  # (a request that has not woken yet since a server came back does not count)
+            return self.starving > 0 and not self._open()
+
+        try:
+            while not work.done() and not starved():
+                wake.wait()
+                wake.clear()
+        finally:
+            self.wakers.discard(wake)
+        return not work.done() and starved()
+
     def _pick(self, route_key: object) -> str:
-        live = [url for url in self.live_urls() if url not in self.held]
+        live = self._open()
         if not live:
             raise NoServerLeft(f"every rollout server is down: {self.down}")
         if self.route == "group" and route_key is not None:
@@ -246,10 +297,16 @@ class RolloutClient:
         """Adopt a new fleet (after a restart, a join or a leave); forget which servers were down. `held`
         servers take control calls (the weight update) but no /generate until `release_held`."""
         self.urls, self.down, self.held = list(urls), [], set(held)
+        self.submit(self._changed())
 
     def release_held(self) -> None:
         """The held servers have the current weights: they may take requests now."""
         self.held = set()
+        self.submit(self._changed())
+
+    async def _changed(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
 
     async def all_servers(
         self, path: str, payload: Any = None, method: str = "POST", urls: list[str] | None = None

@@ -115,7 +115,8 @@ def start_rollout_servers(cfg: Config, model_dir: str, run_dir: Path, launched: 
     r = cfg.rollout
     multi_node = bool(cfg.trainer.hostfile)
     fleet = start_fleet_for_ranks(r, model_dir, run_dir, cfg.seed, r.engine, multi_node, launched=launched)
-    client = RolloutClient(
-        fleet.urls, r.max_concurrency, r.request_timeout_s, api_key=r.api_key, route=r.route, gone=fleet.gone
-    )
+    fleet.max_restarts = r.max_restarts
+    wait_s = (r.max_restarts + 1) * r.startup_timeout_s  # (a bound behind the heal's own: every try of a restart)
+    client = RolloutClient(fleet.urls, r.max_concurrency, r.request_timeout_s, api_key=r.api_key, route=r.route,
+                           gone=fleet.gone, wait_s=wait_s)  # fmt: skip
     return fleet, client

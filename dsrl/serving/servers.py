@@ -225,6 +225,10 @@ class Membership:
     """Each server's number, in `urls`' order: colocated, server n sits on the GPUs from n x tp_size."""
 
 
+class ServersLost(RuntimeError):
+    """No rollout server is left, and none can come back (their replacements did not start)."""
+
+
 class Fleet(ABC):
     """The rollout servers of one run, held by trainer rank 0.
 
@@ -313,30 +317,37 @@ class Fleet(ABC):
         trainers, `GpuLending.size_replacements`); None: as the others', and colocated trainers wait for it."""
         self.unsized: list = []
         """The replacements starting with the others' arguments (None above): colocated, the trainers wait for them."""
+        self.max_restarts = 3
+        """Tries in a row to start a dead server's replacement (--rollout.max_restarts); then it is given up."""
+        self.given_up: list[str] = []
+        """Why each replacement given up did not start (one line each)."""
 
     def restart_later(self, url: str) -> None:
         """Set the dead server at `url` aside and start its replacement, which joins at the first `heal` after it
-        answers; one that fails to start is started again at the next `heal`."""
+        answers; one that fails to start is started again at the next `heal`, `max_restarts` times in a row."""
         slot = self.set_aside(url)
         if slot is not None:
             self._start_in_background(slot)
 
-    def _start_in_background(self, slot: Any) -> None:
+    def _start_in_background(self, slot: Any, tries: int = 1) -> None:
         handle = self.start_replacement(slot)
         self.starting.append(handle)
         if self.replacement_args is None:
             self.unsized.append(handle)
-        threading.Thread(target=self._await_replacement, args=(slot, handle), daemon=True, name="replace").start()
+        args = (slot, handle, tries)
+        threading.Thread(target=self._await_replacement, args=args, daemon=True, name="replace").start()
 
-    def _await_replacement(self, slot: Any, handle: Any) -> None:
+    def _await_replacement(self, slot: Any, handle: Any, tries: int) -> None:
         try:
             url = self.await_started(handle)
             if self.prepare_join is not None:
                 self.prepare_join(url)
             outcome = {"started": (slot, handle, url)}
         except Exception as e:  # noqa: BLE001 -- reported; the next update starts it again
-            log.error("a replacement rollout server did not start (%s); starting another at the next update", e)
-            outcome = {"failed": (slot, handle)}
+            lines = str(e).strip().splitlines()  # (the cause, and the last line of the server's log)
+            why = f"{lines[0]} {lines[-1]}" if len(lines) > 1 else lines[0]
+            log.error("a replacement rollout server did not start (%s)", why)
+            outcome = {"failed": (slot, handle), "tries": tries, "why": why}
         with self.lock:
             self.requests.append(outcome)
             self.lock.notify_all()
@@ -350,17 +361,38 @@ class Fleet(ABC):
         with self.lock:
             self.lock.wait_for(settled, timeout_s)
 
+    def await_server(self) -> bool:
+        """No server is left: wait until a replacement answers or fails (`heal` applies it). False: none is starting."""
+        if not self.starting:
+            return False
+        with self.lock:
+            outcome = self.lock.wait_for(lambda: any("started" in r or "failed" in r for r in self.requests),
+                                         2 * self.startup_timeout_s)  # fmt: skip
+        return bool(outcome or self.starting)
+
     def heal(self, dead: set[str]) -> Membership | None:
         """Apply every change since the last call: dead servers set aside (their replacements started), started
-        replacements joined, queued joins and leaves. Returns the new membership, or None when nothing changed."""
+        replacements joined, queued joins and leaves. With no server left, wait for one (`await_server`). Returns the
+        new membership, or None when nothing changed; raises `ServersLost` when no server can come back."""
         before = list(self.urls)
         for url in [u for u in self.urls if u in dead]:
             self.deaths += 1
             self.restart_later(url)
-        if not self.urls and self.starting:  # nothing left to generate with: wait for the first replacement
-            log.warning("no rollout server is up: waiting for a replacement to start")
-            with self.lock:
-                self.lock.wait_for(lambda: any("started" in r for r in self.requests), 2 * self.startup_timeout_s)
+        leaving = self._apply()
+        if not self.urls:
+            log.warning("no rollout server is up: waiting for one to start")
+        while not self.urls and self.await_server():
+            leaving += self._apply()
+        if self.urls == before and not leaving:
+            return None
+        if not self.urls:
+            given_up = "; ".join(self.given_up) or f"{sorted(dead)} are down, {leaving} left"
+            raise ServersLost(f"no rollout server left: {given_up}")
+        return Membership(list(self.urls), [u for u in self.urls if u not in before], leaving, self.numbers())
+
+    def _apply(self) -> list[str]:
+        """Take the queued requests: replacements that started join (one that failed starts again, up to
+        `max_restarts` tries in a row), joins and leaves. Returns the servers leaving."""
         with self.lock:
             requests, self.requests = self.requests, []
         leaving = [r["remove"] for r in requests if "remove" in r and r["remove"] in self.urls]
@@ -377,9 +409,13 @@ class Fleet(ABC):
                     self.adopt(slot, handle, url[0])
                     self.restarts += 1
                     log.info("rollout server %s restarted at %s: it joins with this update's weights", slot, url[0])
+                elif r["tries"] < self.max_restarts:
+                    self.discard(handle)
+                    self._start_in_background(slot, r["tries"] + 1)
                 else:
                     self.discard(handle)
-                    self._start_in_background(slot)
+                    self.given_up.append(f"rollout server {slot} did not start in {r['tries']} tries: {r['why']}")
+                    log.error("%s", self.given_up[-1])
             if "add" in r:
                 try:
                     added = self.add(url=r["add"]) if isinstance(r["add"], str) else self.add(count=int(r["add"]))
@@ -391,11 +427,7 @@ class Fleet(ABC):
                     outcome = f"failed: {e}"
             if r.get("id"):
                 self.outcomes[r["id"]] = outcome
-        if self.urls == before and not leaving:
-            return None
-        if not self.urls:
-            raise RuntimeError(f"no rollout server left: {sorted(dead)} are down, {leaving} left")
-        return Membership(list(self.urls), [u for u in self.urls if u not in before], leaving, self.numbers())
+        return leaving
 
     def __enter__(self) -> "Fleet":
         return self
@@ -507,13 +539,32 @@ class ExternalFleet(Fleet):
         self.lost.append(url)
 
     def heal(self, dead: set[str]) -> Membership | None:
+        self._rejoin(dead)
+        return super().heal(dead)
+
+    def _rejoin(self, dead: set[str] = frozenset()) -> bool:
+        """The servers set aside that answer again rejoin (with this update's weights); returns whether any did."""
         back = [url for url in self.lost if url not in dead and answers(url)]
         if back:
             log.info("external rollout servers answer again and rejoin: %s", ", ".join(back))
             self.lost = [url for url in self.lost if url not in back]
             with self.lock:
                 self.requests += [{"add": url} for url in back]
-        return super().heal(dead)
+        return bool(back)
+
+    def await_server(self) -> bool:
+        """Every server is down: wait up to --rollout.startup_timeout_s for one to answer again, saying so each 30 s."""
+        start = said = time.monotonic()
+        while time.monotonic() - start < self.startup_timeout_s:
+            if self._rejoin():
+                return True
+            if time.monotonic() - said >= 30:
+                said = time.monotonic()
+                waited = f"{said - start:.0f} s of {self.startup_timeout_s:.0f} s (--rollout.startup_timeout_s)"
+                log.warning("every rollout server (--rollout.server_urls) is down: waiting for one, %s", waited)
+            time.sleep(1)
+        self.given_up = [f"none of {', '.join(self.lost)} answered within {self.startup_timeout_s:.0f}s"]
+        return False
 
     def add(self, count: int = 0, url: str | None = None) -> list[str]:
         if url is None:

@@ -35,7 +35,7 @@ from dsrl.lending import GpuLending
 from dsrl.metrics import Timer
 from dsrl.rundir import deadline
 from dsrl.serving.client import RolloutClient, ServerError
-from dsrl.serving.servers import ExternalFleet, ServerFleet
+from dsrl.serving.servers import ExternalFleet, ServerFleet, ServersLost
 from dsrl.sync.adapter import AdapterServing
 from dsrl.sync.base import SERVER_ERRORS, SyncError, Transport
 from dsrl.sync.verify import probe_reference, probe_servers, verify_weights
@@ -56,6 +56,7 @@ class WeightSync:
         self.pause = r.pause_mode if r.placement == "disaggregate" and r.interrupt == "pause" else None
         """SGLang's pause mode when requests stay in flight through updates (interrupt pause), else None."""
         self.verified = False  # the first update is always verified
+        self.version = -1  # the weight version of the last update that completed
         self.probe: Future | None = None
         """(rank 0) the last update's probe of the servers, running beside the rollout's requests."""
         self.probed: dict[str, float] = {}
@@ -94,7 +95,7 @@ class WeightSync:
                     with timer("version_check"):
                         self._check_versions(version)
                     seconds = time.perf_counter() - start
-                self.client.release_held()  # servers that joined hold this version now
+                self.version = version
                 break
             except SERVER_ERRORS as e:
                 if self.adapters is not None:
@@ -115,6 +116,7 @@ class WeightSync:
             with timer("offload"):  # the KV cache needs the memory the transport's buffers held
                 self.transport.release()
         self.gpu.to_servers(timer)
+        self.client.release_held()  # servers that joined hold this version now, and their KV cache
         if reference is not None:
             self._probe(*reference)
         metrics |= {"sync/bytes": sent, "sync/seconds": seconds, "sync/gb_per_s": sent / max(seconds, 1e-9) / 1e9}
@@ -145,8 +147,22 @@ class WeightSync:
         stops the run before it trains on what they generated); its figures wait for `check_probe`."""
         pending, self.probe = self.probe, None
         with agreed("the weight probe after the last sync", SERVER_ERRORS):
-            if pending is not None:
-                self.probed["sync/probe_logprob_diff"], self.probed["sync/probe_seconds"] = pending.result()
+            try:
+                if pending is not None:
+                    self.probed["sync/probe_logprob_diff"], self.probed["sync/probe_seconds"] = pending.result()
+            except ServerError as e:
+                if not e.down:
+                    raise
+                log.warning("the probe of the last sync did not finish (%s): a replacement is probed at its sync", e)
+
+    def recover(self, version: int) -> None:
+        """Every server is down while the rollout waits for one (a lone server died): on every rank, the fleet is
+        healed, waiting for the replacement, which gets weight `version` before the requests waiting for it go on."""
+        if self.rank0:
+            log.warning("every rollout server is down: the rollout waits for a replacement with weight version %d",
+                        version)  # fmt: skip
+        self.gpu.for_recovery()
+        self.update(version)
 
     def _heal(self) -> None:
         """Apply the fleet's changes (dead servers restarted or set aside, queued joins and leaves); every
@@ -157,7 +173,8 @@ class WeightSync:
         down = [self.client.down] if world == 1 else [None] * world  # (object collectives cost 0.7 ms on 1 GPU)
         if world > 1:
             dist.all_gather_object(down, self.client.down)
-        decided: list = [None, []]  # (rank 0's) the fleet's change, and the servers reported down that answer
+        decided: list = [None, [], None]  # (rank 0's) the fleet's change, the servers reported down that answer, and
+        # why no server is left (`ServersLost`)
         if self.rank0:
             exited = self.fleet.exited()
             if exited is None:  # external servers: ask them
@@ -167,13 +184,18 @@ class WeightSync:
             answering = [url for url in reported if self.client.responds(url)]
             for url in answering:
                 log.warning("rollout server %s answers again after a failed request: it stays in the fleet", url)
-            decided = [self.fleet.heal(reported - set(answering) | exited | self.failing), answering]
+            try:
+                decided = [self.fleet.heal(reported - set(answering) | exited | self.failing), answering, None]
+            except ServersLost as e:
+                decided[2] = str(e)
             self.failing = set()
             for url in decided[0].leaving if decided[0] else []:
                 self.client.run(self.client.abort_server(url))
         if world > 1:
             dist.broadcast_object_list(decided, src=0)
-        change, answering = decided
+        change, answering, lost = decided
+        if lost is not None:
+            raise ServersLost(lost)
         self.client.down = [url for url in self.client.down if url not in answering]
         if change is not None:
             self.client.set_urls(change.urls, held=change.joined)
