@@ -8,7 +8,17 @@ Results go into each sample's response-aligned `advantages`, and `returns` (the 
 import torch
 import torch.distributed as dist
 
-from dsrl.algorithms import gae, grpo_advantages, overlong_penalty, reward_to_go, rloo_advantages, whiten
+from dsrl.algorithms import (
+    gae,
+    grpo_advantages,
+    opo_advantages,
+    optimal_token_baseline,
+    overlong_penalty,
+    passk_advantages,
+    reward_to_go,
+    rloo_advantages,
+    whiten,
+)
 from dsrl.collectives import reduce_device
 from dsrl.config import Config
 from dsrl.data import Sample
@@ -96,6 +106,24 @@ def compute_advantages(samples: list[Sample], cfg: Config, kl_coef: float) -> di
         baseline = grouped.mean(dim=1, keepdim=True) if n > 1 else 0.0  # a group of one: none (as verl)
         centred = (grouped - baseline).reshape(-1)[:, None] * mask
         adv = whiten(centred, mask, batch_stats(centred, mask))
+    elif a.advantage == "remax":  # the return less the greedy response's reward (`dsrl.rollout.rollouts.generate`)
+        adv = reward_to_go(rewards, mask) - torch.tensor([s.reward_baseline for s in samples])[:, None] * mask
+    elif a.advantage == "opo":
+        adv = opo_advantages(scores, mask.sum(-1), n)[:, None] * mask
+    elif a.advantage == "gpg":  # GPG's alpha: the batch's samples over those with a nonzero reward (all ranks)
+        nonzero, _, count = batch_stats((scores != 0).double()[:, None], torch.ones(len(samples), 1))
+        adv = count / max(nonzero, 1) * grpo_advantages(scores, n, norm_by_std=False)[:, None] * mask
+    elif a.advantage == "grpo_passk":
+        adv = passk_advantages(scores, n, a.norm_adv_by_std)[:, None] * mask
+    elif a.advantage == "gdpo":  # each reward group-normalised on its own, weighted, summed, whitened
+        w_model, w_rule = cfg.reward_model.w_model, cfg.reward_model.w_rule
+        parts = [(w_model, [s.reward_model or 0.0 for s in samples]), (w_rule, [s.reward_rule or 0.0 for s in samples])]
+        adv = sum(w * grpo_advantages(torch.tensor(r), n, a.norm_adv_by_std).double() for w, r in parts)
+        adv = whiten(adv[:, None] * mask, mask, batch_stats(adv[:, None] * mask, mask))
+    elif a.advantage == "optimal_token_baseline":
+        old, _ = padded(samples, [s.old_logprobs.double() for s in samples])
+        squares, _ = padded(samples, [s.sum_pi_squared.double() for s in samples])
+        adv = optimal_token_baseline(reward_to_go(rewards, mask), old, squares, mask, n)
     elif a.advantage == "gae":
         values, _ = padded(samples, [s.values.to(torch.float64) for s in samples])
         adv, returns = gae(rewards, values, mask, a.gamma, a.lam)

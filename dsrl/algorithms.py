@@ -1,16 +1,19 @@
-"""Advantage estimators, policy losses (PPO-clip, GSPO, CISPO), the value loss, KL estimators and
-loss aggregation, each held to its published definition.
+"""Advantage estimators, policy losses (PPO-clip and its relatives: verl 0.9.1's set), the value loss, KL
+estimators and loss aggregation, each held to its published definition.
 
 Shapes: per-sequence tensors are [batch]; per-token tensors are [batch, tokens] with a float `mask`
 marking response tokens. Groups (a prompt's samples) are contiguous: [g0s0, g0s1, ..., g1s0, ...].
 """
 
 import math
+from functools import partial
 from typing import Literal
 
 import torch
 
 LossAgg = Literal["token_mean", "seq_mean", "seq_mean_token_sum_norm"]
+LossValue = tuple[torch.Tensor, dict[str, torch.Tensor]]
+"""A policy loss's value and its detached metrics."""
 
 LOG_RATIO_LIMIT = 20.0
 """Log-ratios are clamped to +-20 before exp (as verl and OpenRLHF do): a token sampled under weights
@@ -42,6 +45,49 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         return grouped.reshape(-1).float()
     others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
     return (grouped - others).reshape(-1).float()
+
+
+def opo_advantages(rewards: torch.Tensor, lengths: torch.Tensor, group_size: int) -> torch.Tensor:
+    """OPO (Hao et al. 2025, arXiv:2505.23585): the reward less its group's length-weighted mean reward,
+    sum_j len_j r_j / sum_j len_j (the optimal baseline under exact on-policy training). A group of one: none."""
+    r, n = rewards.to(torch.float64).view(-1, group_size), lengths.to(torch.float64).view(-1, group_size)
+    if group_size == 1:
+        return r.reshape(-1).float()
+    return (r - (r * n).sum(1, keepdim=True) / n.sum(1, keepdim=True)).reshape(-1).float()
+
+
+def passk_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6):
+    """Pass@k training (Tang et al. 2025, arXiv:2503.19595, as verl's grpo_passk): only each group's best sample
+    has an advantage, its reward less the second best's (over the group's std + eps with `norm_by_std`)."""
+    grouped = rewards.to(torch.float64).view(-1, group_size)
+    top, where = grouped.topk(2, dim=1)
+    gap = top[:, 0] - top[:, 1]
+    if norm_by_std:
+        gap = gap / (grouped.std(dim=1) + eps)
+    return torch.zeros_like(grouped).scatter(1, where[:, :1], gap[:, None]).reshape(-1).float()
+
+
+def optimal_token_baseline(
+    returns: torch.Tensor, old_logprobs: torch.Tensor, sum_pi_squared: torch.Tensor, mask: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """The optimal token baseline (OTB; Li et al. 2025, richardli.xyz/optimal-token-baseline, verl's
+    optimal_token_baseline): the baseline of each sample's t-th model token is its group's t-th returns weighted by
+    each sample's accumulated "energy" up to there, B_t = sum_i G_t W_t / sum_i W_t, W_t = sum_{j<=t} (1 - 2 pi_j +
+    sum pi^2); advantage G_t - B_t. Model tokens are counted past an agent's observations (verl's multi-turn form,
+    tir_optimal_token_baseline). Where a group's single longest sample runs on alone its baseline is 0 (verl's
+    handle_zero_tail: it would be the sample's own return). A group of one has no baseline."""
+    if group_size == 1:
+        return returns * mask
+    order = torch.argsort(1 - mask, dim=-1, stable=True)  # each row's model tokens first, in their order
+    shape = (-1, group_size, mask.shape[1])
+    g, lp, sq, m = (x.gather(-1, order).view(shape) for x in (returns, old_logprobs, sum_pi_squared, mask))
+    w = ((1 - 2 * lp.exp() + sq) * m).cumsum(-1)
+    baseline = ((g * w * m).sum(1, keepdim=True) / ((w * m).sum(1, keepdim=True) + 1e-8)).expand_as(g).clone()
+    lengths = m.sum(-1)  # [groups, samples]
+    top = lengths.topk(2, dim=1).values
+    for k in (top[:, 0] > top[:, 1]).nonzero()[:, 0].tolist():
+        baseline[k, lengths[k].argmax(), int(top[k, 1]) :] = 0.0
+    return torch.zeros_like(returns).scatter(-1, order, (g - baseline).view_as(returns)) * mask
 
 
 def reward_to_go(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
@@ -238,7 +284,135 @@ def cispo_loss(
     return loss, _ratio_metrics((ratio < 1 - clip_low) | (ratio > 1 + clip_high), log_ratio, mask)
 
 
-POLICY_LOSSES = {"ppo": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+def dppo_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg, num_tokens=None, num_seqs=None,
+              horizon=None, divergence: Literal["tv", "kl"] = "tv", clip_ratio_c: float | None = None,
+              is_weights=None) -> LossValue:  # fmt: skip
+    """DPPO (Qi et al. 2026, arXiv:2602.04879): the trust region is a divergence between the token's old and new
+    Bernoulli (the token, or not), not its ratio: a token the update has moved by more than clip_high toward its
+    advantage's side (clip_low against) is masked. tv: p - p_old; kl: KL(Bern(p_old) || Bern(p)), counted
+    only on the side the advantage pushes. The rest: -A * sg(min(ratio, clip_ratio_c)) * log pi (its truncated
+    importance weight; null: untruncated). Metrics: clip_frac = the masked share."""
+    advantages = _per_token(advantages, logprobs)
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    p, p_old = logprobs.detach().exp(), old_logprobs.exp()
+    if divergence == "tv":
+        outside = torch.where(advantages > 0, p - p_old > clip_high, p - p_old < -clip_low)
+    else:
+        kl = p_old * (old_logprobs - logprobs.detach()) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+        outside = torch.where(advantages > 0, (kl > clip_high) & (p > p_old), (kl > clip_low) & (p < p_old))
+    weight = log_ratio.detach().exp()
+    weight = weight if clip_ratio_c is None else weight.clamp(max=clip_ratio_c)
+    per_token = -advantages * weight * logprobs * ~outside
+    loss = _aggregated(per_token, mask, agg, num_tokens, num_seqs, horizon, is_weights)
+    return loss, _ratio_metrics(outside, log_ratio, mask)
+
+
+def sapo_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg, num_tokens=None, num_seqs=None,
+              horizon=None, tau_pos: float = 1.0, tau_neg: float = 1.05, is_weights=None) -> LossValue:  # fmt: skip
+    """SAPO (Gao et al. 2025, arXiv:2511.20347): a soft gate instead of the clip, -A * 4/tau * sigmoid(tau (r - 1)),
+    whose gradient is PPO's at r = 1 and fades smoothly away from it; tau_pos for A > 0, tau_neg otherwise. The
+    paper (and verl, always) aggregate seq_mean; the clips are unused."""
+    advantages = _per_token(advantages, logprobs)
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)
+    per_token = -advantages * torch.sigmoid(tau * (log_ratio.exp() - 1)) * 4 / tau
+    loss = _aggregated(per_token, mask, agg, num_tokens, num_seqs, horizon, is_weights)
+    return loss, _ratio_metrics(torch.zeros_like(mask), log_ratio, mask)
+
+
+def gpg_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg, num_tokens=None, num_seqs=None,
+             horizon=None, is_weights=None) -> LossValue:  # fmt: skip
+    """GPG (Chu et al. 2025, arXiv:2504.02546): plain policy gradient, -A * log pi: no ratio, no clip."""
+    per_token = -_per_token(advantages, logprobs) * logprobs
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    loss = _aggregated(per_token, mask, agg, num_tokens, num_seqs, horizon, is_weights)
+    return loss, _ratio_metrics(torch.zeros_like(mask), log_ratio, mask)
+
+
+def covariance_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg, num_tokens=None, num_seqs=None,
+                    horizon=None, kind: Literal["clip", "kl"] = "clip", cov_ratio: float = 2e-4,
+                    clip_cov_bounds: tuple[float, float] = (1.0, 5.0), kl_cov_coef: float = 0.1,
+                    is_weights=None) -> LossValue:  # fmt: skip
+    """Clip-Cov and KL-Cov (Cui et al. 2025, arXiv:2505.22617): entropy collapse is driven by tokens whose
+    log-prob and advantage covary most, cov = (A - mean A)(log pi - mean log pi) over the micro-batch's tokens.
+    clip: PPO-clip, with the gradient of cov_ratio of the tokens (at least one), drawn at random among the
+    unclipped ones whose cov lies in clip_cov_bounds, dropped. kl: -A * ratio (no clip), plus kl_cov_coef *
+    |log ratio| on the cov_ratio of the tokens with the largest cov. Metrics: clip_frac = the tokens so treated."""
+    advantages = _per_token(advantages, logprobs)
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    valid, lp = mask > 0, logprobs.detach()
+    cov = (advantages - advantages[valid].mean()) * (lp - lp[valid].mean())
+    count = max(int(cov_ratio * valid.sum().item()), 1)
+    chosen = torch.zeros_like(valid)
+    if kind == "clip":
+        per_token, clipped = _clipped_objective(advantages, log_ratio.exp(), clip_low, clip_high)
+        lower, upper = clip_cov_bounds
+        where = (valid & ~clipped & (cov > lower) & (cov < upper)).flatten().nonzero()[:, 0]
+        chosen.view(-1)[where[torch.randperm(len(where))[:count]]] = True
+        per_token = per_token * ~chosen
+    else:
+        per_token = -advantages * log_ratio.exp()
+        where = valid.flatten().nonzero()[:, 0]
+        chosen.view(-1)[where[cov.flatten()[where].topk(min(count, len(where))).indices]] = True
+        per_token = per_token + kl_cov_coef * log_ratio.abs() * chosen
+    loss = _aggregated(per_token, mask, agg, num_tokens, num_seqs, horizon, is_weights)
+    return loss, _ratio_metrics(chosen, log_ratio, mask)
+
+
+def gmpo_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg, num_tokens=None, num_seqs=None,
+              horizon=None, is_weights=None) -> LossValue:  # fmt: skip
+    """GMPO (Zhao et al. 2025, arXiv:2507.20673; verl's geo_mean): the sequence's ratio is the geometric mean of its
+    tokens', each token's log-ratio first clipped to [-clip_low, clip_high] on the side its advantage pushes
+    (the paper's range is wide: 0.4 each, in log space); loss -mean_t(A) * ratio, a mean over sequences whatever
+    loss_agg says. `is_weights` enter as each sequence's geometric mean."""
+    advantages = _per_token(advantages, logprobs)
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    sign = advantages.sign()
+    clipped = sign * torch.minimum(sign * log_ratio, sign * log_ratio.clamp(-clip_low, clip_high))
+    tokens = mask.sum(-1).clamp(min=1)
+    per_seq = -(advantages * mask).sum(-1) / tokens * torch.exp((clipped * mask).sum(-1) / tokens)
+    if is_weights is not None:
+        per_seq = per_seq * torch.exp((torch.log(is_weights + 1e-10) * mask).sum(-1) / tokens)
+    loss = per_seq.sum() / (num_seqs if num_seqs is not None else logprobs.shape[0])
+    return loss, _ratio_metrics(clipped != log_ratio, log_ratio, mask)
+
+
+def dro_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg, num_tokens=None, num_seqs=None,
+             horizon=None, dro_beta: float = 0.05, is_weights=None) -> LossValue:  # fmt: skip
+    """DRO (Richemond et al. 2024, arXiv:2405.19107), in the per-token form Tinker and verl register:
+    -(A * log pi - dro_beta / 2 * (log pi - log pi_old)^2), a quadratic trust region instead of a clip (on every
+    model token, an advantage of 0 included)."""
+    log_ratio = logprobs - old_logprobs
+    per_token = -(_per_token(advantages, logprobs) * logprobs - 0.5 * dro_beta * log_ratio.square())
+    loss = _aggregated(per_token, mask, agg, num_tokens, num_seqs, horizon, is_weights)
+    return loss, _ratio_metrics(torch.zeros_like(mask), log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT), mask)
+
+
+POLICY_LOSSES = {
+    "ppo": ppo_clip_loss,
+    "gspo": gspo_loss,
+    "cispo": cispo_loss,
+    "dppo_tv": partial(dppo_loss, divergence="tv"),
+    "dppo_kl": partial(dppo_loss, divergence="kl"),
+    "sapo": sapo_loss,
+    "gpg": gpg_loss,
+    "clip_cov": partial(covariance_loss, kind="clip"),
+    "kl_cov": partial(covariance_loss, kind="kl"),
+    "geo_mean": gmpo_loss,
+    "dro": dro_loss,
+    "bypass_mode": ppo_clip_loss,  # (its old logprobs are the engine's: `dsrl.zero.trainer.Trainer.logprobs`)
+}
+LOSS_KNOBS = {
+    "ppo": ("clip_ratio_c",),
+    "bypass_mode": ("clip_ratio_c",),
+    "dppo_tv": ("clip_ratio_c",),
+    "dppo_kl": ("clip_ratio_c",),
+    "sapo": ("tau_pos", "tau_neg"),
+    "clip_cov": ("cov_ratio", "clip_cov_bounds"),
+    "kl_cov": ("cov_ratio", "kl_cov_coef"),
+    "dro": ("dro_beta",),
+}
+"""The `--algorithm.*` fields each loss takes beside the common arguments, by their names."""
 
 
 def value_loss(
@@ -272,6 +446,12 @@ def _clipped_objective(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
     return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def _aggregated(per_token, mask, agg, num_tokens, num_seqs, horizon, is_weights) -> torch.Tensor:
+    return aggregate(
+        per_token if is_weights is None else per_token * is_weights, mask, agg, num_tokens, num_seqs, horizon
+    )
 
 
 def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

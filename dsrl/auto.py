@@ -71,8 +71,10 @@ def packs(cfg: Config) -> bool:
 def old_from_update(cfg: Config) -> bool:
     """trainer.old_logprobs: whether the update's own forward pass gives the old logprobs (auto, where the batch gets
     one optimizer step); then no pass computes them before it."""
-    t = cfg.trainer
-    return t.old_logprobs == "auto" and t.updates_per_step == t.ppo_epochs == 1 and not cfg.algorithm.kl_in_reward
+    t, a = cfg.trainer, cfg.algorithm
+    # (not with bypass_mode, whose old logprobs are the engine's, nor with optimal_token_baseline, which reads them)
+    its_own = a.policy_loss != "bypass_mode" and a.advantage != "optimal_token_baseline"
+    return t.old_logprobs == "auto" and t.updates_per_step == t.ppo_epochs == 1 and not a.kl_in_reward and its_own
 
 
 def resolve_sync(cfg: Config) -> SyncConfig:

@@ -250,7 +250,8 @@ class TrainerConfig:
     """The old policy's logprobs (PPO's ratio, decoupled PPO's proximal policy). auto: where the batch gets one
     optimizer step (updates_per_step 1, ppo_epochs 1, no kl_in_reward), the update's own forward pass gives them,
     detached (the ratio is 1, the gradient the same), and the pass over the batch before the update is saved (11-15%
-    of a step at 1.5B and 3B: docs/benchmarks.md); recompute: always that pass."""
+    of a step at 1.5B and 3B: docs/benchmarks.md); recompute: always that pass. (Either way, policy_loss bypass_mode
+    takes the engine's, and advantage optimal_token_baseline has the pass.)"""
     lr: float = 1e-6
     """Peak learning rate."""
     lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
@@ -333,28 +334,60 @@ class SyncConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"] = "grpo"
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae", "remax",
+                       "opo", "gpg", "grpo_passk", "gdpo", "optimal_token_baseline"] = "grpo"  # fmt: skip
     """Advantage estimator. grpo: rewards normalised within each prompt's group (Shao et al. 2024,
     arXiv:2402.03300). dr_grpo: group-centred, not divided by the std; use it with loss_agg
     seq_mean_token_sum_norm (Liu et al. 2025, arXiv:2503.20783). rloo: the mean of the group's other
     samples as baseline (Ahmadian et al. 2024, arXiv:2402.14740). reinforce_plus_plus: each token's
     return, whitened over the batch (Hu 2025, arXiv:2501.03262); reinforce_plus_plus_baseline: the group
     mean subtracted first. gae: PPO with a critic (`critic.*`), generalized advantage estimation
-    (Schulman et al. 2016, arXiv:1506.02438), whitened over the batch."""
+    (Schulman et al. 2016, arXiv:1506.02438), whitened over the batch. remax: the return less the reward of one
+    greedy response per prompt, generated with its group (Li et al. 2023, arXiv:2310.10505). opo: the group's
+    length-weighted mean reward as baseline (Hao et al. 2025, arXiv:2505.23585). gpg: group-centred, times the
+    batch's samples over those with a nonzero reward (Chu et al. 2025, arXiv:2504.02546). grpo_passk: only the
+    group's best sample has an advantage, its lead over the second (Tang et al. 2025, arXiv:2503.19595). gdpo:
+    the reward model's and the rule's rewards group-normalised each on its own, weighted by reward_model.w_model and
+    w_rule, summed and whitened (Liu et al. 2026, arXiv:2601.05242). optimal_token_baseline: a baseline per token,
+    the group's returns weighted by each sample's accumulated sum of (1 - 2p + sum p^2) (Li et al. 2025, verl's OTB;
+    the old logprobs pass computes sum p^2)."""
     norm_adv_by_std: bool = True
     """grpo: divide group-centred rewards by the group's standard deviation (false is dr_grpo's advantage)."""
-    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    policy_loss: Literal["ppo", "gspo", "cispo", "dppo_tv", "dppo_kl", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean",
+                         "dro", "bypass_mode"] = "ppo"  # fmt: skip
     """ppo: PPO-clip per token (Schulman et al. 2017, arXiv:1707.06347). gspo: the sequence's ratio (the
     geometric mean of its tokens'), clipped per sequence (Zheng et al. 2025, arXiv:2507.18071; use small
     clips, e.g. 3e-4 / 4e-4, and loss_agg seq_mean). cispo: REINFORCE weighted by the clipped,
-    stop-gradient ratio, so no token's gradient is dropped (MiniMax-M1, arXiv:2506.13585)."""
+    stop-gradient ratio, so no token's gradient is dropped (MiniMax-M1, arXiv:2506.13585). dppo_tv, dppo_kl:
+    a token is masked once its probability moved more than clip_low / clip_high in total variation or binary KL,
+    the rest weighted by the ratio truncated at clip_ratio_c (Qi et al. 2026, arXiv:2602.04879; its clips: 0.15 tv,
+    0.05 kl). sapo: a soft sigmoid gate of the ratio instead of the clip, tau_pos / tau_neg (Gao et al. 2025,
+    arXiv:2511.20347; loss_agg seq_mean). gpg: -A log pi, no ratio (Chu et al. 2025, arXiv:2504.02546). clip_cov,
+    kl_cov: PPO whose tokens of highest advantage-logprob covariance lose their gradient, or (no clip) get a KL
+    penalty (Cui et al. 2025, arXiv:2505.22617). geo_mean: GMPO, the geometric mean of token ratios clipped in log
+    space (Zhao et al. 2025, arXiv:2507.20673; clips 0.4). dro: -A log pi plus dro_beta / 2 (log ratio)^2
+    (Richemond et al. 2024, arXiv:2405.19107). bypass_mode: ppo against the engine's logprobs as the old policy, no
+    pass recomputes them (verl's bypass mode, loss_type ppo_clip)."""
     clip_low: float = 0.2
     """Clip range below 1: ratios under 1 - clip_low are clipped."""
     clip_high: float = 0.2
     """Clip range above 1 (raise it for DAPO's clip-higher, Yu et al. 2025, arXiv:2503.14476)."""
     clip_ratio_c: float | None = 3.0
     """Dual-clip PPO (Ye et al. 2020, arXiv:1912.09729): a token with a negative advantage costs at most
-    -A * clip_ratio_c, however large its ratio (a stale token's could be 1e8); null disables. Must be > 1."""
+    -A * clip_ratio_c, however large its ratio (a stale token's could be 1e8); null disables. Must be > 1. dppo_*:
+    the cap of their importance weight (the paper recommends a large one)."""
+    tau_pos: float = 1.0
+    """sapo: the gate's temperature for tokens with a positive advantage (larger: closer to a hard clip)."""
+    tau_neg: float = 1.05
+    """sapo: the gate's temperature for the other tokens."""
+    cov_ratio: float = 2e-4
+    """clip_cov, kl_cov: the share of a micro-batch's tokens whose gradient is dropped or given the KL penalty."""
+    clip_cov_bounds: tuple[float, float] = (1.0, 5.0)
+    """clip_cov: the covariance range its tokens are drawn from."""
+    kl_cov_coef: float = 0.1
+    """kl_cov: the weight of |log ratio| on its tokens."""
+    dro_beta: float = 0.05
+    """dro: the weight of the quadratic log-ratio penalty."""
     loss_agg: Literal["token_mean", "seq_mean", "seq_mean_token_sum_norm"] = "token_mean"
     """Loss aggregation: token_mean = mean over every response token of the mini-batch, on all ranks (DAPO's
     token-level loss); seq_mean = mean over sequences of each one's token mean; seq_mean_token_sum_norm =
@@ -567,7 +600,8 @@ class ConfigError(ValueError):
 PROBE_TOLERANCE = {"bf16": 0.05, "fp8": 0.3}
 """`sync.probe_tolerance`'s default for each --rollout.precision."""
 
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk", "gdpo",
+                    "optimal_token_baseline")  # fmt: skip
 """Advantage estimators whose baseline is the prompt's group: they need n_samples >= 2."""
 
 
@@ -705,6 +739,16 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     check(0 <= a.overlong_buffer < r.max_new_tokens, "algorithm.overlong_buffer", a.overlong_buffer,
           f"must be in [0, rollout.max_new_tokens={r.max_new_tokens})")  # fmt: skip
     check(a.overlong_penalty >= 0, "algorithm.overlong_penalty", a.overlong_penalty, "must be >= 0")
+    for flag in ("tau_pos", "tau_neg", "cov_ratio", "dro_beta"):
+        check(getattr(a, flag) > 0, f"algorithm.{flag}", getattr(a, flag), "must be > 0")
+    check(a.kl_cov_coef >= 0, "algorithm.kl_cov_coef", a.kl_cov_coef, "must be >= 0")
+    low, high = a.clip_cov_bounds
+    check(low < high, "algorithm.clip_cov_bounds", a.clip_cov_bounds, "must be (low, high), low < high")
+    gdpo = a.advantage != "gdpo" or (cfg.reward_model.path is not None and cfg.reward_model.w_rule is not None)
+    check(gdpo, "algorithm.advantage", a.advantage,
+          "gdpo normalises two rewards each on its own: set --reward_model.path and --reward_model.w_rule")  # fmt: skip
+    check(a.advantage != "gdpo" or not (a.kl_in_reward or a.overlong_buffer), "algorithm.advantage", a.advantage,
+          "gdpo's advantage is its two rewards' alone: no --algorithm.kl_in_reward or overlong_buffer")  # fmt: skip
     check(a.reward_workers >= 0, "algorithm.reward_workers", a.reward_workers, "must be >= 0 (0: in process)")
     check(a.reward_timeout_s > 0, "algorithm.reward_timeout_s", a.reward_timeout_s, "must be > 0")
     c = cfg.critic

@@ -53,7 +53,9 @@ class EpisodeRecord:
     between_s: float = 0.0
 
 
-TokenField = Literal["old_logprobs", "ref_logprobs", "values", "advantages", "returns", "engine_logprobs"]
+TokenField = Literal[
+    "old_logprobs", "ref_logprobs", "values", "advantages", "returns", "engine_logprobs", "sum_pi_squared"
+]
 """The fields of a `Sample` that hold one value per response token."""
 
 
@@ -84,6 +86,8 @@ class Sample:
     advantages: "torch.Tensor | None" = None
     returns: "torch.Tensor | None" = None
     """The critic's targets (gae)."""
+    sum_pi_squared: "torch.Tensor | None" = None
+    """sum over the vocabulary of the old policy's p^2 at each token (--algorithm.advantage optimal_token_baseline)."""
     routed_experts: "torch.Tensor | None" = None
     """A mixture-of-experts model's routing in the engine: int32 [tokens, layers, top k] of the prompt and the
     response but the last token (SGLang's `routed_experts`), for routing replay; None for a dense model."""
@@ -95,6 +99,7 @@ class Sample:
     episode: EpisodeRecord | None = None  # (an agent's episode)
     reward_model: float | None = None  # (the reward model's raw score, and the rule's beside it: --reward_model)
     reward_rule: float | None = None
+    reward_baseline: float | None = None  # (the reward of a greedy response to its prompt: --algorithm.advantage remax)
 
     @property
     def oldest_version(self) -> int:

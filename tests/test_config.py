@@ -125,6 +125,22 @@ def test_all_cross_field_errors_reported_together():
     assert str(info.value).startswith("6 config errors:")
 
 
+def test_the_new_losses_and_estimators_knobs_are_checked():
+    """Each error names the flag, the value and what is allowed; gdpo needs its two rewards, a group estimator two
+    samples of each prompt."""
+    parser = build_parser()
+    argv = [*TOY, "--algorithm.advantage", "gdpo", "--algorithm.dro_beta", "0", "--algorithm.clip_cov_bounds", "[5, 1]"]
+    argv += ["--algorithm.tau_neg", "-1", "--rollout.n_samples", "1"]
+    with pytest.raises(ConfigError) as info:
+        validate(to_config(parser, parser.parse_args(argv)))
+    errors = info.value.errors
+    assert "--rollout.n_samples=1: --algorithm.advantage gdpo compares a prompt's samples: at least 2" in errors
+    assert "--algorithm.tau_neg=-1.0: must be > 0" in errors and "--algorithm.dro_beta=0.0: must be > 0" in errors
+    assert "--algorithm.clip_cov_bounds=(5.0, 1.0): must be (low, high), low < high" in errors
+    assert any(e.startswith("--algorithm.advantage='gdpo': gdpo normalises two rewards") for e in errors)
+    validate(to_config(parser, parser.parse_args([*TOY, "--algorithm.advantage", "remax", "--rollout.n_samples", "1"])))
+
+
 def test_sync_buckets_are_1_gib_on_gpus_and_256_mib_on_cpu_unless_given():
     """On GPUs each bucket costs SGLang a request and a load: a 7B NCCL sync took 80 ms in 1 GiB buckets, 244 ms
     in 256 MiB (docs/benchmarks.md, "Four GPUs")."""

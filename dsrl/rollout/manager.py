@@ -40,7 +40,16 @@ from dsrl.config import Config
 from dsrl.data import Prompt, PromptDataset, Sample
 from dsrl.rewards.rewarder import Rewarder
 from dsrl.rollout.episode import Episode, EpisodeRunner
-from dsrl.rollout.rollouts import Batch, Generation, Rollouts, SyncRollouts, generate_one, request_seed, sampling_params
+from dsrl.rollout.rollouts import (
+    Batch,
+    Generation,
+    Rollouts,
+    SyncRollouts,
+    generate_one,
+    request_seed,
+    sampling_params,
+    with_baseline,
+)
 from dsrl.serving.client import RolloutClient
 
 log = logging.getLogger(__name__)
@@ -119,12 +128,12 @@ class RolloutManager(Rollouts):
         self.runner = runner or EpisodeRunner()
         r = cfg.rollout
         self.n_samples, self.max_staleness, self.interrupt = r.n_samples, r.max_staleness, r.interrupt
+        self.n_samples += cfg.algorithm.advantage == "remax"  # (its last slot: a greedy response, ReMax's baseline)
         # Admitting fewer batches ahead than the bound keeps a group that finishes fast from waiting
         # max_staleness versions in the queue; a slow one still has that many versions to finish in.
         self.max_ahead = r.max_staleness if r.max_ahead is None else r.max_ahead
         self.groups_per_step = stream.per_rank
         self.rid_prefix = f"dsrl-r{stream.rank}"
-        self.params = sampling_params(r)
         self.version = 0  # the weight version the servers hold (or are about to)
         self.admitted = 0  # groups admitted; drops give their slot back
         self.in_flight = 0  # requests out at the servers
@@ -247,7 +256,8 @@ class RolloutManager(Rollouts):
         """One episode of the group (a response, without an environment), from its start or from where a
         weight update interrupted it; its turns' requests wait while an update is being prepared."""
         restarts = group.restarts
-        episode = episode or self.runner.new(group.prompt, self.params, self.version)
+        params = sampling_params(self.cfg.rollout, greedy=slot == self.cfg.rollout.n_samples)
+        episode = episode or self.runner.new(group.prompt, params, self.version)
         prompt = group.prompt
 
         async def request(episode: Episode, params: dict) -> tuple[Generation, int]:
@@ -310,6 +320,8 @@ class RolloutManager(Rollouts):
 
     async def _group_done(self, group: Group) -> None:
         await self.rewarder.score_group(group.samples)  # in worker processes: requests in flight go on meanwhile
+        if self.n_samples > self.cfg.rollout.n_samples:
+            group.samples = with_baseline(group.samples)
         async with self.cond:
             del self.generating[group.gid]
             if self.cfg.rollout.dynamic_sampling and len({s.reward for s in group.samples}) == 1:

@@ -146,8 +146,17 @@ def parse_generation(out: dict) -> Generation:
     )
 
 
-def sampling_params(cfg: RolloutConfig) -> dict:
-    return {key: getattr(cfg, key) for key in ("max_new_tokens", "temperature", "top_p", "top_k")}
+def sampling_params(cfg: RolloutConfig, greedy: bool = False) -> dict:
+    params = {key: getattr(cfg, key) for key in ("max_new_tokens", "temperature", "top_p", "top_k")}
+    return params | {"temperature": 0.0} if greedy else params
+
+
+def with_baseline(group: list[Sample]) -> list[Sample]:
+    """A scored group whose last sample is a greedy response (ReMax's baseline): the others, its reward theirs."""
+    *samples, greedy = group
+    for s in samples:
+        s.reward_baseline = greedy.reward
+    return samples
 
 
 def request_seed(*parts: int) -> int:
@@ -207,30 +216,33 @@ async def generate(
     progress: tqdm | None = None,
     rewarder: Rewarder | None = None,
     runner: EpisodeRunner | None = None,
+    baseline: bool = False,
 ) -> list[Sample]:
     """n_samples responses (or `runner`'s episodes) per prompt, or `rollout.rollout_fn`'s samples, groups
     contiguous in prompt order; each group is scored by `rewarder` as soon as it is complete, while the
-    others still generate. On the client's event loop (`client.run(generate(...))` from elsewhere)."""
+    others still generate. With `baseline`, one greedy response more per group, scored with it and kept only as its
+    samples' `reward_baseline` (ReMax's). On the client's event loop (`client.run(generate(...))` from elsewhere)."""
     fn = None if cfg.rollout_fn is None else load_function(cfg.rollout_fn, "rollout.rollout_fn")
     spec = function_spec(cfg.rollout_fn)
-    runner, params = runner or EpisodeRunner(), sampling_params(cfg)
+    runner = runner or EpisodeRunner()
 
     async def one(p: Prompt, j: int) -> Sample:
+        params = sampling_params(cfg, greedy=j == cfg.n_samples)
         if fn is None:
             episode = runner.new(p, params)
             sample = await play(client, runner, episode, (seed, p.index, j), route_key=(seed, p.index))
         else:
-            params_j = {**sampling_params(cfg), "sampling_seed": request_seed(seed, p.index, j)}
+            params_j = {**params, "sampling_seed": request_seed(seed, p.index, j)}
             sample = await custom_sample(fn, spec, Engine(client, (seed, p.index)), p, {**params_j, **p.sampling})
         if progress is not None:
             progress.update()
         return sample
 
     async def group(p: Prompt) -> list[Sample]:
-        samples = await asyncio.gather(*(one(p, j) for j in range(cfg.n_samples)))
+        samples = await asyncio.gather(*(one(p, j) for j in range(cfg.n_samples + baseline)))
         if rewarder is not None:
             await rewarder.score_group(samples)
-        return samples
+        return with_baseline(samples) if baseline else samples
 
     return [s for g in await asyncio.gather(*(group(p) for p in prompts)) for s in g]
 
@@ -291,7 +303,8 @@ class SyncRollouts(Rollouts):
         prompts = self.dataset.batch(step, self.cfg.rollout.prompts_per_step, self.rank, self.world)
         failed = self.rewarder.failed
         seed = request_seed(self.cfg.seed, step)
-        samples = await generate(self.client, prompts, self.cfg.rollout, seed, None, self.rewarder, self.runner)
+        remax = self.cfg.algorithm.advantage == "remax"
+        samples = await generate(self.client, prompts, self.cfg.rollout, seed, None, self.rewarder, self.runner, remax)
         metrics = {"reward/failed": float(self.rewarder.failed - failed)}
         if ahead:  # beside the last step's update: the loop's own timer of this step sees none of it
             metrics["timing/generate_ahead"] = time.perf_counter() - start

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from dsrl.algorithms import LOG_RATIO_LIMIT, POLICY_LOSSES, aggregate, importance_weights, kl_estimate
+from dsrl.algorithms import LOG_RATIO_LIMIT, LOSS_KNOBS, POLICY_LOSSES, aggregate, importance_weights, kl_estimate
 from dsrl.auto import old_from_update, packs
 from dsrl.collectives import reduce_device
 from dsrl.config import Config
@@ -50,18 +50,22 @@ class TokenLogprobs(torch.autograd.Function):
     chunk once read (nothing else needs them then: the model's output projection saves its input, not its output)."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool = True):
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool | str = True):
         lse = torch.empty(logits.shape[0], device=logits.device)
         mean_x, logprobs = torch.zeros_like(lse), torch.empty_like(lse)
         for i in range(0, logits.shape[0], LOGPROB_CHUNK):
             x = logits[i : i + LOGPROB_CHUNK].float() / temperature
             rows = slice(i, i + x.shape[0])
             lse[rows] = torch.logsumexp(x, -1)
-            if with_entropy:
+            if with_entropy == "sum_pi_squared":  # instead (no gradient): optimal_token_baseline's input
+                mean_x[rows] = torch.exp(torch.logsumexp(2 * x, -1) - 2 * lse[rows])
+            elif with_entropy:
                 mean_x[rows] = (torch.softmax(x, -1) * x).sum(-1)
             logprobs[rows] = x.gather(-1, targets[rows, None])[:, 0] - lse[rows]
         ctx.save_for_backward(logits, targets, lse, mean_x)
         ctx.temperature = temperature
+        if with_entropy == "sum_pi_squared":
+            return logprobs, mean_x
         return logprobs, (lse - mean_x if with_entropy else torch.zeros_like(lse))
 
     @staticmethod
@@ -81,14 +85,15 @@ class TokenLogprobs(torch.autograd.Function):
 
 
 def token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool = True
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool | str = True
 ) -> tuple[torch.Tensor, ...]:
-    """(logprobs, entropies) of [positions, vocabulary] `logits` (`TokenLogprobs`; entropies 0 without)."""
+    """(logprobs, entropies) of [positions, vocabulary] `logits` (`TokenLogprobs`; entropies 0 without, and with
+    "sum_pi_squared" each position's sum of p^2 over the vocabulary instead, without a gradient)."""
     return TokenLogprobs.apply(logits, targets, temperature, with_entropy)
 
 
 def forward_logprobs(
-    engine, mb: MicroBatch, temperature: float, with_entropy: bool = True
+    engine, mb: MicroBatch, temperature: float, with_entropy: bool | str = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Response-aligned [samples, longest response] logprobs of the sampled tokens and entropies. The model
     computes the logits of the response columns only (`logits_to_keep`), in its own dtype; their log-softmax
@@ -110,10 +115,13 @@ def trainer_micro_batches(samples: list[Sample], cfg: Config, micro_batch_size: 
 @torch.no_grad()
 def compute_logprobs(engine, samples: list[Sample], name: TokenField, cfg: Config, pad_id: int) -> None:
     """Each sample's response-token logprobs as its field `name` (micro-batched by tokens, no grad)."""
+    squares = name == "old_logprobs" and cfg.algorithm.advantage == "optimal_token_baseline"
     for chunk in trainer_micro_batches(samples, cfg):
         mb = MicroBatch.build(chunk, pad_id, engine.device, packs(cfg))
-        logprobs, _ = forward_logprobs(engine, mb, cfg.rollout.temperature, with_entropy=False)
+        logprobs, second = forward_logprobs(engine, mb, cfg.rollout.temperature, "sum_pi_squared" if squares else False)
         keep_per_sample(logprobs, chunk, name)
+        if squares:
+            keep_per_sample(second, chunk, "sum_pi_squared")
 
 
 def global_denominators(mini: list[Sample]) -> tuple[float, float]:
@@ -151,9 +159,11 @@ def micro_batch_loss(
     if a.policy_loss == "ppo" and a.off_policy not in ("none", "auto"):  # (auto: none unless `dsrl.auto` decided)
         behaviour = per_token(mb, "engine_logprobs")
         weights = importance_weights(old, behaviour, a.off_policy, a.is_cap)
-    ppo = {"is_weights": weights, "clip_ratio_c": a.clip_ratio_c} if a.policy_loss == "ppo" else {}
+    knobs = {k: getattr(a, k) for k in LOSS_KNOBS.get(a.policy_loss, ())}
+    if weights is not None:
+        knobs["is_weights"] = weights
     loss, stats = POLICY_LOSSES[a.policy_loss](
-        logprobs, old, advantages, mask, a.clip_low, a.clip_high, *agg, horizon=cfg.rollout.max_new_tokens, **ppo
+        logprobs, old, advantages, mask, a.clip_low, a.clip_high, *agg, horizon=cfg.rollout.max_new_tokens, **knobs
     )
     if weights is not None:
         stats |= importance_stats(old, behaviour, weights, mask, a.is_cap)

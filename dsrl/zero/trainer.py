@@ -66,7 +66,10 @@ class Trainer:
         """Old logprobs (unless the update's forward pass gives them: `old_from_update`), reference logprobs and the
         critic's values; False on every rank when any rank saw a non-finite value."""
         cfg, pad_id = self.cfg, self.pad_id
-        if not (old_from_update(cfg) and self.trains_actor(step)):
+        if cfg.algorithm.policy_loss == "bypass_mode":  # (verl's bypass mode: the engine's logprobs are the old ones)
+            for s in samples:
+                s.old_logprobs = torch.tensor(s.engine_logprobs, dtype=torch.float32)
+        elif not (old_from_update(cfg) and self.trains_actor(step)):
             compute_logprobs(self.actor, samples, "old_logprobs", cfg, pad_id)
         if self.ref is not None:
             with reference_off(self.ref.module):
