@@ -53,7 +53,9 @@ class EpisodeRecord:
     between_s: float = 0.0
 
 
-TokenField = Literal["old_logprobs", "ref_logprobs", "values", "advantages", "returns", "engine_logprobs"]
+TokenField = Literal[
+    "old_logprobs", "ref_logprobs", "values", "advantages", "returns", "engine_logprobs", "teacher_logprobs"
+]
 """The fields of a `Sample` that hold one value per response token."""
 
 
@@ -91,8 +93,11 @@ class Sample:
     """[(first token index, weight version)] of the model's tokens (index None where not known: a request
     paused through an update, `rollout.interrupt pause`)."""
     skip: bool = False
-    """Its reward failed (`--algorithm.on_reward_error skip`): no loss, no evaluation score."""
+    """No loss: its reward failed (`--algorithm.on_reward_error skip`; then no evaluation score either), or it was cut
+    at max_new_tokens (`--algorithm.mask_truncated`)."""
     episode: EpisodeRecord | None = None  # (an agent's episode)
+    teacher_logprobs: list[float] | None = None
+    """The teacher's logprobs of `response_ids` (`--distill.teacher_path`)."""
     reward_model: float | None = None  # (the reward model's raw score, and the rule's beside it: --reward_model)
     reward_rule: float | None = None
 
