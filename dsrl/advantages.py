@@ -89,6 +89,17 @@ def batch_stats(values: torch.Tensor, mask: torch.Tensor) -> tuple[float, float,
     return tuple(t.tolist())
 
 
+def distill_advantages(samples: list[Sample], adv: torch.Tensor, mask: torch.Tensor, coef: float, with_reward: bool):
+    """On-policy distillation: each model token's advantage less coef * its reverse KL to the teacher, the student's
+    (sampling) logprob minus the teacher's, or (not `with_reward`) that alone; and the batch's mean reverse KL. A
+    sample the teacher did not score (skipped: on_reward_error skip) has none."""
+    student, _ = padded(samples, [torch.tensor(s.engine_logprobs, dtype=torch.float64) for s in samples])
+    teacher, _ = padded(samples, [torch.tensor(s.teacher_logprobs or s.engine_logprobs, dtype=torch.float64)
+                                  for s in samples])  # fmt: skip
+    reverse_kl = (student - teacher) * mask
+    return (adv if with_reward else 0.0) - coef * reverse_kl, (reverse_kl.sum() / mask.sum().clamp(min=1)).item()
+
+
 def compute_advantages(samples: list[Sample], cfg: Config, kl_coef: float) -> dict[str, float]:
     """Fill every sample's `advantages` (and `returns` with gae); returns metrics."""
     a, n, extra = cfg.algorithm, cfg.rollout.n_samples, {}
@@ -133,6 +144,10 @@ def compute_advantages(samples: list[Sample], cfg: Config, kl_coef: float) -> di
         extra["critic/explained_variance"] = explained_variance(values, returns, mask)
     else:
         raise ValueError(f"--algorithm.advantage={a.advantage!r}: unknown estimator")
+    if cfg.distill.teacher_path:
+        adv, extra["distill/reverse_kl"] = distill_advantages(
+            samples, adv, mask, cfg.distill.coef, cfg.distill.with_reward
+        )
     adv = adv.float()
     for s, row in zip(samples, adv):
         s.advantages = row[: len(s.response_ids)]

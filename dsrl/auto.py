@@ -197,7 +197,8 @@ def resolve(cfg: Config, model_dir: str) -> tuple[Config, list[str]]:
         lines.append(f"trainer.old_logprobs {own} (one optimizer step a batch: {old_from_update(cfg)})")
     a, fp8 = cfg.algorithm, r.precision == "fp8"
     if a.off_policy == "auto":  # FP8 rollouts are off-policy by construction; the correction weights PPO's loss
-        out = replace(out, algorithm=replace(a, off_policy="tis" if fp8 and a.policy_loss == "ppo" else "none"))
+        tis = fp8 and a.policy_loss == "ppo" and not a.rollout_correction.enabled()  # (which replaces it)
+        out = replace(out, algorithm=replace(a, off_policy="tis" if tis else "none"))
         lines.append(f"algorithm.off_policy {out.algorithm.off_policy} (rollout.precision {r.precision})")
     if fp8 and cfg.sync.probe_tolerance is None and cfg.sync.verify == "probe":
         lines.append(f"sync.probe_tolerance {out.sync.probe_tolerance}: allows FP8's rounding (servers FP8, trainer "

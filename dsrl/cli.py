@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from dsrl.auto import fleet_kind, rollout_engine, trainer_on_cuda
-from dsrl.config import ConfigError, build_parser, dump_config, reward_rollout, to_config, validate
+from dsrl.config import ConfigError, build_parser, dump_config, reward_rollout, side_rollout, to_config, validate
 from dsrl.rundir import (
     OWNER_ENV,
     OWNER_FLAG,
@@ -72,12 +72,15 @@ def train(argv: list[str]) -> int:
             check_server_args(cfg.rollout, engine)
         if cfg.reward_model.path and not cfg.reward_model.server_urls:
             check_server_args(reward_rollout(cfg), engine, "--reward_model.server_args")
+        if cfg.distill.teacher_path and not cfg.distill.server_urls:
+            check_server_args(side_rollout(cfg, cfg.distill, {}), engine, "--distill.server_args")
         check_data(cfg, engine)
         from dsrl.fp8 import check_servers_load_fp8  # (torch: not imported before the launcher otherwise)
 
         check_servers_load_fp8(cfg, engine)
         check_lora_targets(cfg)
         check_reward_model(cfg)
+        check_teacher(cfg)
         lock = RunLock(run_dir).acquire("dsrl train")  # before anything is written there
     except (RunDirLocked, ValueError, TypeError) as e:  # a bad config (ConfigError), row, environment, template
         print(f"dsrl train: error: {e}", file=sys.stderr)
@@ -121,6 +124,18 @@ def check_reward_model(cfg) -> None:
     sends_token_ids(m, policy, AutoTokenizer.from_pretrained(m.path, trust_remote_code=remote))
     if m.judge_template:
         load_function(m.judge_parse_fn, "reward_model.judge_parse_fn")
+
+
+def check_teacher(cfg) -> None:
+    """The teacher's tokenizer against the policy's, here before any rank starts."""
+    if cfg.distill.teacher_path:
+        from transformers import AutoTokenizer
+
+        from dsrl.rewards.teacher import check_vocabulary
+
+        load = [AutoTokenizer.from_pretrained(p, trust_remote_code=cfg.model.trust_remote_code)
+                for p in (cfg.model.path, cfg.distill.teacher_path)]  # fmt: skip
+        check_vocabulary(cfg.distill.teacher_path, *load)
 
 
 def check_lora_targets(cfg) -> None:

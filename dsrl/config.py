@@ -333,6 +333,44 @@ class SyncConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    is_level: Literal["none", "token", "sequence"] = "none"
+    """Importance weights w = pi / mu, the trainer's (old, proximal) probability of each sampled token over the engine's
+    (the behaviour policy that sampled it): per token, or per sequence (the product over its model tokens; Liu et al.
+    2025, "When Speed Kills Stability"); none: no weights. They multiply PPO's per-token loss, as verl's rollout_is."""
+    is_mode: Literal["truncate", "mask"] = "truncate"
+    """truncate: w clamped to [is_low, is_high] (TIS, Yao et al. 2025); mask: w where it is inside, 0 outside (MIS)."""
+    is_low: float = 0.0
+    """Lower threshold of w (0: none)."""
+    is_high: float = 2.0
+    """Upper threshold of w."""
+    rejection: dict[str, float | list[float]] = field(default_factory=dict)
+    """Rejection masks, chained (a token is kept only if every one keeps it), by verl's names: token_k1/k2/k3,
+    seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3, each with its threshold, e.g. {token_k1: [0.5, 2], seq_max_k3:
+    0.1}. k1 = log(mu / pi), k2 = (log w)^2 / 2, k3 = w - 1 - log w per token; token_ tests each token, seq_ the sum,
+    mean or max over its sequence's model tokens (rejecting the whole sequence). A k1 threshold is ratio bounds [low,
+    high], or one number U for [1/U, U]; a k2 or k3 one an upper bound."""
+    icepop: bool = False
+    """IcePop (Ring-1T, 2025): tokens whose w lies outside icepop_bounds leave the loss."""
+    icepop_bounds: tuple[float, float] = (0.5, 5.0)
+    """IcePop's [low, high] of w."""
+    geo_mask: bool = False
+    """Geometric sequence mask (SkyRL): sequences whose geometric mean of w lies outside geo_mask_bounds leave the
+    loss."""
+    geo_mask_bounds: tuple[float, float] = (0.99, 1.01)
+    """The geometric mask's [low, high]."""
+    opsm: bool = False
+    """Off-policy sequence masking (DeepSeek-V3.2, arXiv:2512.02556; slime's --use-opsm): a token with a negative
+    advantage leaves the loss when its sequence's mean log(mu / pi_current) over its model tokens, the current policy's
+    divergence from the sampler's, exceeds opsm_delta."""
+    opsm_delta: float = 1e-4
+    """OPSM's threshold delta."""
+
+    def enabled(self) -> bool:
+        return self.is_level != "none" or bool(self.rejection) or self.icepop or self.geo_mask or self.opsm
+
+
+@dataclass
 class AlgorithmConfig:
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae", "remax",
                        "opo", "gpg", "grpo_passk", "gdpo", "optimal_token_baseline"] = "grpo"  # fmt: skip
@@ -414,9 +452,19 @@ class AlgorithmConfig:
     (weight by trainer/engine probability ratio, drop tokens above is_cap; Hilton et al. 2022,
     arXiv:2110.00641) or truncated importance sampling (the same ratio clamped at is_cap; Yao et al. 2025).
     auto: tis with --rollout.precision fp8 (FP8 rollouts are off-policy by construction) and the ppo policy loss,
-    else none."""
+    unless rollout_correction is set, else none. decoupled and tis are rollout_correction's token-level weights,
+    is_high is_cap (mask and truncate); the two cannot be set together."""
     is_cap: float = 2.0
     """Cap C of the importance weight exp(trainer logprob - engine logprob)."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Off-policy correction between the trainer's logprobs and the engine's (FP8 rollouts, async staleness), on every
+    schedule: importance weights and rejection masks, composed (`--algorithm.rollout_correction.*`). Metrics under
+    actor/rollout_corr/: each level's (token, seq) share of model tokens masked, weights' mean, max and effective
+    sample size (mean(w)^2 / mean(w^2))."""
+    mask_truncated: bool = False
+    """Responses cut by rollout.max_new_tokens (finish reason length; an episode's last turn) add no loss, and leave
+    the loss's denominators (TRL's mask_truncated_completions); they still count in their group's baseline. Their
+    share: actor/masked_truncated_frac."""
     routing_replay: bool | None = None
     """A mixture-of-experts model: the trainer's forward passes route each token to the experts the rollout
     engine routed it to ("R3"; the router's softmax still weighs them), so a router that would pick others does
@@ -507,6 +555,33 @@ class RewardModelConfig:
 
 
 @dataclass
+class DistillConfig:
+    teacher_path: str | None = None
+    """On-policy distillation (Agarwal et al. 2024, arXiv:2306.13649): a teacher (a Hugging Face causal LM with the
+    policy's tokenizer) scores each group of the student's samples as it completes, its logprobs of the sampled tokens
+    (the prompt logprobs of prompt + response); each model token's advantage is -coef * (student logprob - teacher
+    logprob), the per-token reverse KL, with the engine's logprob as the student's (the sampling policy's). Served
+    like the reward model: SGLang (the embedded engine on CPU), beside the rollout servers or on GPUs of its own."""
+    coef: float = 1.0
+    """Weight of the reverse KL in the advantage."""
+    with_reward: bool = False
+    """false: the reverse KL alone is the advantage (the reward is still computed and logged); true: it is added to
+    `algorithm.advantage`'s advantages."""
+    server_urls: list[str] = field(default_factory=list)
+    """Running servers of the teacher to use instead of starting any (teacher_path still gives its tokenizer)."""
+    num_servers: int = 1
+    """Servers dsrl starts for it."""
+    first_gpu: int = 0
+    """GPU of its first started server (that of the rollout servers colocated: it sleeps and wakes with them)."""
+    mem_fraction_static: float = 0.2
+    """Fraction of GPU memory a started SGLang server of it takes."""
+    server_args: dict[str, Any] = field(default_factory=dict)
+    """Extra launch arguments for its started servers, as rollout.server_args."""
+    timeout_s: float = 60.0
+    """Seconds one group's request may take; a failure follows `algorithm.on_reward_error`."""
+
+
+@dataclass
 class EvalConfig:
     path: str | None = None
     """Held-out prompts (.jsonl, .json or .parquet, the fields of data.train_path) scored with the reward
@@ -580,6 +655,8 @@ class Config:
     """The value model, used with --algorithm.advantage gae."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """A reward model or an LLM judge, served beside the rollouts."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation: a teacher's logprobs of the student's tokens."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation of the policy on held-out prompts."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -777,6 +854,8 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
           "custom rollouts run in colocated schedules (disaggregated ones resume dsrl's own requests)")  # fmt: skip
     validate_agent(cfg, check)
     validate_reward_model(cfg, check, check_paths)
+    validate_correction(a, check)
+    validate_distill(cfg, check, check_paths)
     check(s.bucket_bytes is None or s.bucket_bytes > 0, "sync.bucket_bytes", s.bucket_bytes, "must be > 0")
     check(s.timeout_s > 0, "sync.timeout_s", s.timeout_s, "must be > 0")
     check(s.probe_tolerance is None or s.probe_tolerance > 0, "sync.probe_tolerance", s.probe_tolerance, "must be > 0")
@@ -845,6 +924,54 @@ def validate_agent(cfg: Config, check) -> None:
         check(getattr(g, name) > 0, f"agent.{name}", getattr(g, name), "must be > 0")
 
 
+REJECTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+              "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")  # fmt: skip
+"""verl's rejection masks (`algorithm.rollout_correction.rejection`): seq_max has no k1."""
+
+
+def validate_correction(a: AlgorithmConfig, check) -> None:
+    c, flag = a.rollout_correction, "algorithm.rollout_correction"
+    check(a.off_policy in ("auto", "none") or not c.enabled(), "algorithm.off_policy", a.off_policy,
+          f"set --{flag} or this, not both (decoupled and tis are its token-level weights)")  # fmt: skip
+    check(
+        c.is_level == "none" or a.policy_loss == "ppo",
+        f"{flag}.is_level",
+        c.is_level,
+        "its importance weights multiply PPO's per-token loss: use --algorithm.policy_loss ppo (masks work with any)",
+    )
+    check(0 <= c.is_low < c.is_high, f"{flag}.is_high", c.is_high, f"must be > is_low={c.is_low} >= 0")
+    for name, bound in c.rejection.items():
+        pair = isinstance(bound, list)
+        ok = (name.endswith("k1") or not pair) and (len(bound) == 2 and 0 < bound[0] < bound[1] if pair else bound > 0)
+        check(name in REJECTIONS, f"{flag}.rejection", name, f"expected one of {', '.join(REJECTIONS)}")
+        check(ok, f"{flag}.rejection.{name}", bound, "k1: ratio bounds [low, high] or one number U > 0 for [1/U, U]; "
+              "k2, k3: an upper bound > 0")  # fmt: skip
+    for name in ("icepop_bounds", "geo_mask_bounds"):
+        low, high = getattr(c, name)
+        check(0 <= low < high, f"{flag}.{name}", [low, high], "must be [low, high] with 0 <= low < high")
+    check(c.opsm_delta >= 0, f"{flag}.opsm_delta", c.opsm_delta, "must be >= 0")
+
+
+def validate_distill(cfg: Config, check, check_paths: bool) -> None:
+    d, flag = cfg.distill, "distill"
+    if d.teacher_path is None:
+        check(not d.server_urls, f"{flag}.server_urls", d.server_urls, "needs --distill.teacher_path (its tokenizer)")
+        return
+    if check_paths:
+        check((Path(d.teacher_path) / "config.json").is_file(), f"{flag}.teacher_path", d.teacher_path,
+              "must be a model directory with config.json (e.g. a run's <run_dir>/hf, or `dsrl export`'s)")  # fmt: skip
+    check(d.coef > 0, f"{flag}.coef", d.coef, "must be > 0")
+    for url in d.server_urls:
+        check(url.startswith(("http://", "https://")), f"{flag}.server_urls", url, "must start with http://")
+    check(d.num_servers >= 1, f"{flag}.num_servers", d.num_servers, "must be >= 1")
+    check(d.timeout_s > 0, f"{flag}.timeout_s", d.timeout_s, "must be > 0")
+    used = 0.0
+    if beside_rollouts(cfg, d):
+        used = cfg.rollout.mem_fraction_static + reward_beside_rollouts(cfg) * cfg.reward_model.mem_fraction_static
+    check(0 < d.mem_fraction_static < 1 - used, f"{flag}.mem_fraction_static", d.mem_fraction_static,
+          f"must be in (0, {1 - used:.2f}): beside the rollout servers' (and the reward model's) share")  # fmt: skip
+
+
 def validate_reward_model(cfg: Config, check, check_paths: bool) -> None:
     m, r = cfg.reward_model, cfg.rollout
     if m.path is None:
@@ -890,8 +1017,18 @@ def reward_model_kind(path: str) -> tuple[str | None, str]:
 def reward_beside_rollouts(cfg: Config) -> bool:
     """Whether dsrl starts the reward model's servers on the rollout servers' GPUs, colocated with the trainer: they
     sleep and wake with the rollout servers, and the memory planner counts them."""
-    m, r = cfg.reward_model, cfg.rollout
-    return bool(m.path) and not m.server_urls and r.placement == "colocate" and m.first_gpu == r.first_gpu
+    return beside_rollouts(cfg, cfg.reward_model)
+
+
+def beside_rollouts(cfg: Config, m: "RewardModelConfig | DistillConfig") -> bool:
+    """`reward_beside_rollouts` for the reward model's or the teacher's (`distill`) servers."""
+    path = m.path if isinstance(m, RewardModelConfig) else m.teacher_path
+    return (
+        bool(path)
+        and not m.server_urls
+        and cfg.rollout.placement == "colocate"
+        and m.first_gpu == cfg.rollout.first_gpu
+    )
 
 
 def reward_rollout(cfg: Config, used: float = 0.0) -> RolloutConfig:
@@ -900,7 +1037,12 @@ def reward_rollout(cfg: Config, used: float = 0.0) -> RolloutConfig:
     `used`: the share of the GPU other tenants hold when they start; SGLang fills a GPU up to its mem_fraction_static,
     so that is their share plus this."""
     m = cfg.reward_model
-    args = {"is_embedding": not m.judge_template, "enable_weights_cpu_backup": cfg.rollout.placement == "colocate"}
+    return side_rollout(cfg, m, {"is_embedding": not m.judge_template}, used)
+
+
+def side_rollout(cfg: Config, m: "RewardModelConfig | DistillConfig", args: dict, used: float = 0.0) -> RolloutConfig:
+    """`reward_rollout` for the reward model's or the teacher's servers (`args`: their own launch arguments)."""
+    args = args | {"enable_weights_cpu_backup": cfg.rollout.placement == "colocate"}
     share = min(0.95, m.mem_fraction_static + used)
     return replace(cfg.rollout, server_urls=m.server_urls, fleet="external" if m.server_urls else "local",
                    num_servers=m.num_servers, first_gpu=m.first_gpu, tp_size=1, interrupt="wait",

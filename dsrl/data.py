@@ -54,8 +54,9 @@ class EpisodeRecord:
 
 
 TokenField = Literal[
-    "old_logprobs", "ref_logprobs", "values", "advantages", "returns", "engine_logprobs", "sum_pi_squared"
-]
+    "old_logprobs", "ref_logprobs", "values", "advantages", "returns", "engine_logprobs", "sum_pi_squared",
+    "teacher_logprobs"
+]  # fmt: skip
 """The fields of a `Sample` that hold one value per response token."""
 
 
@@ -95,8 +96,11 @@ class Sample:
     """[(first token index, weight version)] of the model's tokens (index None where not known: a request
     paused through an update, `rollout.interrupt pause`)."""
     skip: bool = False
-    """Its reward failed (`--algorithm.on_reward_error skip`): no loss, no evaluation score."""
+    """No loss: its reward failed (`--algorithm.on_reward_error skip`; then no evaluation score either), or it was cut
+    at max_new_tokens (`--algorithm.mask_truncated`)."""
     episode: EpisodeRecord | None = None  # (an agent's episode)
+    teacher_logprobs: list[float] | None = None
+    """The teacher's logprobs of `response_ids` (`--distill.teacher_path`)."""
     reward_model: float | None = None  # (the reward model's raw score, and the rule's beside it: --reward_model)
     reward_rule: float | None = None
     reward_baseline: float | None = None  # (the reward of a greedy response to its prompt: --algorithm.advantage remax)

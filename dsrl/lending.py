@@ -1,6 +1,6 @@
 """GPU lending: colocated, the trainers and the servers take turns on the GPU. Which tenant gives up what, and when:
 
-    to_trainers     the batch is generated: the servers (the rollout servers, then the reward model's) release
+    to_trainers     the batch is generated: the servers (the rollout servers, the reward model's, the teacher's) release
                     their KV cache, and their weights unless they keep them (an adapter's base, one-step-off);
                     offloaded trainers' states come back
     wake_kv_cache   one-step-off, after the update's last backward pass: the KV cache comes back for the batch
@@ -72,12 +72,12 @@ def kv_tokens(client: RolloutClient) -> int:
 
 class GpuLending:
     def __init__(
-        self, cfg: Config, client: RolloutClient, trainers: list, plan: MemoryPlan | None = None, reward=None,
+        self, cfg: Config, client: RolloutClient, trainers: list, plan: MemoryPlan | None = None, tenants=(),
         fleet=None,
     ):  # fmt: skip
-        """`trainers`: the engines with states (actor, critic); `plan`: the memory plan's decisions; `reward` (rank 0):
-        the reward model's servers; `fleet` (rank 0): the rollout servers' (a replacement or a new server joins
-        asleep, as the others are)."""
+        """`trainers`: the engines with states (actor, critic); `plan`: the memory plan's decisions; `tenants` (rank 0):
+        the reward model's and the teacher's servers; `fleet` (rank 0): the rollout servers' (a replacement or a new
+        server joins asleep, as the others are)."""
         plan = plan or MemoryPlan()
         self.trainers, self.offload, self.moments_share = trainers, plan.offload, plan.share
         self.colocated = cfg.rollout.placement == "colocate"
@@ -88,7 +88,7 @@ class GpuLending:
         """What the servers release while the trainers train; serving an adapter (whose base is sent once: SGLang drops
         released weights' contents), or generating ahead (with the weights just trained on), they keep their weights."""
         self.memory = ServerMemory(client)
-        self.servers = [self.memory, *([reward] if reward is not None else [])] if dist.get_rank() == 0 else []
+        self.servers = [self.memory, *tenants] if dist.get_rank() == 0 else []
         """The tenants, in the order they go to sleep (they wake the other way round)."""
         self.fleet = fleet if self.colocated and dist.get_rank() == 0 else None
         self.startup_timeout_s = cfg.rollout.startup_timeout_s

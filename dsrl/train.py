@@ -43,6 +43,7 @@ from dsrl.metrics import MetricsWriter, Timer, configure_logging, gather_lists, 
 from dsrl.moe import routing_replay, with_routed_experts
 from dsrl.rewards.models import start_reward_model
 from dsrl.rewards.rewarder import Rewarder
+from dsrl.rewards.teacher import start_teacher
 from dsrl.rollout.episode import EpisodeRunner, episode_metrics, sample_row
 from dsrl.rollout.manager import schedule
 from dsrl.rollout.rollouts import Batch, Rollouts, rollout_metrics
@@ -201,9 +202,11 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     fleet, client = start_rollout_servers(cfg, servers_dir, run_dir, launched)
     client.return_routed_experts = replay  # (a mixture of experts replays the servers' routing: dsrl.moe)
     reward_model = start_reward_model(cfg, tokenizer, client, run_dir, rank == 0)
-    rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env), model=reward_model)
+    teacher = start_teacher(cfg, tokenizer, client, run_dir, rank == 0)
+    rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env), model=reward_model, teacher=teacher)
     rewarder.restore((rank_state or {}).get("rewarder"))
-    gpu = GpuLending(cfg, client, trainer.engines, plan, reward_model if rank == 0 else None, fleet)
+    tenants = [m for m in (reward_model, teacher) if m is not None and rank == 0]
+    gpu = GpuLending(cfg, client, trainer.engines, plan, tenants, fleet)
     backend, fp8 = "nccl" if use_cuda(cfg) else "gloo", cfg.rollout.precision == "fp8"
     transport = make_transport(cfg.sync, client, run_dir, backend, cfg.rollout.tp_size, fp8)
     rollouts = schedule(client, cfg, dataset, rewarder, rank, world, runner, rank_state, start_step)

@@ -44,6 +44,20 @@ def default(f: dataclasses.Field) -> str:
     return "(required)"
 
 
+def rows(cls, prefix: str) -> list[str]:
+    """A table row per field of `cls`; a field that is a dataclass itself, its doc then a row per field of it."""
+    docs, types, out = field_docs(cls), typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        doc = docs.get(f.name, "").replace("|", "\\|")
+        if dataclasses.is_dataclass(types[f.name]):
+            out.append(f"| `--{prefix}.{f.name}.*` | | | {doc} |")
+            out += rows(types[f.name], f"{prefix}.{f.name}")
+            continue
+        kind = type_name(types[f.name]).replace("|", "\\|")
+        out.append(f"| `--{prefix}.{f.name}` | `{kind}` | `{default(f)}` | {doc} |")
+    return out
+
+
 def render() -> str:
     lines = [
         "# Configuration reference",
@@ -62,11 +76,7 @@ def render() -> str:
             continue
         lines += [f"## `{section.name}`: {field_docs(Config).get(section.name, '')}", ""]
         lines += ["| flag | type | default | what it does |", "|---|---|---|---|"]
-        docs, types = field_docs(cls), typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            doc = docs.get(f.name, "").replace("|", "\\|")
-            kind = type_name(types[f.name]).replace("|", "\\|")
-            lines.append(f"| `--{section.name}.{f.name}` | `{kind}` | `{default(f)}` | {doc} |")
+        lines += rows(cls, section.name)
         lines.append("")
     return "\n".join(lines)
 

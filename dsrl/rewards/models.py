@@ -8,7 +8,7 @@ import threading
 import time
 
 from dsrl.auto import use_cuda
-from dsrl.config import Config, RewardModelConfig, RolloutConfig, reward_beside_rollouts, reward_rollout
+from dsrl.config import Config, DistillConfig, RewardModelConfig, RolloutConfig, beside_rollouts, side_rollout
 from dsrl.data import Sample
 from dsrl.rewards.rules import load_function
 from dsrl.serving.client import RolloutClient, ServerError
@@ -16,25 +16,102 @@ from dsrl.serving.fleet import start_fleet_for_ranks
 from dsrl.serving.servers import Fleet, answers
 
 
-class RewardModel:
-    """One trainer rank's view of the reward servers; rank 0 also owns them (restart, sleep, wake)."""
+class ServedModel:
+    """One trainer rank's view of the servers of a model beside the policy (`group`: its config, `reward_model` or
+    `distill`); rank 0 also owns them (restart, sleep, wake)."""
+
+    timing = "reward/model"
+    """The prefix of its timing metrics (`take_timing`)."""
+
+    def __init__(self, cfg: Config, group: RewardModelConfig | DistillConfig, client: RolloutClient, fleet: Fleet,
+                 rank0: bool):  # fmt: skip
+        self.client, self.fleet, self.rank0, self.timeout_s = client, fleet, rank0, group.timeout_s
+        self.colocated = beside_rollouts(cfg, group)
+        self.startup_timeout_s = cfg.rollout.startup_timeout_s
+        self.released: tuple[str, ...] = ()  # (rank 0) what the servers released, colocated
+        self.restarting = threading.Lock()  # one restart of a server, however many groups saw it die
+        self.busy, self.busy_since, self.busy_s, self.asked, self.answered = 0, 0.0, 0.0, 0.0, 0.0
+
+    async def post(self, path: str, body: dict, key: int) -> list[dict]:
+        """One group's request. A server that stops answering is restarted (rank 0; it keeps its URL, so every
+        rank's requests find it again) and the request sent again; one that answers but fails, or does not answer
+        within its timeout_s, fails the group."""
+        deadline, attempt, urls = time.perf_counter() + self.startup_timeout_s, 0, self.fleet.urls
+        self._busy(1)
+        try:
+            while True:
+                url = urls[(key + attempt) % len(urls)]
+                try:
+                    return await self.client.request(url, path, body, timeout_s=self.timeout_s)
+                except ServerError as e:
+                    if not e.down or time.perf_counter() > deadline or await asyncio.to_thread(answers, url):
+                        raise
+                attempt += 1
+                if self.rank0:
+                    await asyncio.to_thread(self.restart, url)
+                else:
+                    await asyncio.sleep(1.0)
+        finally:
+            self._busy(-1)
+
+    def restart(self, url: str) -> None:
+        with self.restarting:
+            if url in (self.fleet.exited() or ()):  # (external servers: None, wait for them)
+                self.fleet.replace({url})
+
+    def _busy(self, delta: int) -> None:
+        now = time.perf_counter()
+        if self.busy == 0:
+            self.busy_since = now
+        self.busy += delta
+        if self.busy == 0:
+            self.busy_s, self.answered = self.busy_s + now - self.busy_since, now
+
+    def take_timing(self) -> dict[str, float]:
+        """Seconds with a request out since the last call, and of those the ones after the last group was asked
+        for (the scoring generation did not hide)."""
+        exposed = max(0.0, self.answered - self.asked)
+        timing = {f"{self.timing}_seconds": self.busy_s, f"{self.timing}_exposed_s": exposed}
+        self.busy_s = 0.0
+        return timing
+
+    def release(self, tags: tuple[str, ...]) -> None:
+        """Colocated (rank 0), a tenant of the GPU (`dsrl.lending`): the servers release `tags` with the rollout
+        servers (dsrl starts them with a host copy of their weights, which come back with their contents)."""
+        if self.colocated:
+            self.client.run(
+                self.client.all_servers("/release_memory_occupation", {"tags": list(tags)}, urls=self.fleet.urls)
+            )
+            self.released = tuple(tags)
+
+    def resume(self, tag: str) -> None:
+        """Colocated (rank 0): with the KV cache, all that `release` released comes back (once the trainers'
+        memory has gone); a server that died meanwhile is restarted, awake."""
+        if tag == "kv_cache" and self.released:
+            dead = self.fleet.exited() or set()
+            if dead:
+                self.fleet.replace(dead)
+            urls = [url for url in self.fleet.urls if url not in dead]
+            self.client.run(
+                self.client.all_servers("/resume_memory_occupation", {"tags": list(self.released)}, urls=urls)
+            )
+            self.released = ()
+
+
+class RewardModel(ServedModel):
+    """The reward model's or judge's servers."""
 
     def __init__(self, cfg: Config, tokenizer, client: RolloutClient, fleet: Fleet, rank0: bool):
         from transformers import AutoConfig, AutoTokenizer
 
+        super().__init__(cfg, cfg.reward_model, client, fleet, rank0)
         m = self.cfg = cfg.reward_model
-        self.policy, self.client, self.fleet, self.rank0 = tokenizer, client, fleet, rank0
-        self.prompt_key = cfg.data.prompt_key
+        self.policy, self.prompt_key = tokenizer, cfg.data.prompt_key
         self.tokenizer = AutoTokenizer.from_pretrained(m.path, trust_remote_code=cfg.model.trust_remote_code)
         self.parse = load_function(m.judge_parse_fn, "reward_model.judge_parse_fn") if m.judge_template else None
         self.token_ids = sends_token_ids(m, tokenizer, self.tokenizer)
         context = getattr(AutoConfig.from_pretrained(m.path), "max_position_embeddings", None) or 1 << 30
         self.max_length = min(m.max_length or context, context - (m.judge_max_new_tokens if self.parse else 0))
-        self.colocated = reward_beside_rollouts(cfg)
-        self.startup_timeout_s = cfg.rollout.startup_timeout_s
-        self.released: tuple[str, ...] = ()  # (rank 0) what the servers released, colocated
-        self.restarting = threading.Lock()  # one restart of a server, however many groups saw it die
-        self.busy, self.busy_since, self.busy_s, self.asked, self.answered = 0, 0.0, 0.0, 0.0, 0.0
 
     async def score(self, samples: list[Sample]) -> list[tuple[float | None, str | None]]:
         """The group's scores in one request, or why they failed (per sample)."""
@@ -84,70 +161,6 @@ class RewardModel:
             why = f"--reward_model.judge_parse_fn={self.cfg.judge_parse_fn} raised on the verdict {text!r}: {e!r}"
             return None, why
 
-    async def post(self, path: str, body: dict, key: int) -> list[dict]:
-        """One group's request. A server that stops answering is restarted (rank 0; it keeps its URL, so every
-        rank's requests find it again) and the request sent again; one that answers but fails, or does not answer
-        within --reward_model.timeout_s, fails the group."""
-        deadline, attempt, urls = time.perf_counter() + self.startup_timeout_s, 0, self.fleet.urls
-        self._busy(1)
-        try:
-            while True:
-                url = urls[(key + attempt) % len(urls)]
-                try:
-                    return await self.client.request(url, path, body, timeout_s=self.cfg.timeout_s)
-                except ServerError as e:
-                    if not e.down or time.perf_counter() > deadline or await asyncio.to_thread(answers, url):
-                        raise
-                attempt += 1
-                if self.rank0:
-                    await asyncio.to_thread(self.restart, url)
-                else:
-                    await asyncio.sleep(1.0)
-        finally:
-            self._busy(-1)
-
-    def restart(self, url: str) -> None:
-        with self.restarting:
-            if url in (self.fleet.exited() or ()):  # (external servers: None, wait for them)
-                self.fleet.replace({url})
-
-    def _busy(self, delta: int) -> None:
-        now = time.perf_counter()
-        if self.busy == 0:
-            self.busy_since = now
-        self.busy += delta
-        if self.busy == 0:
-            self.busy_s, self.answered = self.busy_s + now - self.busy_since, now
-
-    def take_timing(self) -> dict[str, float]:
-        """Seconds with a request out since the last call, and of those the ones after the last group was asked
-        for (the scoring generation did not hide)."""
-        exposed = max(0.0, self.answered - self.asked)
-        timing, self.busy_s = {"reward/model_seconds": self.busy_s, "reward/model_exposed_s": exposed}, 0.0
-        return timing
-
-    def release(self, tags: tuple[str, ...]) -> None:
-        """Colocated (rank 0), a tenant of the GPU (`dsrl.lending`): the servers release `tags` with the rollout
-        servers (dsrl starts them with a host copy of their weights, which come back with their contents)."""
-        if self.colocated:
-            self.client.run(
-                self.client.all_servers("/release_memory_occupation", {"tags": list(tags)}, urls=self.fleet.urls)
-            )
-            self.released = tuple(tags)
-
-    def resume(self, tag: str) -> None:
-        """Colocated (rank 0): with the KV cache, all that `release` released comes back (once the trainers'
-        memory has gone); a server that died meanwhile is restarted, awake."""
-        if tag == "kv_cache" and self.released:
-            dead = self.fleet.exited() or set()
-            if dead:
-                self.fleet.replace(dead)
-            urls = [url for url in self.fleet.urls if url not in dead]
-            self.client.run(
-                self.client.all_servers("/resume_memory_occupation", {"tags": list(self.released)}, urls=urls)
-            )
-            self.released = ()
-
 
 def start_reward_model(cfg: Config, tokenizer, client: RolloutClient, run_dir, rank0: bool) -> RewardModel | None:
     """With --reward_model.path: its servers, started beside the rollouts' (by rank 0; every rank learns their URLs)."""
@@ -160,15 +173,20 @@ def start_reward_model(cfg: Config, tokenizer, client: RolloutClient, run_dir, r
 
 
 def reward_servers(cfg: Config, cuda: bool) -> RolloutConfig:
-    """The reward model's servers' config. SGLang fills its GPU up to mem_fraction_static, so colocated on a GPU
-    their share counts what the other tenants hold when they start (`reward_rollout`)."""
+    """The reward model's servers' config (`side_servers`)."""
+    return side_servers(cfg, cfg.reward_model, {"is_embedding": not cfg.reward_model.judge_template}, cuda)
+
+
+def side_servers(cfg: Config, group: RewardModelConfig | DistillConfig, args: dict, cuda: bool) -> RolloutConfig:
+    """The servers' config of the reward model or the teacher. SGLang fills its GPU up to mem_fraction_static, so
+    colocated on a GPU their share counts what the other tenants hold when they start (`side_rollout`)."""
     used = 0.0
-    if cuda and reward_beside_rollouts(cfg):
+    if cuda and beside_rollouts(cfg, group):
         import torch
 
         free, total = torch.cuda.mem_get_info()
         used = 1 - free / total
-    return reward_rollout(cfg, used)
+    return side_rollout(cfg, group, args, used)
 
 
 def sends_token_ids(m: RewardModelConfig, policy, own) -> bool:

@@ -13,6 +13,7 @@ from dsrl.data import Sample
 from dsrl.rewards.models import RewardModel
 from dsrl.rewards.pool import NOT_SCORED, WorkerPool, call_reward
 from dsrl.rewards.rules import load_function
+from dsrl.rewards.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,9 @@ class Rewarder:
     event loop either way. A row whose reward fails stops the run naming it, or (on_reward_error skip) its group
     leaves the loss and is counted."""
 
-    def __init__(self, cfg: AlgorithmConfig, tokenizer, fn=None, env: bool = False, model: RewardModel | None = None):
-        self.env, self.pool, self.model = env, None, model
+    def __init__(self, cfg: AlgorithmConfig, tokenizer, fn=None, env: bool = False, model: RewardModel | None = None,
+                 teacher: Teacher | None = None):  # fmt: skip
+        self.env, self.pool, self.model, self.teacher = env, None, model, teacher
         self.rule = model is None or model.cfg.w_rule is not None
         """Whether the rule reward is computed (with a reward model, only when --reward_model.w_rule is set)."""
         if self.rule and not env:
@@ -74,8 +76,9 @@ class Rewarder:
         """Whether scored groups update `moments` (not an evaluation's: `frozen`)."""
 
     async def score_group(self, samples: list[Sample]) -> None:
-        """The group's rewards, its rule and model scores computed side by side."""
+        """The group's rewards, its rule and model scores (and the teacher's logprobs) computed side by side."""
         jobs = ([self._rule(samples)] if self.rule else []) + ([self._model(samples)] if self.model else [])
+        jobs += [self._teacher(samples)] if self.teacher else []
         self.settle(samples, dict(await asyncio.gather(*jobs)))
 
     async def _rule(self, samples: list[Sample]) -> tuple[str, tuple[str, list]]:
@@ -90,6 +93,9 @@ class Rewarder:
 
     async def _model(self, samples: list[Sample]) -> tuple[str, tuple[str, list]]:
         return "model", ("judge" if self.model.parse else "reward model", await self.model.score(samples))
+
+    async def _teacher(self, samples: list[Sample]) -> tuple[str, tuple[str, list]]:
+        return "teacher", ("teacher", await self.teacher.score(samples))  # (failures only: fail or skip the group)
 
     def settle(self, samples: list[Sample], parts: dict[str, tuple[str, list[tuple]]]) -> None:
         """Set the group's rewards from each part's (value, error) pairs, or fail or skip it (on_reward_error)."""
@@ -129,9 +135,10 @@ class Rewarder:
 
     def metrics(self, samples: list[Sample], prefix: str = "reward/") -> dict[str, float]:
         """The batch's model and rule scores, raw (the same keys on every rank); the model's timing (`take_timing`)."""
+        out = self.teacher.take_timing() if self.teacher and prefix == "reward/" else {}
         if self.model is None:
-            return {}
-        out = self.model.take_timing() if prefix == "reward/" else {}
+            return out
+        out |= self.model.take_timing() if prefix == "reward/" else {}
         scores = {"model": [s.reward_model for s in samples], "rule": [s.reward_rule for s in samples]}
         for kind in ("model", "rule") if self.rule else ("model",):
             values = [v for v in scores[kind] if v is not None] or [0.0]
@@ -140,9 +147,9 @@ class Rewarder:
         return out
 
     def frozen(self) -> "Rewarder":
-        """This rewarder, scoring without moving the running normalisation (an evaluation's)."""
+        """This rewarder, scoring without moving the running normalisation and without the teacher (an evaluation's)."""
         view = copy.copy(self)
-        view.learn = False
+        view.learn, view.teacher = False, None
         return view
 
     def state(self) -> dict:
@@ -154,8 +161,9 @@ class Rewarder:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
-        if self.model is not None:
-            self.model.fleet.stop()
+        for served in (self.model, self.teacher):
+            if served is not None:
+                served.fleet.stop()
 
 
 def importable_spec(fn) -> str | None:

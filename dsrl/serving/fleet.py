@@ -33,8 +33,9 @@ def start_fleet(
     role: str = "rollout",
 ) -> Fleet:
     """The run's servers: external URLs, Ray actors, or `cfg.num_servers` subprocesses here (the
-    embedded engine, or SGLang on consecutive GPUs from `first_gpu`). The reward model's (`role` reward) log to
-    reward_server_<i>.log and keep their port when restarted: every trainer rank holds their URLs."""
+    embedded engine, or SGLang on consecutive GPUs from `first_gpu`). The reward model's and the teacher's (`role`
+    reward, teacher) log to <role>_server_<i>.log and keep their port when restarted: every trainer rank holds their
+    URLs."""
     kind = fleet_kind(cfg)
     if kind == "external":
         for url in cfg.server_urls:
@@ -61,11 +62,11 @@ def launch_fleet(cfg: RolloutConfig, model_path: str, run_dir: Path, seed: int, 
     env, host, ports = server_env(engine), server_host(cfg, multi_node), {}
 
     def launch(i: int, args: dict | None = None) -> ServerProcess:
-        port = ports[i] = (ports.get(i) if role == "reward" else None) or free_port(host)
+        port = ports[i] = (ports.get(i) if role != "rollout" else None) or free_port(host)
         given = with_server_args(cfg, args)
         cmd = server_command(given, engine, model_path, host, port, seed + i, cfg.first_gpu + i * cfg.tp_size, log_dir)
         log.info("starting %s server %d: %s", role, i, " ".join(cmd))
-        prefix = "reward_" if role == "reward" else ""
+        prefix = f"{role}_" if role != "rollout" else ""
         return spawn(cmd, env, log_dir / f"{prefix}server_{i}.log", f"http://{host}:{port}")
 
     fleet = ServerFleet(urls=[], launch=launch, startup_timeout_s=cfg.startup_timeout_s)

@@ -16,6 +16,7 @@ from dsrl.algorithms import LOG_RATIO_LIMIT, LOSS_KNOBS, POLICY_LOSSES, aggregat
 from dsrl.auto import old_from_update, packs
 from dsrl.collectives import reduce_device
 from dsrl.config import Config
+from dsrl.correction import correct, with_ess
 from dsrl.data import Sample, TokenField
 from dsrl.moe import replay_inputs
 from dsrl.zero.batches import MicroBatch, largest_micro_batch, micro_batches
@@ -155,18 +156,23 @@ def micro_batch_loss(
     else:
         old = per_token(mb, "old_logprobs")
     agg = (a.loss_agg, num_tokens, num_seqs)
-    weights = None
+    weights, corrected = None, {}
     if a.policy_loss == "ppo" and a.off_policy not in ("none", "auto"):  # (auto: none unless `dsrl.auto` decided)
         behaviour = per_token(mb, "engine_logprobs")
         weights = importance_weights(old, behaviour, a.off_policy, a.is_cap)
+    elif a.rollout_correction.enabled():  # masked tokens leave every term of the loss, not its denominators
+        behaviour = per_token(mb, "engine_logprobs")
+        weights, kept, corrected = correct(a.rollout_correction, old, behaviour, logprobs.detach(), advantages, mask)
+        mask = mask * kept
     knobs = {k: getattr(a, k) for k in LOSS_KNOBS.get(a.policy_loss, ())}
     if weights is not None:
         knobs["is_weights"] = weights
     loss, stats = POLICY_LOSSES[a.policy_loss](
         logprobs, old, advantages, mask, a.clip_low, a.clip_high, *agg, horizon=cfg.rollout.max_new_tokens, **knobs
     )
-    if weights is not None:
+    if weights is not None and not corrected:
         stats |= importance_stats(old, behaviour, weights, mask, a.is_cap)
+    stats |= corrected
     n = mask.sum().clamp(min=1)
     stats["pg_loss"] = loss.detach()
     if kl_coef > 0 and not a.kl_in_reward:
@@ -176,7 +182,7 @@ def micro_batch_loss(
     if a.entropy_coef > 0:
         loss = loss - a.entropy_coef * aggregate(entropy, mask, *agg, cfg.rollout.max_new_tokens)
     stats["entropy"] = (entropy.detach() * mask).sum() / n
-    return loss, stats, mask
+    return loss, stats, mb.mask
 
 
 def importance_stats(old, behaviour, weights, mask, cap: float) -> dict[str, torch.Tensor]:
@@ -250,7 +256,7 @@ def run_updates(
                 tokens_seen += weight
             grad_norms.append(float(engine.get_global_grad_norm() or 0.0))
             lrs.append(engine.get_lr()[0])
-    out = {k: v / max(tokens_seen, 1.0) for k, v in sums.items()}
+    out = with_ess({k: v / max(tokens_seen, 1.0) for k, v in sums.items()})
     out.update(maxima)
     out["padded_frac"] = 1 - real / max(ran, 1)
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dsrl.auto import count_params, device_memory, local_ranks, use_cuda, weight_bytes
-from dsrl.config import Config, critic_of_its_own, reward_beside_rollouts
+from dsrl.config import Config, beside_rollouts, critic_of_its_own
 from dsrl.moe import is_moe
 from dsrl.zero.actor import LOGPROB_CHUNK
 from dsrl.zero.batches import largest_micro_batch
@@ -150,9 +150,9 @@ def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
 
 def servers_bytes(cfg: Config, total: float) -> tuple[float, float]:
     """What the colocated servers take of a GPU of `total` bytes while they generate: the rollout servers' share with
-    the reward model's beside it (the third tenant), and the reward model's alone."""
-    reward = cfg.reward_model.mem_fraction_static * total if reward_beside_rollouts(cfg) else 0.0
-    return cfg.rollout.mem_fraction_static * total + reward, reward
+    the reward model's and the teacher's beside it (the third and fourth tenants), and those two's alone."""
+    side = sum(m.mem_fraction_static * total for m in (cfg.reward_model, cfg.distill) if beside_rollouts(cfg, m))
+    return cfg.rollout.mem_fraction_static * total + side, side
 
 
 def check_device_memory(cfg: Config, model_dir: str, world: int) -> None:
@@ -365,7 +365,7 @@ def plan_memory(cfg: Config, engines: list, resumed: bool = False) -> MemoryPlan
     room = replacement_room(total, PEAK_SLACK * peak, server_weights)
     kv = cfg.rollout.mem_fraction_static * total - server_weights  # (a server's KV cache, as `size_replacements`)
     why = (
-        f"generating: trainers' states {states / GB:.1f} GB + servers {servers / GB:.1f} GB (the reward model's "
+        f"generating: trainers' states {states / GB:.1f} GB + servers {servers / GB:.1f} GB (reward model and teacher "
         f"{reward / GB:.1f}) + margin {spare / GB:.1f} GB {'fit in' if keep else 'exceed'} the GPU's "
         f"{total / GB:.1f} GB; updating: at most {peak / GB:.1f} GB (states and a micro-batch of {tokens} tokens, "
         f"layers {'checkpointed' if checkpointed else 'not checkpointed'}); a dead server's replacement "

@@ -26,6 +26,15 @@ class TrainingError(RuntimeError):
     """The run cannot go on (e.g. too many non-finite steps in a row)."""
 
 
+def mask_truncated(samples: list[Sample]) -> dict[str, float]:
+    """--algorithm.mask_truncated: the responses cut at max_new_tokens add no loss (`Sample.skip`; their rewards have
+    made their groups' baselines), and their share."""
+    cut = [s for s in samples if s.finish_reason == "length"]
+    for s in cut:
+        s.skip = True
+    return {"actor/masked_truncated_frac": len(cut) / len(samples)}
+
+
 class Trainer:
     def __init__(self, cfg: Config, model_dir: str, world: int, tokenizer):
         self.cfg, self.model_dir = cfg, model_dir
@@ -86,6 +95,7 @@ class Trainer:
         no actor starts nothing)."""
         cfg, pad_id, kl = self.cfg, self.pad_id, self.kl.value
         stats = compute_advantages(samples, cfg, kl) if finite else {}
+        stats |= mask_truncated(samples) if cfg.algorithm.mask_truncated else {}
         advantages = [s.advantages for s in samples] if finite else []
         if finite and all_ranks(all(torch.isfinite(a).all() for a in advantages)):
             actor = self.trains_actor(step)
