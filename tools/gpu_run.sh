@@ -493,7 +493,7 @@ print('verl stack: verl', verl.__version__, 'sglang', sglang.__version__, 'trans
       done
       ;;
     soak)  # `dsrl train` on the tail workload for SOAK_STEPS steps, one line per run (issue 60; tools/soak.py). SOAK_RUNS:
-      # NAME:GPUS[:split][:killK][:stepsN] each, e.g. "colo1:1 colo2_kill:2:kill5:steps14 async2:2:split"; SOAK_EXTRA: flags for every
+      # NAME:GPUS[:split][:killK|:synckillK (in the sync after step K)][:stepsN] each, e.g. "colo1:1 colo2_kill:2:kill5:steps14 async2:2:split"; SOAK_EXTRA: flags for every
       # run (after the workload's), SOAK_EXTRA_<NAME> one run's; SOAK_MODEL (1.5b) or SOAK_MODEL_<NAME>, a model of
       # MODELS; SOAK_LIMIT: seconds a run
       for spec in ${SOAK_RUNS:-colo1:1}; do
@@ -501,6 +501,7 @@ print('verl stack: verl', verl.__version__, 'sglang', sglang.__version__, 'trans
         flags=(--gpus "$gpus" --steps "${SOAK_STEPS:-50}" --limit "${SOAK_LIMIT:-500}")
         for o in $opt1 $opt2 $opt3; do
           case $o in split) flags+=(--split) ;; kill*) flags+=(--kill-at "${o#kill}" --kill-server 0) ;;
+            synckill*) flags+=(--kill-at "${o#synckill}" --kill-in-sync --kill-server 0) ;;
             steps*) flags+=(--steps "${o#steps}") ;; esac
         done
         extra_var="SOAK_EXTRA_$name" model_var="SOAK_MODEL_$name"

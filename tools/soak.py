@@ -127,6 +127,17 @@ def summary(name: str, run_dir: Path, rc, kill_step: int | None, started: float,
     return record
 
 
+def await_sync(log: Path, deadline: float) -> None:
+    """Until the server's log says it woke for the next weight update (colocated, the update's first request), polled
+    every 5 ms: a kill then lands in the send or the KV cache's wake."""
+    with open(log, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        seen = b""
+        while time.monotonic() < deadline and b"POST /resume_memory_occupation" not in seen:
+            seen = seen[-200:] + f.read()
+            time.sleep(0.005)
+
+
 class HostMemory:
     """The host's memory in use (total less available) at its peak, in GB, sampled every 2 s while the run lasts (the
     32B run whose rank the kernel killed when ZeRO-Offload's states filled the host said only "status 247")."""
@@ -147,6 +158,9 @@ def main() -> None:
     p.add_argument("--split", action="store_true", help="trainer ranks and servers on GPUs of their own (half each)")
     p.add_argument("--kill-at", type=int, help="kill -9 a rollout server once this step has logged")
     p.add_argument("--kill-server", type=int, default=0)
+    p.add_argument("--kill-in-sync", action="store_true",
+                   help="with --kill-at: kill at the next weight update instead, once the server has woken its weights "
+                   "for it (its log's next `POST /resume_memory_occupation`; colocated)")  # fmt: skip
     p.add_argument("--limit", type=float, default=540, help="seconds the run may take")
     p.add_argument("--data", type=Path, default=ROOT / "examples/toy/train.jsonl")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/soak"))
@@ -174,6 +188,8 @@ def main() -> None:
             log.flush()
             logged = re.search(rf"step (\d+)/{args.steps} \|", line)
             if args.kill_at and kill_step is None and logged and int(logged.group(1)) >= args.kill_at:
+                if args.kill_in_sync:
+                    await_sync(work / "run" / "logs" / f"server_{args.kill_server}.log", deadline)
                 pids = server_pids(proc.pid, args.kill_server)
                 for pid in pids:
                     os.kill(pid, 9)
