@@ -1,0 +1,155 @@
+"""The servers' half of the shard transport (`dsrl.sync.shards`): a custom weight loader that takes one bucket from
+every trainer rank at once, each rank's own ZeRO-3 partition over a weight-update group of its own. SGLang calls it
+through its stock hook (started with `--custom-weight-loader dsrl.serving.shard_loader.load`, each bucket one
+/update_weights_from_tensor with that load_format); the embedded engine calls the same code, over gloo.
+
+The request's one named tensor is the bucket's header (JSON, `encode_header`): its tensors (name, dtype, shape, and
+elements per trainer rank, as ZeRO-3 partitions them), the groups (one per trainer rank, in rank order), and whether
+it is a delta. Each rank then broadcasts in its group its 2-byte words of the bucket, its part of each tensor back
+to back:
+    full    those words
+    delta   [changed words, checksum] (int64), then the changed words' positions (int32) and values (int16)
+A delta lands on the weights as last loaded; then the bucket's `checksum` must equal the sum of the ranks', which
+holds only if this server held exactly what the trainer last sent. A mismatch is counted, not raised (SGLang's
+scheduler dies of a loader's exception), and the last bucket of a delta reports the count to trainer rank 0 (an
+all-gather in its group), which then sends every weight in full.
+
+The embedded engine's model has the trainer's layout (Hugging Face's): the words land in its parameters in place.
+SGLang fuses and shards them, so there the loader keeps the weights as the trainer names them (`held`: one more copy
+of the model on the GPU, with --sync.delta only) and loads each bucket from it (`model.load_weights`).
+"""
+
+import base64
+import json
+import pickle
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _world
+
+from dsrl.moe import split_experts
+
+LOADER = f"{__name__}.load"
+held: dict[str, torch.Tensor] = {}
+"""(SGLang) each tensor as last loaded, in the trainer's names and layout: a delta applies to it."""
+mismatched = 0
+"""Buckets whose checksum failed since the last delta's report."""
+abandoned: set[str] = set()
+"""Groups the trainer gave up while a load may wait in them (the embedded engine's /destroy_weights_update_group)."""
+
+
+def encode_header(header: dict) -> str:
+    """The request's serialized named tensors for one TP rank: the header as a uint8 tensor, pickled with its bytes
+    (not as SGLang's CUDA IPC handles: the server may be on another machine), base64."""
+    tensor = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
+    return base64.b64encode(pickle.dumps([("dsrl_shard_header", tensor)])).decode()
+
+
+def checksum(words: list[torch.Tensor]) -> int:
+    """One number for the int16 words of a bucket's tensors (or of one rank's part of each): each tensor's sum times
+    its place in the bucket, summed, mod 2**64. The ranks' checksums of their parts add up to the bucket's."""
+    sums = torch.stack([w.sum(dtype=torch.int64) for w in words]).tolist() if words else []
+    return sum((j + 1) * s for j, s in enumerate(sums)) % (1 << 64)
+
+
+def spans(tensors: list, rank: int) -> list[tuple[int, int]]:
+    """(first word, words) of `rank`'s part of each of the header's tensors: elements [rank x part, (rank + 1) x part)
+    of the flattened tensor, the last rank's cut at its end (ZeRO-3 pads it)."""
+    out = []
+    for _, dtype, shape, part in tensors:
+        size, numel = getattr(torch, dtype).itemsize // 2, torch.Size(shape).numel()
+        out.append((rank * part * size, max(0, min(part, numel - rank * part)) * size))
+    return out
+
+
+def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """SGLang's custom weight loader: one bucket from every trainer rank (see the module's docstring)."""
+    header = json.loads(bytes(named_tensors[0][1].cpu().tolist()))
+    by_name = {name: group for group, name in _world.pg_names.items()}  # (torch's registry of named groups)
+    missing = [name for name in header["groups"] if name not in by_name]
+    if missing:
+        raise RuntimeError(f"no weight-update group {', '.join(missing)}: call /init_weights_update_group first")
+    groups = [by_name[name] for name in header["groups"]]
+    device = next(model.parameters()).device
+    in_place = not hasattr(model, "load_weights")  # a Hugging Face model: the embedded engine
+    tensors = []
+    for name, dtype, shape, _ in header["tensors"]:
+        if in_place:
+            tensors.append(model.get_parameter(name).data)
+            continue
+        if (t := held.get(name)) is None:
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            if header["keep"]:
+                held[name] = t
+        tensors.append(t)
+    words = [t.view(-1).view(torch.int16) for t in tensors]
+    due = time.monotonic() + header["timeout_s"]
+    with torch.no_grad():
+        (_apply_delta if header["delta"] else _assemble)(words, header, groups, due)
+    if not in_place:
+        model.load_weights(list(split_experts((t[0], x) for t, x in zip(header["tensors"], tensors))))
+    if header["report"]:
+        _report(groups[0], device, header, due)
+
+
+def _assemble(words: list[torch.Tensor], header: dict, groups: list, due: float) -> None:
+    """Every rank's words of the bucket, received at once, each rank's part of each tensor copied to its place."""
+    parts = [spans(header["tensors"], r) for r in range(len(groups))]
+    bufs = [torch.empty(sum(n for _, n in p), dtype=torch.int16, device=words[0].device) for p in parts]
+    works = [_receive(b, g) for b, g in zip(bufs, groups) if b.numel()]
+    _wait(works, header, due)
+    for buf, part in zip(bufs, parts):
+        offset = 0
+        for w, (start, n) in zip(words, part):
+            w[start : start + n].copy_(buf[offset : offset + n])
+            offset += n
+
+
+def _apply_delta(words: list[torch.Tensor], header: dict, groups: list, due: float) -> None:
+    """Every rank's changed words written at their places, then the bucket's checksum compared with the ranks'."""
+    global mismatched
+    if header["first"]:
+        mismatched = 0  # (left from a delta that failed before its report)
+    device = words[0].device
+    heads = [torch.zeros(2, dtype=torch.int64, device=device) for _ in groups]
+    _wait([_receive(h, g) for h, g in zip(heads, groups)], header, due)
+    counts = [int(h[0]) for h in heads]
+    payloads = [torch.empty(3 * k, dtype=torch.int16, device=device) for k in counts]
+    works = [_receive(p, g) for p, g in zip(payloads, groups) if p.numel()]
+    _wait(works, header, due)
+    for r, (k, payload) in enumerate(zip(counts, payloads)):
+        positions, values = payload[: 2 * k].view(torch.int32).long(), payload[2 * k :]
+        part = spans(header["tensors"], r)
+        starts = torch.tensor([0] + [n for _, n in part], device=device).cumsum(0)
+        bounds = torch.searchsorted(positions, starts).tolist()  # the changed words of each tensor, in order
+        for w, (start, _), offset, a, b in zip(words, part, starts.tolist(), bounds, bounds[1:]):
+            w[start - offset + positions[a:b]] = values[a:b]
+    if checksum(words) != sum(int(h[1]) for h in heads) % (1 << 64):
+        mismatched += 1
+
+
+def _report(group, device: torch.device, header: dict, due: float) -> None:
+    """The buckets whose checksum failed since the last report, all-gathered in trainer rank 0's group."""
+    global mismatched
+    count = torch.tensor([mismatched], dtype=torch.int64, device=device)
+    _wait([dist.all_gather([torch.zeros_like(count) for _ in range(group.size())], count, group=group, async_op=True)],
+          header, due)  # fmt: skip
+    mismatched = 0
+
+
+def _receive(tensor: torch.Tensor, group) -> dist.Work:
+    """Trainer rank `group`'s broadcast into `tensor`, as bytes (neither gloo nor NCCL has int16)."""
+    return dist.broadcast(tensor.view(torch.uint8), group=group, group_src=0, async_op=True)
+
+
+def _wait(works: list, header: dict, due: float) -> None:
+    """Wait for the trainer's broadcasts, giving up when it destroys a group or the sync's timeout passes."""
+    for work in works:
+        while not work.is_completed():
+            if abandoned & set(header["groups"]):
+                raise RuntimeError("the trainer destroyed the weight-update groups while this update waited in them")
+            if time.monotonic() > due:
+                raise TimeoutError(f"no bucket from the trainer ranks within {header['timeout_s']:.0f}s")
+            time.sleep(0.0005)
+        work.wait()
