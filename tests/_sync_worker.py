@@ -167,7 +167,7 @@ def delta_syncs(cfg: Config, actor, fleet, client: RecordingClient, run_dir: Pat
     cfg.rollout = replace(cfg.rollout, placement="disaggregate", interrupt="partial")
     cfg.trainer.total_steps = 999 + syncs  # (the last update is always verified)
     named, lines = list(actor.module.named_parameters()), []
-    # Four buckets of the toy (1 MB in all); a delta sent in full every 1000 versions, i.e. never here
+    # Five buckets of the toy (300 kB in all); a delta sent in full every 1000 versions, i.e. never here
     cfg.sync = SyncConfig(type="broadcast", bucket_bytes=80 << 10, delta=True, delta_full_every=1000, verify="weights",
                           verify_every=syncs)  # fmt: skip
     weights = WeightSync(cfg, actor, fleet, client, make_transport(cfg.sync, client, run_dir, "gloo"),
@@ -176,7 +176,7 @@ def delta_syncs(cfg: Config, actor, fleet, client: RecordingClient, run_dir: Pat
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("dsrl.sync.shards").addHandler(handler)
     gen = torch.Generator().manual_seed(dist.get_rank())
-    out = {"delta": [], "changed": [], "bytes": []}
+    out = {"delta": [], "changed": [], "bytes": [], "buckets": len(plan_buckets(named, cfg.sync.bucket_bytes))}
 
     def perturb(fraction: float) -> None:  # this rank's own partition, in place, as an optimizer step would
         for _, p in named:
