@@ -247,5 +247,8 @@ def test_crash_of_a_rollout_server_during_a_weight_sync_loses_nothing(tmp_path, 
         assert "failed the retried weight update: replacing it" in text
         assert "(stopped): starting its replacement" in text
     assert scalars(run_dir)["fleet/server_deaths"][4] == 1
+    if delta:  # in full at the first sync and after the death, as deltas between
+        sent_as_delta = set(scalars(run_dir)["sync/delta"].values())
+        assert "sync.senders all" in text and sent_as_delta == {0.0, 1.0}, sent_as_delta
     trained = [row for r in trace(run_dir) for row in r["rows"]]
     assert sorted(trained) == list(range(64)), "every prompt of the epoch, exactly once"
