@@ -759,6 +759,9 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
         check(s.type in ("auto", "broadcast"), flag, value, f"goes over --sync.type broadcast, not {s.type}")
         check(m.lora_rank == 0, flag, value, "a LoRA model's served weights are no rank's partition: not supported")
         check(r.precision != "fp8", flag, value, "FP8 scales are per block of a whole tensor: not supported")
+    check(not s.delta or r.placement == "disaggregate" or r.max_staleness > 0, "sync.delta", True, "colocated "
+          "servers drop their weights while the trainers train, so every sync would be full: use it disaggregated "
+          "(or one-step-off, whose servers keep them)")  # fmt: skip
     check(e.every >= 0, "eval.every", e.every, "must be >= 0 (0: only at the end)")
     check(e.n_samples >= 1, "eval.n_samples", e.n_samples, "must be >= 1")
     check(e.temperature >= 0, "eval.temperature", e.temperature, "must be >= 0 (0: greedy)")

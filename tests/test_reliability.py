@@ -229,7 +229,7 @@ def test_crash_of_a_rollout_server_during_a_weight_sync_loses_nothing(tmp_path, 
     args = ["--data.train_path", str(data), "--rollout.prompts_per_step", "16", "--trainer.total_steps", "4"]
     args += ["--rollout.num_servers", "2", "--rollout.server_args", json.dumps({"crash_marker": str(marker)})]
     args += ["--trainer.micro_batch_size", "64", "--sync.verify", "weights", "--sync.timeout_s", "30"]
-    args += ["--sync.delta", "true"] if delta else []
+    args += ["--sync.delta", "true", "--rollout.placement", "disaggregate"] if delta else []
     proc = subprocess.Popen(train_cmd("toy_cpu.yaml", run_dir, *args), cwd=ROOT, stderr=subprocess.PIPE, text=True)
     log = []
     for line in proc.stderr:
@@ -248,7 +248,8 @@ def test_crash_of_a_rollout_server_during_a_weight_sync_loses_nothing(tmp_path, 
         assert "(stopped): starting its replacement" in text
     assert scalars(run_dir)["fleet/server_deaths"][4] == 1
     if delta:  # in full at the first sync and after the death, as deltas between
-        sent_as_delta = set(scalars(run_dir)["sync/delta"].values())
+        sent_as_delta, metrics = set(scalars(run_dir)["sync/delta"].values()), scalars(run_dir)
         assert "sync.senders all" in text and sent_as_delta == {0.0, 1.0}, sent_as_delta
+        assert set(metrics["sync/delta_checksum_failed"].values()) == {0.0} and "failed the checksum" not in text
     trained = [row for r in trace(run_dir) for row in r["rows"]]
     assert sorted(trained) == list(range(64)), "every prompt of the epoch, exactly once"

@@ -10,9 +10,10 @@ and a model of about 0.5B built from a config (Qwen2.5-0.5B's shape), on CPU: Ze
         #       --custom-weight-loader dsrl.serving.shard_loader.load
         # (the model directories are written under --workdir first: run once with --prepare)
 
-Between two syncs every rank changes --changed of its partition's elements in place (each by about two bf16 ulps),
-as an optimizer step does; each figure is the median of --repeats syncs, timed on rank 0 around `WeightSync.update`
-(heal, send, the servers' loads, version check). `MB` is what the trainer ranks put on the wire together, one copy
+Between two rounds every rank changes --changed of its partition's elements in place (each by about two bf16 ulps),
+as an optimizer step does, and each mode syncs them in turn (the host's load falls on each alike); each figure is
+the median of --repeats rounds, timed on rank 0 around `WeightSync.update` (heal, send, the servers' loads, version
+check). `MB` is what the trainer ranks put on the wire together, one copy
 (a broadcast's fan-out to several servers is the network's); `x Gbit/s` is the share of one link of that rate those
 bytes would fill in that time (with `all`, every trainer node's link carries its share of them). The toy's syncs are
 verified bit for bit at the end (`--sync.verify weights`; the 0.5B's JSON of every weight would take minutes).
@@ -21,11 +22,11 @@ verified bit for bit at the end (`--sync.verify weights`; the 0.5B's JSON of eve
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,8 +55,9 @@ def parse_args(argv=None):
 
 
 def make_model(out: Path, name: str) -> Path:
-    """A config-only directory (`model.init_from_config`): the trainer builds the weights, the servers take them."""
-    from transformers import Qwen2Config
+    """Random weights of the toy, or of Qwen2.5-0.5B's shape (in bf16), with the toy's tokenizer padded to fit."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
 
     from dsrl.tasks.toy import build_model_config, build_tokenizer
 
@@ -67,7 +69,10 @@ def make_model(out: Path, name: str) -> Path:
         config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                              num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=512,
                              tie_word_embeddings=True)  # fmt: skip
-    config.save_pretrained(out)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32 if name == "toy" else torch.bfloat16).save_pretrained(
+        out
+    )
     build_tokenizer(config.vocab_size).save_pretrained(out)
     return out
 
@@ -99,7 +104,7 @@ def rank_main(args) -> None:
     server_args = {"custom_weight_loader": [LOADER], "dtype": "bfloat16" if args.precision == "bf16" else "float32"}
     rollout = RolloutConfig(prompts_per_step=2, n_samples=2, num_servers=args.num_servers, server_urls=args.servers,
                             placement="disaggregate", server_args={} if args.servers else server_args)  # fmt: skip
-    cfg = Config(model=ModelConfig(path=str(model_dir), init_from_config=True),
+    cfg = Config(model=ModelConfig(path=str(model_dir)),
                  data=DataConfig(train_path=str(ROOT / "examples/toy/train.jsonl")), rollout=rollout)  # fmt: skip
     cfg.trainer.micro_batch_size, cfg.trainer.precision = 2, args.precision
     init_distributed(cfg)
@@ -111,32 +116,34 @@ def rank_main(args) -> None:
     client = RolloutClient(fleet.urls)
     total, verify = sum(param_bytes(p) for _, p in named), "weights" if model_dir.name == "toy" else "off"
     gen, version, rows = torch.Generator().manual_seed(rank), 0, []
+    syncs, samples = {}, {mode: [] for mode in args.modes}  # (seconds, bytes, changed words, parts) per sync
     try:
-        for mode in args.modes:
-            cfg.sync = SyncConfig(type="broadcast", bucket_bytes=int(args.bucket_mb * (1 << 20)), verify=verify,
-                                  verify_every=10**6, **MODES[mode])  # fmt: skip
-            cfg.trainer.total_steps = version + args.repeats + 1  # (the first and the last update are verified)
-            transport = make_transport(cfg.sync, client, workdir, "gloo")
-            weights = WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor]))
+        cfg.sync = SyncConfig(type="broadcast", bucket_bytes=int(args.bucket_mb * (1 << 20)), verify=verify,
+                              verify_every=10**6)  # fmt: skip
+        cfg.trainer.total_steps = len(args.modes) * (args.repeats + 1)  # (the last update is verified, and each first)
+        for mode in args.modes:  # the first update of each forms its groups; with --sync.delta it is full
+            transport = make_transport(replace(cfg.sync, **MODES[mode]), client, workdir, "gloo")
+            syncs[mode] = WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor]))
             version += 1
-            weights.update(version)  # forms the groups; with --sync.delta the first is full
-            times, sent, changed = [], [], []
-            for _ in range(args.repeats):
-                perturb(named, args.changed, gen)
+            syncs[mode].update(version)
+        for _ in range(args.repeats):  # the modes in turn on the same weights: the host's load falls on each alike
+            perturb(named, args.changed, gen)
+            for mode, weights in syncs.items():
                 version += 1
                 dist.barrier()
                 start = time.perf_counter()
                 metrics = weights.update(version)
-                times.append(time.perf_counter() - start)
-                sent.append(metrics["sync/bytes"])
-                changed.append(metrics.get("sync/changed_words_frac", 1.0))
-            if rank == 0:
-                seconds, nbytes = statistics.median(times), statistics.median(sent)
-                row = {"model": model_dir.name, "mode": mode, "model_mb": total / 1e6, "mb": nbytes / 1e6,
-                       "seconds": seconds, "changed": statistics.median(changed), "verified": verify == "weights",
-                       "link": {str(g): nbytes * 8 / seconds / (g * 1e9) for g in args.link_gbit}}  # fmt: skip
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                parts = {k.removeprefix("timing/sync_"): v for k, v in metrics.items() if k.startswith("timing/")}
+                samples[mode].append((time.perf_counter() - start, metrics["sync/bytes"],
+                                      metrics.get("sync/changed_words_frac", 1.0), parts))  # fmt: skip
+        for mode, runs in samples.items() if rank == 0 else []:
+            seconds, nbytes, changed, parts = sorted(runs)[len(runs) // 2]  # the median sync
+            row = {"model": model_dir.name, "mode": mode, "model_mb": total / 1e6, "mb": nbytes / 1e6,
+                   "seconds": seconds, "changed": changed, "verified": verify == "weights",
+                   "link": {str(g): nbytes * 8 / seconds / (g * 1e9) for g in args.link_gbit},
+                   "parts": {k: round(v, 3) for k, v in parts.items()}}  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     finally:
         client.close()
         fleet.stop()
@@ -173,8 +180,10 @@ def main() -> None:
     print(f"\nmodel | model MB | mode | changed words | MB sent | seconds | {links}")
     for r in rows:
         shares = " | ".join(f"{v:.3f}" for v in r["link"].values())
-        print(f"{r['model']} | {r['model_mb']:.1f} | {r['mode']} | {r['changed']:.4f} | {r['mb']:.2f} | "
+        print(f"{r['model']} | {r['model_mb']:.1f} | {r['mode']} | {r['changed']:.4f} | {r['mb']:.3g} | "
               f"{r['seconds']:.3f} | {shares}")  # fmt: skip
+    for r in rows:
+        print(f"{r['model']} | {r['mode']} | seconds in the median sync (rank 0): {r['parts']}")
     print(
         f"(median of {args.repeats} syncs each; {args.changed:g} of the elements changed between syncs; "
         f"{args.precision}; toy verified bit for bit: {all(r['verified'] for r in rows if r['model'] == 'toy')})"

@@ -53,6 +53,8 @@ class ShardTransport(BroadcastTransport):
         """(bucket_bytes, each bucket's (param, its words here), its header's tensors, its first word in `snapshot`)."""
         self.snapshot: torch.Tensor | None = None
         """(--sync.delta) this rank's words of every parameter as last sent, on the host, bucket after bucket."""
+        self.sums: dict[int, int] = {}
+        """(--sync.delta) each bucket's checksum of this rank's words as last sent (`shard_loader.checksum`)."""
         self.full_version: int | None = None
         """The version last sent in full; None: the next send must be full (the first, the fleet changed, a failure)."""
 
@@ -167,19 +169,31 @@ class ShardTransport(BroadcastTransport):
     def _encode(self, i: int, full: bool) -> tuple[list[torch.Tensor], int, int]:
         """This rank's tensors to broadcast for bucket i, the words changed and the words it holds."""
         own = [local(p)[:n].view(torch.int16) for p, n in self.plan[1][i]]
-        now = own[0] if len(own) == 1 else torch.cat(own)
-        if not self.cfg.delta or full:
-            if self.cfg.delta:
-                self.snapshot[self.plan[3][i] : self.plan[3][i + 1]].copy_(now)
+        before = self.snapshot[self.plan[3][i] : self.plan[3][i + 1]] if self.cfg.delta else None
+        if full:
+            now = own[0] if len(own) == 1 else torch.cat(own)
+            if before is not None:
+                before.copy_(now)
+                self.sums[i] = checksum(own)
             return [now] if now.numel() else [], now.numel(), now.numel()
-        before = self.snapshot[self.plan[3][i] : self.plan[3][i + 1]]
-        where = (now != before.to(now.device, non_blocking=True)).nonzero().view(-1)
-        values = now[where]
+        positions, values, change, offset = [], [], [], 0
+        for words in own:  # (piece by piece: no copy of the whole partition)
+            old = before[offset : offset + words.numel()].to(words.device, non_blocking=True)
+            where = changed(words, old)
+            positions.append(where + offset)
+            values.append(words[where])
+            change.append(values[-1].double().sum() - old[where].double().sum())  # (exact: see `checksum`)
+            offset += words.numel()
+        where, values = torch.cat(positions), torch.cat(values)
         before[where.cpu()] = values.cpu()
-        total = checksum(own)
-        head = torch.tensor([where.numel(), total - (1 << 64) if total >> 63 else total], device=now.device)
-        payload = [torch.cat([where.int().view(torch.int16), values])] if where.numel() else []
-        return [head, *payload], where.numel(), now.numel()
+        count, payload = where.numel(), [torch.cat([where.int().view(torch.int16), values])] if where.numel() else []
+        if 3 * count >= offset > 0:  # 6 bytes a changed word, 2 a word: every word is the smaller message
+            count, payload = -1, [own[0] if len(own) == 1 else torch.cat(own)]
+        # The checksum of the words now held, from the last one's and the changes: O(changes), not O(partition)
+        steps = torch.stack(change).tolist()
+        total = self.sums[i] = (self.sums[i] + sum((j + 1) * int(c) for j, c in enumerate(steps))) % (1 << 64)
+        head = torch.tensor([count, total - (1 << 64) if total >> 63 else total], device=values.device)
+        return [head, *payload], where.numel(), offset
 
     def _pass(self, version: int, full: bool, flush_cache: bool, clock: Timer) -> list[int]:
         """Every bucket once, in full or as a delta. Returns [failed ranks, mismatched buckets, bytes, changed words,
@@ -272,3 +286,14 @@ class ShardTransport(BroadcastTransport):
 
 def sent(works: list[tuple[dist.Work, torch.Tensor]]) -> Callable[[], bool]:
     return lambda: all(work.is_completed() for work, _ in works)
+
+
+def changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """The positions where `new` and `old` differ, in order. The comparison's mask is searched 8 bytes at a time
+    first: torch's nonzero over one bool per word took as long as the comparison itself on CPU (0.32 s for 247M
+    words, against 0.10 s)."""
+    mask = new != old
+    n = mask.numel() // 8 * 8
+    groups = mask[:n].view(torch.int64).nonzero().view(-1)
+    candidates = (groups[:, None] * 8 + torch.arange(8, device=mask.device)).view(-1)
+    return torch.cat([candidates[mask[candidates]], mask[n:].nonzero().view(-1) + n])
