@@ -93,12 +93,8 @@ def resolve_sync(cfg: Config) -> SyncConfig:
     if s.senders == "auto":
         s = replace(s, senders="all" if s.delta else "rank0")
     if s.senders == "all" and s.type != "broadcast":
-        raise ConfigError(
-            [
-                f"--sync.senders all (or --sync.delta): colocated on GPUs the weights go over CUDA IPC "
-                f"(sync.type {s.type}); every rank's partition is sent over broadcast, disaggregated"
-            ]
-        )
+        raise ConfigError([f"--sync.senders all (or --sync.delta) sends over broadcast: not colocated on GPUs "
+                           f"(sync.type {s.type})"])  # fmt: skip
     if s.lora == "auto":
         external = fleet_kind(cfg.rollout) == "external"  # started by someone else: dsrl cannot enable LoRA
         remote = s.type == "broadcast" and (bool(cfg.trainer.hostfile) or fleet_kind(cfg.rollout) == "ray")

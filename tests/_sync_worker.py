@@ -101,7 +101,7 @@ def main(model_dir: str, train_path: str, out: str) -> None:
         except SyncError as e:
             results["corrupt_detected"] = str(e)
         results["model_bytes"] = sum(param_bytes(p) for _, p in named)
-        results["delta"] = delta_syncs(cfg, actor, fleet, client, run_dir)
+        results["delta"] = delta_syncs(cfg, actor, fleet, client, run_dir, 200 if dist.get_world_size() > 1 else 20)
         results["sequences"] = update_sequences(cfg, actor, fleet, client, run_dir)
         results["failure_on_rank0"] = failure_on_rank0(cfg, actor, fleet, client, run_dir)
         recompute = replace(cfg, trainer=replace(cfg.trainer, old_logprobs="recompute"))

@@ -152,17 +152,18 @@ def test_every_rank_sends_its_own_partition(sync_results):
 
 def test_200_delta_syncs_leave_the_servers_weights_equal_to_the_trainers(sync_results):
     """--sync.delta: the first sync in full, then 199 deltas of about 1 % of each rank's words (none at some, all at
-    one), and the servers' weights equal the trainer's bit for bit at the end (the worker raises otherwise)."""
+    one), and the servers' weights equal the trainer's bit for bit at the end (the worker raises otherwise). With one
+    rank, 20 syncs (the CI's time)."""
     d = sync_results["delta"]
-    assert d["delta"] == [0.0] + [1.0] * 199
+    assert d["delta"] == [0.0] + [1.0] * (199 if sync_results["ranks"] == 2 else 19)
     heads = 16 * d["buckets"] * sync_results["ranks"]  # each rank's [count, checksum] per bucket
     for i, (changed, sent) in enumerate(zip(d["changed"][1:], d["bytes"][1:]), start=1001):
         if i % 10 == 3:  # nothing changed: the checksums alone
             assert changed == 0 and sent == heads
         elif i != 1100:  # 1 % of the elements, about 1 % of the 2-byte words: 6 bytes each
             assert 0.005 < changed < 0.02 and sent < 0.07 * d["full_bytes"]
-    # Every element changed at version 1100: more than a third of the words, so each rank sent all of its words
-    assert d["changed"][100] > 0.5 and d["delta"][100] == 1.0 and d["bytes"][100] == d["full_bytes"] + heads
+    if sync_results["ranks"] == 2:  # every element changed at version 1100: over a third of the words, all sent
+        assert d["changed"][100] > 0.5 and d["delta"][100] == 1.0 and d["bytes"][100] == d["full_bytes"] + heads
 
 
 def test_a_server_corrupted_in_place_is_restored_by_the_next_sync(sync_results):

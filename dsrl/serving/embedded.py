@@ -198,8 +198,7 @@ class Engine:
         self.decode_delay_s = decode_delay_ms / 1000  # emulate a slower engine (tests, benchmarks)
         self.deterministic = deterministic  # batch-invariant: each request's forward runs alone
         self.crash_marker = crash_marker  # fault injection for tests: see --crash-marker
-        self.failing = False
-        self.custom_weight_loaders = custom_weight_loaders
+        self.failing, self.custom_weight_loaders = False, custom_weight_loaders
         self.weight_version = "default"
         self.running: list[Request] = []
         self.paused = False

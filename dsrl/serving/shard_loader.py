@@ -1,24 +1,17 @@
-"""The servers' half of the shard transport (`dsrl.sync.shards`): a custom weight loader that takes one bucket from
-every trainer rank at once, each rank's own ZeRO-3 partition over a weight-update group of its own. SGLang calls it
-through its stock hook (started with `--custom-weight-loader dsrl.serving.shard_loader.load`, each bucket one
-/update_weights_from_tensor with that load_format); the embedded engine calls the same code, over gloo.
+"""The servers' half of the shard transport (`dsrl.sync.shards`): a custom weight loader (SGLang's stock hook,
+`--custom-weight-loader dsrl.serving.shard_loader.load`, and the embedded engine's) that takes one bucket from every
+trainer rank at once, each from the rank's own weight-update group: /update_weights_from_tensor with that load_format,
+its one named tensor the bucket's JSON header (`encode_header`: tensors as name, dtype, shape and elements per rank;
+groups in rank order; delta or not). Each rank broadcasts its 2-byte words of each tensor, back to back: in full, or
+as [changed words, checksum] (int64) and the changed words' positions (int32) and values (int16), or [-1, checksum]
+and every word where a third or more changed. After a delta the bucket's `checksum` must equal the sum of the ranks',
+which holds only if this server held what the trainer last sent; a mismatch is counted, not raised (SGLang's
+scheduler dies of a loader's exception), and a delta's last bucket reports the count to trainer rank 0 (an all-gather
+in its group), which then sends everything in full.
 
-The request's one named tensor is the bucket's header (JSON, `encode_header`): its tensors (name, dtype, shape, and
-elements per trainer rank, as ZeRO-3 partitions them), the groups (one per trainer rank, in rank order), and whether
-it is a delta. Each rank then broadcasts in its group its 2-byte words of the bucket, its part of each tensor back
-to back:
-    full    those words
-    delta   [changed words, checksum] (int64), then the changed words' positions (int32) and values (int16); or,
-            where a third of its words or more changed (the delta would be larger), [-1, checksum] and every word
-A delta lands on the weights as last loaded; then the bucket's `checksum` must equal the sum of the ranks', which
-holds only if this server held exactly what the trainer last sent. A mismatch is counted, not raised (SGLang's
-scheduler dies of a loader's exception), and the last bucket of a delta reports the count to trainer rank 0 (an
-all-gather in its group), which then sends every weight in full.
-
-The embedded engine's model has the trainer's layout (Hugging Face's): the words land in its parameters in place
-(held in another dtype than the trainer's, they go through a copy as SGLang's do). SGLang fuses and shards them, so
-there the loader keeps the weights as the trainer names them (`held`: one more copy of the model on the GPU, with
---sync.delta only) and loads each bucket from it (`model.load_weights`).
+The embedded engine's model has the trainer's layout: the words land in its parameters in place (through a copy where
+its dtype is another). SGLang fuses and shards them: the loader keeps the weights as the trainer names them (`held`,
+one more copy of the model on the GPU, with --sync.delta only) and loads each bucket from it (`model.load_weights`).
 """
 
 import base64
@@ -72,79 +65,59 @@ def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) 
     """SGLang's custom weight loader: one bucket from every trainer rank (see the module's docstring)."""
     header = json.loads(bytes(named_tensors[0][1].cpu().tolist()))
     by_name = {name: group for group, name in _world.pg_names.items()}  # (torch's registry of named groups)
-    missing = [name for name in header["groups"] if name not in by_name]
-    if missing:
+    if missing := [name for name in header["groups"] if name not in by_name]:
         raise RuntimeError(f"no weight-update group {', '.join(missing)}: call /init_weights_update_group first")
-    groups = [by_name[name] for name in header["groups"]]
-    device = next(model.parameters()).device
-    hf = not hasattr(model, "load_weights")  # a Hugging Face model (the embedded engine): the trainer's layout
-    tensors, loads = [], []  # the words land in `tensors`; `loads` are then loaded into the model
+    device, hf = next(model.parameters()).device, not hasattr(model, "load_weights")  # hf: the embedded engine
+    tensors, loads = [], []  # the words land in `tensors`; `loads` go into the model after
     for name, dtype, shape, _ in header["tensors"]:
         param = model.get_parameter(name).data if hf else None
-        if param is not None and param.dtype == getattr(torch, dtype):
-            if list(param.shape) != shape:
-                raise RuntimeError(f"parameter {name!r} has shape {list(param.shape)}, the trainer's {shape}")
-            tensors.append(param)  # in place
+        if param is not None and param.dtype == getattr(torch, dtype) and list(param.shape) == shape:
+            tensors.append(param)
             continue
-        if (t := held.get(name)) is None:  # (an embedded engine in another dtype than the trainer's keeps one too)
+        if (t := held.get(name)) is None:
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
             if header["keep"]:
                 held[name] = t
         tensors.append(t)
         loads.append((name, t))
-    words = [t.view(-1).view(torch.int16) for t in tensors]
-    due = time.monotonic() + header["timeout_s"]
+    words, due = [t.view(-1).view(torch.int16) for t in tensors], time.monotonic() + header["timeout_s"]
     with torch.no_grad():
-        (_apply_delta if header["delta"] else _assemble)(words, header, groups, due)
+        _receive_bucket(words, header, [by_name[name] for name in header["groups"]], due)
         if not hf:
             model.load_weights(list(split_experts(loads)))
         for name, t in loads if hf else []:
-            model.get_parameter(name).data.copy_(t)
+            model.get_parameter(name).copy_(t)
     if header["report"]:
-        _report(groups[0], device, header, due)
+        _report(by_name[header["groups"][0]], device, header, due)
 
 
-def _assemble(words: list[torch.Tensor], header: dict, groups: list, due: float) -> None:
-    """Every rank's words of the bucket, received at once, each rank's part of each tensor copied to its place."""
-    parts = [spans(header["tensors"], r) for r in range(len(groups))]
-    bufs = [torch.empty(sum(n for _, n in p), dtype=torch.int16, device=words[0].device) for p in parts]
-    works = [_receive(b, g) for b, g in zip(bufs, groups) if b.numel()]
-    _wait(works, header, due)
-    for buf, part in zip(bufs, parts):
-        _place(words, part, buf)
-
-
-def _place(words: list[torch.Tensor], part: list[tuple[int, int]], buf: torch.Tensor) -> None:
-    """One rank's words of every tensor, back to back in `buf`, copied to their places."""
-    offset = 0
-    for w, (start, n) in zip(words, part):
-        w[start : start + n].copy_(buf[offset : offset + n])
-        offset += n
-
-
-def _apply_delta(words: list[torch.Tensor], header: dict, groups: list, due: float) -> None:
-    """Every rank's changed words written at their places, then the bucket's checksum compared with the ranks'."""
+def _receive_bucket(words: list[torch.Tensor], header: dict, groups: list, due: float) -> None:
+    """Every rank's words of the bucket, received at once, each written to its place; after a delta, the bucket's
+    checksum compared with the ranks'."""
     global mismatched
-    if header["first"]:
+    if header["delta"] and header["first"]:
         mismatched = 0  # (left from a delta that failed before its report)
-    device = words[0].device
-    heads = [torch.zeros(2, dtype=torch.int64, device=device) for _ in groups]
-    _wait([_receive(h, g) for h, g in zip(heads, groups)], header, due)
-    counts, parts = [int(h[0]) for h in heads], [spans(header["tensors"], r) for r in range(len(groups))]
+    device, parts = words[0].device, [spans(header["tensors"], r) for r in range(len(groups))]
+    heads = [torch.tensor([-1, 0], device=device) for _ in groups]
+    if header["delta"]:
+        _wait([_receive(h, g) for h, g in zip(heads, groups)], header, due)
+    counts = [int(h[0]) for h in heads]
     sizes = [3 * k if k >= 0 else sum(n for _, n in part) for k, part in zip(counts, parts)]  # (-1: all its words)
     payloads = [torch.empty(size, dtype=torch.int16, device=device) for size in sizes]
-    works = [_receive(p, g) for p, g in zip(payloads, groups) if p.numel()]
-    _wait(works, header, due)
+    _wait([_receive(p, g) for p, g in zip(payloads, groups) if p.numel()], header, due)
     for k, payload, part in zip(counts, payloads, parts):
-        if k < 0:
-            _place(words, part, payload)
+        if k < 0:  # every word, back to back
+            offset = 0
+            for w, (start, n) in zip(words, part):
+                w[start : start + n].copy_(payload[offset : offset + n])
+                offset += n
             continue
         positions, values = payload[: 2 * k].view(torch.int32).long(), payload[2 * k :]
         starts = torch.tensor([0] + [n for _, n in part], device=device).cumsum(0)
         bounds = torch.searchsorted(positions, starts).tolist()  # the changed words of each tensor, in order
         for w, (start, _), offset, a, b in zip(words, part, starts.tolist(), bounds, bounds[1:]):
             w[start - offset + positions[a:b]] = values[a:b]
-    if checksum(words) != sum(int(h[1]) for h in heads) % (1 << 64):
+    if header["delta"] and checksum(words) != sum(int(h[1]) for h in heads) % (1 << 64):
         mismatched += 1
 
 

@@ -1,19 +1,16 @@
 """Shard transport (--sync.senders all, --sync.delta): every trainer rank broadcasts its own ZeRO-3 partition to the
-servers, in a weight-update group of its own, all ranks at once: every trainer node's link carries its share, and
-nothing is gathered.
-
-Each bucket of parameters (`plan_buckets`) is one /update_weights_from_tensor to every server, posted by rank 0 once
-the previous bucket is answered, naming the custom weight loader `dsrl.serving.shard_loader`, which receives the
-bucket from every group and loads it; meanwhile every rank broadcasts its words of the bucket and encodes the next.
+servers in a weight-update group of its own, all ranks at once, so every trainer node's link carries its share and
+nothing is gathered. Each bucket (`plan_buckets`) is one /update_weights_from_tensor to every server, posted by rank 0
+once the previous one is answered, naming the servers' loader (`dsrl.serving.shard_loader`); meanwhile every rank
+broadcasts its words of the bucket and encodes the next.
 
 With --sync.delta each rank keeps a host copy of its partition as last sent (`snapshot`) and sends only the 2-byte
-words that changed since, with a checksum of the words it now holds; the servers apply them and compare. Everything
-is sent in full instead at the first update, every delta_full_every versions, after the fleet changed (`reset`: a
-join, a death, a heal), after a failed update, and, in the same update, when a bucket's checksum failed on a server.
+words changed since, with the checksum of the words it now holds, which the servers compare after applying them.
+Everything goes in full at the first update, every delta_full_every versions, after the fleet changed (`reset`) or an
+update failed, and, in the same update, when a bucket's checksum failed on a server.
 
-Every rank runs the same collectives in the same order: the groups' set-up, then its own broadcasts, then one
-all-reduce per pass (failures, mismatched buckets, bytes, words). Every wait has a deadline, and a rank that gives
-the update up sets a key in the trainers' store that ends the others' waits.
+Every rank runs the same collectives in the same order (the groups' set-up, its own broadcasts, one all-reduce per
+pass); every wait has a deadline, and a rank that gives up sets a key in the trainers' store that ends the others'.
 """
 
 import asyncio
@@ -43,18 +40,14 @@ log = logging.getLogger(__name__)
 class ShardTransport(BroadcastTransport):
     def __init__(self, cfg: SyncConfig, client: RolloutClient, root: Path, backend: str):
         super().__init__(cfg, client, root, backend)
-        self.names: list[str] = []
-        """Every rank's group, in rank order (the same on every rank)."""
-        self.formed = self.passes = 0
-        """Groups formed and passes sent so far: their names and the store's keys stay unique."""
+        self.names, self.formed, self.passes = [], 0, 0
+        """Every rank's group, in rank order; groups formed and passes sent (unique names and store keys)."""
         self.tp, self.offsets, self.mismatch = 1, [], ""
         """(rank 0) a server's most TP ranks, each server's first rank in the groups, the last checksum failures."""
         self.plan: tuple | None = None
         """(bucket_bytes, each bucket's (param, its words here), its header's tensors, its first word in `snapshot`)."""
-        self.snapshot: torch.Tensor | None = None
-        """(--sync.delta) this rank's words of every parameter as last sent, on the host, bucket after bucket."""
-        self.sums: dict[int, int] = {}
-        """(--sync.delta) each bucket's checksum of this rank's words as last sent (`shard_loader.checksum`)."""
+        self.snapshot, self.sums = None, {}
+        """(--sync.delta) this rank's words as last sent, on the host, and each bucket's checksum of them."""
         self.full_version: int | None = None
         """The version last sent in full; None: the next send must be full (the first, the fleet changed, a failure)."""
 
@@ -99,11 +92,11 @@ class ShardTransport(BroadcastTransport):
             raise SyncError(f"the servers did not say their sizes: {info[0]}")
         self.members, tp = info[0]
         hosts = [urlparse(url).hostname for url in self.members]
-        local_only = set(hosts) <= {"127.0.0.1", "localhost"}
+        here = set(hosts) <= {"127.0.0.1", "localhost"}  # (else this rank's address on the route to the servers)
         address = (self.cfg.master_address if self.rank0 else None) or (
-            "127.0.0.1" if local_only else routable_address(hosts[0])
+            "127.0.0.1" if here else routable_address(hosts[0])
         )
-        ends = [(address, free_port("127.0.0.1" if local_only else ""))] * world
+        ends = [(address, free_port("127.0.0.1" if here else ""))] * world
         if world > 1:
             dist.all_gather_object(ends, ends[0])
         self.formed += 1
@@ -131,13 +124,14 @@ class ShardTransport(BroadcastTransport):
         log.info("weight-update groups %s: one per trainer rank, + %d server ranks each", self.names, size - 1)
 
     async def _join(self, ends: list[tuple[str, int]], size: int) -> None:
+        """(rank 0) Every server joins every rank's group, one group after another."""
+        path, timeout = "/init_weights_update_group", self.cfg.timeout_s
         for name, (address, port) in zip(self.names, ends):
             body = {"master_address": address, "master_port": port, "world_size": size, "group_name": name,
                     "backend": self.backend}  # fmt: skip
-            path, timeout = "/init_weights_update_group", self.cfg.timeout_s
             bodies = [body | {"rank_offset": offset} for offset in self.offsets]
             await asyncio.gather(
-                *(self.client.request(url, path, b, timeout_s=timeout) for url, b in zip(self.members, bodies))
+                *(self.client.request(u, path, b, timeout_s=timeout) for u, b in zip(self.members, bodies))
             )
 
     def _plan(self, module: torch.nn.Module) -> None:
@@ -204,7 +198,7 @@ class ShardTransport(BroadcastTransport):
         for i in range(n):
             try:
                 with clock("encode"):
-                    tensors, changed, words = self._encode(i, full)
+                    tensors, k, words = self._encode(i, full)
                 if self.rank0:
                     self._check_members(f"bucket {i + 1}/{n}")
                     body, previous = self._body(i, full, version, flush_cache), replies[-1] if replies else None
@@ -212,17 +206,19 @@ class ShardTransport(BroadcastTransport):
                 bytes_ = [t.view(torch.uint8) for t in tensors]  # (neither gloo nor NCCL has int16)
                 posted = [dist.broadcast(b, group=self.group, group_src=0, async_op=True) for b in bytes_]
                 with clock("send"):  # bucket i - 1's broadcasts, while bucket i's are posted
-                    self._until(sent(works), replies, key, f"bucket {i}/{n}")
+                    self._until(
+                        lambda works=works: all(w.is_completed() for w, _ in works), replies, key, f"bucket {i}/{n}"
+                    )
                 works = list(zip(posted, tensors))  # (the tensors live until sent)
                 totals[2] += sum(t.numel() * t.element_size() for t in tensors)
-                totals[3], totals[4] = totals[3] + changed, totals[4] + words
+                totals[3], totals[4] = totals[3] + k, totals[4] + words
             except Exception as e:  # noqa: BLE001 -- every rank raises once the others know
                 failure = e
                 break
         try:
             if failure is None:
                 with clock("send"):
-                    self._until(sent(works), replies, key, f"bucket {n}/{n}")
+                    self._until(lambda: all(w.is_completed() for w, _ in works), replies, key, f"bucket {n}/{n}")
                 if self.rank0 and not full:
                     totals[1] = self._mismatched(replies, key)
                 with clock("server_replies"):
@@ -253,15 +249,14 @@ class ShardTransport(BroadcastTransport):
 
     def _mismatched(self, replies: list[Future], key: str) -> int:
         """(rank 0) The buckets whose checksum failed on each server, all-gathered in rank 0's group."""
-        device = "cuda" if self.backend == "nccl" else "cpu"
-        counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.group.size())]
-        mine = torch.zeros(1, dtype=torch.int64, device=device)
-        work = dist.all_gather(counts, mine, group=self.group, async_op=True)
+        zero = torch.zeros(1, dtype=torch.int64, device="cuda" if self.backend == "nccl" else "cpu")
+        counts = [torch.zeros_like(zero) for _ in range(self.group.size())]
+        work = dist.all_gather(counts, zero, group=self.group, async_op=True)
         self._until(work.is_completed, replies, key, "the servers' checksums")
-        counts = [int(c) for c in counts]
-        n = len(self.plan[1])
-        bad = [f"{counts[o]} of {n} buckets on {url}" for url, o in zip(self.members, self.offsets) if counts[o]]
-        self.mismatch = ", ".join(bad)
+        counts, n = [int(c) for c in counts], len(self.plan[1])
+        self.mismatch = ", ".join(
+            f"{counts[o]} of {n} buckets on {url}" for url, o in zip(self.members, self.offsets) if counts[o]
+        )
         return sum(counts)
 
     def _until(self, done: Callable[[], bool], replies: list[Future], key: str, what: str) -> None:
@@ -282,10 +277,6 @@ class ShardTransport(BroadcastTransport):
                 if time.monotonic() > due:
                     raise SyncError(f"{what} did not finish within {self.cfg.timeout_s:.0f}s (--sync.timeout_s)")
                 time.sleep(0.0005)
-
-
-def sent(works: list[tuple[dist.Work, torch.Tensor]]) -> Callable[[], bool]:
-    return lambda: all(work.is_completed() for work, _ in works)
 
 
 def changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
