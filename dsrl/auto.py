@@ -14,9 +14,12 @@ from dataclasses import replace
 
 import psutil
 
-from dsrl.config import PROBE_TOLERANCE, Config, RolloutConfig, SyncConfig, TrainerConfig
+from dsrl.config import PROBE_TOLERANCE, Config, ConfigError, RolloutConfig, SyncConfig, TrainerConfig
 
 log = logging.getLogger(__name__)
+
+SHARD_LOADER = "dsrl.serving.shard_loader.load"
+"""The servers' weight loader for --sync.senders all (`dsrl.serving.shard_loader.LOADER`, which imports torch)."""
 
 
 def trainer_on_cuda(t: TrainerConfig, cuda_available: Callable[[], bool]) -> bool:
@@ -79,9 +82,9 @@ def old_from_update(cfg: Config) -> bool:
 
 def resolve_sync(cfg: Config) -> SyncConfig:
     """sync.bucket_bytes (None: 1 GiB on GPUs, 256 MiB on CPU), sync.type (auto = ipc when colocated on GPUs, else
-    broadcast), sync.lora (auto = the adapter alone where dsrl starts the servers and they read its files, merged
-    over CUDA IPC or to FP8 servers: docs/benchmarks.md "LoRA") and sync.probe_tolerance (its default for
-    --rollout.precision)."""
+    broadcast), sync.senders (auto = all with sync.delta, else rank0), sync.lora (auto = the adapter alone where dsrl
+    starts the servers and they read its files, merged over CUDA IPC or to FP8 servers: docs/benchmarks.md "LoRA")
+    and sync.probe_tolerance (its default for --rollout.precision)."""
     s = cfg.sync
     if s.bucket_bytes is None:
         s = replace(s, bucket_bytes=1 << 30 if use_cuda(cfg) else 256 << 20)
@@ -89,6 +92,11 @@ def resolve_sync(cfg: Config) -> SyncConfig:
         s = replace(s, probe_tolerance=PROBE_TOLERANCE[cfg.rollout.precision])
     if s.type == "auto":
         s = replace(s, type="ipc" if cfg.rollout.placement == "colocate" and use_cuda(cfg) else "broadcast")
+    if s.senders == "auto":
+        s = replace(s, senders="all" if s.delta else "rank0")
+    if s.senders == "all" and s.type != "broadcast":
+        raise ConfigError([f"--sync.senders all (or --sync.delta) sends over broadcast: not colocated on GPUs "
+                           f"(sync.type {s.type})"])  # fmt: skip
     if s.lora == "auto":
         external = fleet_kind(cfg.rollout) == "external"  # started by someone else: dsrl cannot enable LoRA
         remote = s.type == "broadcast" and (bool(cfg.trainer.hostfile) or fleet_kind(cfg.rollout) == "ray")
@@ -189,7 +197,11 @@ def resolve(cfg: Config, model_dir: str) -> tuple[Config, list[str]]:
         ("trainer.pack_sequences", t.pack_sequences, str(trainer.pack_sequences).lower()),
         ("rollout.engine", r.engine, rollout.engine), ("rollout.fleet", r.fleet, rollout.fleet),
         ("sync.type", cfg.sync.type, out.sync.type), ("sync.lora", cfg.sync.lora, out.sync.lora),
+        ("sync.senders", cfg.sync.senders, out.sync.senders),
     ) if old == "auto"]  # fmt: skip
+    if out.sync.senders == "all" and rollout.fleet != "external":  # (external servers: started with it by their owner)
+        args = {"custom_weight_loader": [SHARD_LOADER]} | rollout.server_args
+        out = replace(out, rollout=replace(rollout, server_args=args))
     if cfg.sync.bucket_bytes is None:
         lines.append(f"sync.bucket_bytes {out.sync.bucket_bytes >> 20} MiB")
     if t.old_logprobs == "auto":

@@ -6,6 +6,7 @@ calls to the servers, per mode, and an update that fails on rank 0 only. Writes 
 """
 
 import json
+import logging
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConf
 from dsrl.lending import GpuLending
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.fleet import start_fleet_for_ranks
+from dsrl.serving.shard_loader import LOADER
 from dsrl.sync.base import SyncError
 from dsrl.sync.verify import verify_weights
 from dsrl.sync.weight_sync import WeightSync, make_transport
@@ -30,7 +32,9 @@ def main(model_dir: str, train_path: str, out: str) -> None:
     cfg = Config(
         model=ModelConfig(path=model_dir),
         data=DataConfig(train_path=train_path),
-        rollout=RolloutConfig(prompts_per_step=2, n_samples=2, num_servers=2),
+        rollout=RolloutConfig(
+            prompts_per_step=2, n_samples=2, num_servers=2, server_args={"custom_weight_loader": [LOADER]}
+        ),
     )
     cfg.trainer.micro_batch_size = 2
     init_distributed(cfg)
@@ -44,8 +48,12 @@ def main(model_dir: str, train_path: str, out: str) -> None:
     results = {"world": dist.get_world_size(), "num_params": len(named), "embed_bytes": embed_bytes, "cases": []}
     try:
         cases = [("broadcast", 1), ("broadcast", embed_bytes), ("broadcast", 1 << 30), ("disk", 4096)]
+        cases += [("all", 1), ("all", embed_bytes), ("all", 1 << 30)]  # --sync.senders all: every rank its partition
         for version, (kind, bucket_bytes) in enumerate(cases, start=1):
-            cfg.sync = SyncConfig(type=kind, bucket_bytes=bucket_bytes, verify="weights")  # raises on a difference
+            senders, kind = ("all", "broadcast") if kind == "all" else ("rank0", kind)
+            cfg.sync = SyncConfig(
+                type=kind, bucket_bytes=bucket_bytes, verify="weights", senders=senders
+            )  # raises on a difference
             transport = make_transport(cfg.sync, client, run_dir, "gloo")
             with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=0):
                 if rank == 0:
@@ -57,7 +65,7 @@ def main(model_dir: str, train_path: str, out: str) -> None:
                 buckets = plan_buckets(named, bucket_bytes)
                 results["cases"].append(
                     {
-                        "transport": kind,
+                        "transport": kind if senders == "rank0" else "all",
                         "bucket_bytes": bucket_bytes,
                         "buckets": len(buckets),
                         "bytes": metrics["sync/bytes"],
@@ -93,6 +101,7 @@ def main(model_dir: str, train_path: str, out: str) -> None:
         except SyncError as e:
             results["corrupt_detected"] = str(e)
         results["model_bytes"] = sum(param_bytes(p) for _, p in named)
+        results["delta"] = delta_syncs(cfg, actor, fleet, client, run_dir, 200 if dist.get_world_size() > 1 else 20)
         results["sequences"] = update_sequences(cfg, actor, fleet, client, run_dir)
         results["failure_on_rank0"] = failure_on_rank0(cfg, actor, fleet, client, run_dir)
         recompute = replace(cfg, trainer=replace(cfg.trainer, old_logprobs="recompute"))
@@ -147,6 +156,57 @@ def update_sequences(cfg: Config, actor, fleet, client: RecordingClient, run_dir
         weights.update(version)
         weights.check_probe()  # disaggregated, the probe runs in the background: wait for it
         out[mode] = client.take_calls()
+    return out
+
+
+def delta_syncs(cfg: Config, actor, fleet, client: RecordingClient, run_dir: Path, syncs: int = 200) -> dict:
+    """--sync.delta: `syncs` updates, each after a few words of every rank's partition changed in place (none at
+    some, all at one), then the servers' weights compared with the trainer's bit for bit. Then a server's weights are
+    corrupted in place (a tensor loaded from disk behind the trainer's back) before a delta, whose checksum fails
+    (one line, then everything in full), and before a full sync; each is compared after."""
+    cfg.rollout = replace(cfg.rollout, placement="disaggregate", interrupt="partial")
+    cfg.trainer.total_steps = 999 + syncs  # (the last update is always verified)
+    named, lines = list(actor.module.named_parameters()), []
+    # Five buckets of the toy (300 kB in all); a delta sent in full every 1000 versions, i.e. never here
+    cfg.sync = SyncConfig(type="broadcast", bucket_bytes=80 << 10, delta=True, delta_full_every=1000, verify="weights",
+                          verify_every=syncs)  # fmt: skip
+    weights = WeightSync(cfg, actor, fleet, client, make_transport(cfg.sync, client, run_dir, "gloo"),
+                         GpuLending(cfg, client, [actor]))  # fmt: skip
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("dsrl.sync.shards").addHandler(handler)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    out = {"delta": [], "changed": [], "bytes": [], "buckets": len(plan_buckets(named, cfg.sync.bucket_bytes))}
+
+    def perturb(fraction: float) -> None:  # this rank's own partition, in place, as an optimizer step would
+        for _, p in named:
+            part = p.ds_tensor.data.view(-1)
+            hit = torch.rand(part.numel(), generator=gen) < fraction
+            part[hit] += torch.randn(int(hit.sum()), generator=gen) * 1e-3
+
+    for version in range(1000, 1000 + syncs):
+        perturb(0.0 if version % 10 == 3 else 1.0 if version == 1100 else 0.01)
+        metrics = weights.update(version)  # the first in full; weights verified at the first and the last
+        out["delta"].append(metrics["sync/delta"])
+        out["changed"].append(metrics.get("sync/changed_words_frac"))
+        out["bytes"].append(metrics["sync/bytes"])
+    out["full_bytes"] = out["bytes"][0]
+    for case, version in (("corrupt_then_delta", 1000 + syncs), ("corrupt_then_full", 1001 + syncs)):
+        if dist.get_rank() == 0:
+            bad = {named[3][0]: torch.full(tuple(named[3][1].ds_shape), 0.5)}
+            save_file(bad, run_dir / "bad" / "model.safetensors")
+            client.run(
+                client.request(client.urls[1], "/update_weights_from_disk", {"model_path": str(run_dir / "bad")})
+            )
+        if case == "corrupt_then_full":
+            weights.transport.reset([0, 1])  # (as a change of the fleet does)
+        perturb(0.01)
+        lines.clear()
+        cfg.sync.verify_every = 1
+        metrics = weights.update(version)  # verify="weights" raises on any difference
+        out[case] = {"delta": metrics["sync/delta"], "checksum_failed": metrics["sync/delta_checksum_failed"],
+                     "lines": list(lines)}  # fmt: skip
+    logging.getLogger("dsrl.sync.shards").removeHandler(handler)
     return out
 
 

@@ -154,6 +154,28 @@ def test_sync_buckets_are_1_gib_on_gpus_and_256_mib_on_cpu_unless_given():
     assert buckets("--trainer.device", "cuda", "--sync.bucket_bytes", "1000") == 1000
 
 
+def test_delta_sync_refuses_what_it_cannot_send_and_starts_the_servers_with_its_loader():
+    """--sync.delta and --sync.senders all: every rank's own partition, so not a LoRA model's merged weights nor FP8's
+    blocks; not colocated (the servers drop their weights between syncs); and the servers get the custom loader."""
+    from dsrl.auto import SHARD_LOADER, resolve
+    from dsrl.serving.shard_loader import LOADER
+
+    parser = build_parser()
+    argv = [*TOY, "--sync.delta", "true", "--model.lora_rank", "8", "--rollout.precision", "fp8"]
+    argv += ["--sync.senders", "rank0", "--sync.delta_full_every", "0"]
+    with pytest.raises(ConfigError) as info:
+        validate(to_config(parser, parser.parse_args(argv)))
+    flags = [e.split(":")[0] for e in info.value.errors if "sync.delta" in e or "senders" in e]
+    assert flags == ["--sync.delta_full_every=0", "--sync.senders='rank0'", "--sync.delta=True", "--sync.delta=True",
+                     "--sync.delta=True"], info.value.errors  # fmt: skip
+    assert "colocated servers drop their weights" in info.value.errors[-1]
+    cfg = to_config(parser, parser.parse_args([*TOY, "--sync.delta", "true", "--rollout.placement", "disaggregate"]))
+    validate(cfg)
+    resolved, _ = resolve(cfg, cfg.model.path)
+    assert resolved.sync.senders == "all" and SHARD_LOADER == LOADER
+    assert resolved.rollout.server_args["custom_weight_loader"] == [LOADER]
+
+
 def test_a_custom_rollout_is_checked_for_its_name_and_schedule():
     parser = build_parser()
     argv = [*TOY, "--rollout.rollout_fn", "tests._rollouts:two_pieces", "--rollout.placement", "disaggregate"]

@@ -215,12 +215,14 @@ def assert_run_went_on_without_waiting(log: list[str]) -> None:
     assert after and "restarted at" not in after[0], "the update waited for the replacement:\n" + "".join(after)
 
 
-@pytest.mark.parametrize("marker_says", ["", "fail"], ids=["dies", "fails"])
-def test_crash_of_a_rollout_server_during_a_weight_sync_loses_nothing(tmp_path, marker_says):
+@pytest.mark.parametrize("marker_says, delta", [("", False), ("fail", False), ("", True)],
+                         ids=["dies", "fails", "dies_delta"])  # fmt: skip
+def test_crash_of_a_rollout_server_during_a_weight_sync_loses_nothing(tmp_path, marker_says, delta):
     """A server dies mid-sync (after taking its update request, before receiving): the sync fails,
     the server's replacement starts, the sync is redone, and the run trains every prompt once. Or the server
     lives and fails that update and every later one with an error (HTTP 500): after its second failure it is
-    replaced as a dead one is, and the third try syncs without it."""
+    replaced as a dead one is, and the third try syncs without it. With --sync.delta (every rank sends its part,
+    the survivor and the replacement get everything in full after the death) the weights compared still match."""
     rows = toy.make_rows(64, seed=9)
     data = tmp_path / "epoch.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -228,6 +230,7 @@ def test_crash_of_a_rollout_server_during_a_weight_sync_loses_nothing(tmp_path, 
     args = ["--data.train_path", str(data), "--rollout.prompts_per_step", "16", "--trainer.total_steps", "4"]
     args += ["--rollout.num_servers", "2", "--rollout.server_args", json.dumps({"crash_marker": str(marker)})]
     args += ["--trainer.micro_batch_size", "64", "--sync.verify", "weights", "--sync.timeout_s", "30"]
+    args += ["--sync.delta", "true", "--rollout.placement", "disaggregate"] if delta else []
     proc = subprocess.Popen(train_cmd("toy_cpu.yaml", run_dir, *args), cwd=ROOT, stderr=subprocess.PIPE, text=True)
     log = []
     for line in proc.stderr:
@@ -245,6 +248,10 @@ def test_crash_of_a_rollout_server_during_a_weight_sync_loses_nothing(tmp_path, 
         assert "failed the retried weight update: replacing it" in text
         assert "(stopped): starting its replacement" in text
     assert scalars(run_dir)["fleet/server_deaths"][4] == 1
+    if delta:  # in full at the first sync and after the death, as deltas between
+        sent_as_delta, metrics = set(scalars(run_dir)["sync/delta"].values()), scalars(run_dir)
+        assert "sync.senders all" in text and sent_as_delta == {0.0, 1.0}, sent_as_delta
+        assert set(metrics["sync/delta_checksum_failed"].values()) == {0.0} and "failed the checksum" not in text
     trained = [row for r in trace(run_dir) for row in r["rows"]]
     assert sorted(trained) == list(range(64)), "every prompt of the epoch, exactly once"
 

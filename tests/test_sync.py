@@ -139,3 +139,40 @@ def test_gradient_checkpointing_recomputes_each_layer_and_keeps_the_gradient(syn
     grad = sync_results["gradient_checkpointed"]
     assert grad["max_abs_diff"] < 1e-6 and grad["max_abs_grad"] > 1e-3, grad
     assert grad["layer_forwards"] == 2 * grad["micro_batches"], grad
+
+
+def test_every_rank_sends_its_own_partition(sync_results):
+    """--sync.senders all: each rank broadcasts its ZeRO-3 partition in a group of its own and the servers assemble
+    them (the worker compared every server parameter with the trainer's); together the ranks send the model once."""
+    for version, bucket_bytes in enumerate((1, sync_results["embed_bytes"], 1 << 30), start=5):
+        c = case(sync_results, "all", bucket_bytes)
+        assert c["bytes"] == sync_results["model_bytes"]
+        assert c["versions"] == [str(version)] * 2
+
+
+def test_200_delta_syncs_leave_the_servers_weights_equal_to_the_trainers(sync_results):
+    """--sync.delta: the first sync in full, then 199 deltas of about 1 % of each rank's words (none at some, all at
+    one), and the servers' weights equal the trainer's bit for bit at the end (the worker raises otherwise). With one
+    rank, 20 syncs (the CI's time)."""
+    d = sync_results["delta"]
+    assert d["delta"] == [0.0] + [1.0] * (199 if sync_results["ranks"] == 2 else 19)
+    heads = 16 * d["buckets"] * sync_results["ranks"]  # each rank's [count, checksum] per bucket
+    for i, (changed, sent) in enumerate(zip(d["changed"][1:], d["bytes"][1:]), start=1001):
+        if i % 10 == 3:  # nothing changed: the checksums alone
+            assert changed == 0 and sent == heads
+        elif i != 1100:  # 1 % of the elements, about 1 % of the 2-byte words: 6 bytes each
+            assert 0.005 < changed < 0.02 and sent < 0.07 * d["full_bytes"]
+    if sync_results["ranks"] == 2:  # every element changed at version 1100: over a third of the words, all sent
+        assert d["changed"][100] > 0.5 and d["delta"][100] == 1.0 and d["bytes"][100] == d["full_bytes"] + heads
+
+
+def test_a_server_corrupted_in_place_is_restored_by_the_next_sync(sync_results):
+    """A server's weights changed behind the trainer's back: the next delta fails that bucket's checksum, says so in
+    one line and sends everything in full; a full sync restores them too (each compared bit for bit after)."""
+    d = sync_results["delta"]["corrupt_then_delta"]
+    assert d["delta"] == 1.0 and d["checksum_failed"] == 1.0
+    buckets = sync_results["delta"]["buckets"]
+    assert len(d["lines"]) == 1 and f"1 of {buckets} buckets on http" in d["lines"][0], d["lines"]
+    assert "failed the checksum after the delta; sending every weight in full" in d["lines"][0]
+    full = sync_results["delta"]["corrupt_then_full"]
+    assert full == {"delta": 0.0, "checksum_failed": 0.0, "lines": []}

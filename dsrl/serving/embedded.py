@@ -13,9 +13,12 @@ import asyncio
 import base64
 import contextlib
 import hmac
+import importlib
+import io
 import json
 import logging
 import os
+import pickle
 import threading
 import time
 import uuid
@@ -30,6 +33,7 @@ from safetensors.torch import load_file
 
 from dsrl.fp8 import FP8, KV_SCALES, SCALE, dequantize, is_quantized, round_trip_activations
 from dsrl.moe import moe_blocks, split_experts
+from dsrl.serving import shard_loader
 from dsrl.serving.embedded_args import parse_args
 
 log = logging.getLogger("dsrl.embedded")
@@ -154,7 +158,8 @@ class Engine:
     def __init__(self, model_path: str, seed: int = 0, max_batch_tokens: int = 16384, decode_delay_ms: float = 0.0,
                  deterministic: bool = False, crash_marker: str | None = None,
                  lora: tuple[int | None, list[str] | None] | None = None, is_embedding: bool = False,
-                 weights_backup: bool = False, dtype: str = "auto", return_routed_experts: bool = False):  # fmt: skip
+                 weights_backup: bool = False, dtype: str = "auto", return_routed_experts: bool = False,
+                 custom_weight_loaders: tuple[str, ...] = ()):  # fmt: skip
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
         self.model_path, self.is_embedding, self.weights_backup = model_path, is_embedding, weights_backup
@@ -193,7 +198,7 @@ class Engine:
         self.decode_delay_s = decode_delay_ms / 1000  # emulate a slower engine (tests, benchmarks)
         self.deterministic = deterministic  # batch-invariant: each request's forward runs alone
         self.crash_marker = crash_marker  # fault injection for tests: see --crash-marker
-        self.failing = False
+        self.failing, self.custom_weight_loaders = False, custom_weight_loaders
         self.weight_version = "default"
         self.running: list[Request] = []
         self.paused = False
@@ -482,6 +487,7 @@ class Engine:
         and every later update and decode step, until the group's own timeout."""
         if self.groups.pop(name, None) is None:
             raise BadRequest(f"no weight update group named {name!r}")
+        shard_loader.abandoned.add(name)
 
     def update_from_distributed(self, body: dict) -> None:
         self.check_weights_resident()
@@ -548,6 +554,22 @@ class Engine:
         if self.failing:
             raise RuntimeError(f"crash marker {self.crash_marker} said fail: this server fails every weight update")
 
+    def update_from_tensor(self, body: dict) -> None:
+        """SGLang's /update_weights_from_tensor through one of its --custom-weight-loader functions, called as SGLang
+        calls it, with the model and this rank's named tensors (whose bytes travel in the request here: CUDA IPC
+        handles need a GPU)."""
+        self.check_weights_resident()
+        self._maybe_crash()
+        load_format = body.get("load_format")
+        if load_format not in self.custom_weight_loaders:
+            raise BadRequest(
+                f"load_format {load_format!r}: not one of --custom-weight-loader {self.custom_weight_loaders}"
+            )
+        named = _TensorUnpickler(io.BytesIO(base64.b64decode(body["serialized_named_tensors"][0]))).load()
+        module, _, function = load_format.rpartition(".")
+        with self.recv_lock, self.model_lock:
+            getattr(importlib.import_module(module), function)(self.model, named)
+
     def _storage_slice(self, names: list[str], dtypes: list, sizes: list[int]) -> torch.Tensor | None:
         start = self.offsets.get(names[0], (None,))[0]
         if start is None:
@@ -573,6 +595,17 @@ class Engine:
             self.stopped = True
             self.cond.notify_all()
         self.abort(abort_all=True, message="server shutting down")
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    """Named tensors pickled with their bytes, and nothing else (SGLang's SafeUnpickler allows little more)."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch.storage", "_load_from_bytes"):  # (torch's own unpickles anything)
+            return lambda data: torch.load(io.BytesIO(data), weights_only=True)
+        if (module, name) in (("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict")):
+            return super().find_class(module, name)
+        raise BadRequest(f"serialized_named_tensors: {module}.{name} is not a tensor's part")
 
 
 def _flatten_parameters(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
@@ -691,6 +724,7 @@ class Api:
             web.post("/update_weights_from_distributed", self.update_weights_from_distributed),
             web.post("/destroy_weights_update_group", self.destroy_weights_update_group),
             web.post("/update_weights_from_disk", self.update_weights_from_disk),
+            web.post("/update_weights_from_tensor", self.update_weights_from_tensor),
             web.post("/update_weight_version", self.update_weight_version),
             web.post("/get_weights_by_name", self.get_weights_by_name),
             web.post("/load_lora_adapter", self.load_lora_adapter),
@@ -824,6 +858,11 @@ class Api:
         await asyncio.to_thread(self.engine.update_from_disk, body["model_path"])
         return self._weights_updated(body, "Succeeded to update model weights.", num_paused_requests=0)
 
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        body = await body_of(request)
+        await asyncio.to_thread(self.engine.update_from_tensor, body)
+        return self._weights_updated(body, "Success")
+
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await body_of(request)
         if body.get("abort_all_requests", True):
@@ -872,7 +911,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(args.model_path, args.seed, args.max_batch_tokens, args.decode_delay_ms,
                     args.enable_deterministic_inference, args.crash_marker,
                     (args.max_lora_rank, args.lora_target_modules) if args.enable_lora else None, args.is_embedding,
-                    args.enable_weights_cpu_backup, args.dtype, args.enable_return_routed_experts)  # fmt: skip
+                    args.enable_weights_cpu_backup, args.dtype, args.enable_return_routed_experts,
+                    tuple(args.custom_weight_loader))  # fmt: skip
     log.info("embedded engine for %s on http://%s:%d (pid %d)", args.model_path, args.host, args.port, os.getpid())
     if os.environ.get("DSRL_PARENT_PID"):
         threading.Thread(target=_exit_with_parent, args=(int(os.environ["DSRL_PARENT_PID"]),), daemon=True).start()

@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Weights' and activations' dtype (auto: float32; SGLang's is bfloat16).")  # fmt: skip
     parser.add_argument("--enable-return-routed-experts", action="store_true",
                         help="A mixture of experts: requests may ask for their tokens' routed experts.")  # fmt: skip
+    parser.add_argument("--custom-weight-loader", nargs="*", default=[], help="Import paths of functions that "
+                        "/update_weights_from_tensor may load through (its load_format), as SGLang's.")  # fmt: skip
     return parser
 
 

@@ -39,6 +39,8 @@ class Transport(ABC):
         """Only trainer rank 0 sends requests to the servers; the other ranks take part in the gathers."""
         self.profile: dict[str, float] = {}
         """Seconds spent per part of the last update (rank 0), for the sync metrics and tools/bench_sync.py."""
+        self.stats: dict[str, float] = {}
+        """Other figures of the last update, as sync metrics (the shard transport's delta: how much changed)."""
 
     @abstractmethod
     def send(self, module: torch.nn.Module, weight_version: int, flush_cache: bool) -> int:

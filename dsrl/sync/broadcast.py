@@ -27,6 +27,7 @@ from dsrl.sync.base import SyncError, Transport
 from dsrl.zero.buckets import FlatBucket, FlatGatherer
 
 log = logging.getLogger(__name__)
+DISTRIBUTED = "/update_weights_from_distributed"
 
 
 class BroadcastTransport(Transport):
@@ -138,21 +139,23 @@ class BroadcastTransport(Transport):
         if down:
             raise SyncError(f"{', '.join(down)} went down before {what} was sent")
 
-    def _abandon_group(self) -> None:
+    def _abandon_group(self, names: list[str] | None = None) -> None:
         """A failed group is never reused (the next update forms a new one), and the live servers are asked to
-        destroy it, which ends a receive still waiting in it; a server that cannot is left to the next update."""
+        destroy it (or the groups `names`), which ends a receive still waiting in it; a server that cannot is left
+        to the next update."""
         self.group = None  # (rank 0 only: the other ranks return before they could fail)
-        live = [url for url in self.members if url not in self.client.down]
-        body = {"group_name": self.group_name}
+        names = names or [self.group_name]
+        live = [(url, name) for url in self.members if url not in self.client.down for name in names]
 
         async def destroy_all():
-            calls = (self.client.request(url, "/destroy_weights_update_group", body, timeout_s=30) for url in live)
+            calls = (self.client.request(url, "/destroy_weights_update_group", {"group_name": name}, timeout_s=30)
+                     for url, name in live)  # fmt: skip
             return await asyncio.gather(*calls, return_exceptions=True)
 
         replies = self.client.run(destroy_all())
-        for url, reply in zip(live, replies):
+        for (url, name), reply in zip(live, replies):
             if isinstance(reply, BaseException):
-                log.warning("%s did not destroy the failed weight-update group %s: %s", url, self.group_name, reply)
+                log.warning("%s did not destroy the failed weight-update group %s: %s", url, name, reply)
 
     def _deadline(self, what: str):
         """A wait NCCL may never return from (a peer that never joins, a broadcast nobody receives) ends the run,
@@ -176,7 +179,7 @@ class BroadcastTransport(Transport):
         work = dist.broadcast(bucket.flat, group=self.group, group_src=0, async_op=True)
         return reply, work
 
-    async def _post_after(self, previous: Future | None, payload: dict) -> list:
+    async def _post_after(self, previous: Future | None, payload: dict, path: str = DISTRIBUTED) -> list:
         """Post one bucket's request once the previous bucket's has been answered.
 
         The servers must receive the requests in bucket order: each one tells the server the names
@@ -187,7 +190,7 @@ class BroadcastTransport(Transport):
         """
         if previous is not None:
             await asyncio.wrap_future(previous)  # a failed bucket stops the rest
-        return await self.client.all_servers("/update_weights_from_distributed", payload)
+        return await self.client.all_servers(path, payload)
 
     def _wait(self, work: dist.Work, replies: list[Future]) -> None:
         """Wait for a broadcast, failing fast when a server has already answered with an error."""

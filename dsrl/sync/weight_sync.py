@@ -120,6 +120,7 @@ class WeightSync:
         if reference is not None:
             self._probe(*reference)
         metrics |= {"sync/bytes": sent, "sync/seconds": seconds, "sync/gb_per_s": sent / max(seconds, 1e-9) / 1e9}
+        metrics |= self.transport.stats
         if self.rank0:  # (since the run started)
             metrics |= {"fleet/server_deaths": self.fleet.deaths, "fleet/restarts": self.fleet.restarts}
         profile = self.adapters.profile if self.adapters is not None else self.transport.profile
@@ -278,6 +279,10 @@ def make_transport(
         from dsrl.sync.ipc import IpcTransport
 
         transport = IpcTransport(cfg, client, root, tp_size)
+    elif cfg.type == "broadcast" and (cfg.senders == "all" or cfg.delta):
+        from dsrl.sync.shards import ShardTransport
+
+        transport = ShardTransport(cfg, client, root, backend)
     elif cfg.type == "broadcast":
         from dsrl.sync.broadcast import BroadcastTransport
 
