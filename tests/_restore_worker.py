@@ -90,7 +90,7 @@ def restore(cfg: Config, engine, fleet, client, run_dir: Path, version: int, hel
     if rank0:
         got = server_weights(client, names)
         case["differ"] = differing(got, want)
-        quantized = [n for n in names if fp8 and is_quantized(n, trainer[n])]
+        quantized = [n for n in names if fp8 and n in trainer and is_quantized(n, trainer[n])]
         case["quantized"] = len(quantized)
         errors = [(got[n] - trainer[n]).norm().item() / trainer[n].norm().item() for n in quantized]
         case["fp8_rel_error"] = max(errors, default=None)
