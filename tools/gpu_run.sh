@@ -31,6 +31,8 @@
 #                         # 1 GPU: nothing dies under the tail workload, a kill -9 costs one step (issue 60; tools/soak.py)
 #   source .gpu/setup.sh; MODELS=1.5b bash tools/gpu_run.sh setup fp8 fp8_toy     # 1 GPU (issue 64: FP8 rollout
 #                         against bf16 on the tail workload, and on the GPU toy; FP8_MODEL=7b with FP8_RUNS: see the stage)
+#   source .gpu/setup.sh; MODELS=1.5b bash tools/gpu_run.sh setup gate               # 1 GPU (issue 89: the 1.5B `tail`
+#                         step, phases, update peak, sync GB/s and mismatch against tools/baselines/gate_tail_1.5b.json)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py;
 #                                                         ASYNC_EXTRA="--rollout.max_concurrency 768" passes flags on)
 # Wheels the image lacks travel in .whl/ (carried; `setup` installs them into /tmp/site): peft, sgl-deep-gemm (the
@@ -515,6 +517,21 @@ print('verl stack: verl', verl.__version__, 'sglang', sglang.__version__, 'trans
         rm -rf /tmp/soak/$name/run/checkpoints /tmp/soak/$name/run/hf  # (7B's checkpoint is ~110 GB: the disk is 235)
         pkill -9 -f "sglang|dsrl\.(train|cli)|deepspeed\.launcher" 2>/dev/null; sleep 2
       done
+      # the mismatch of the runs tools/baselines/mismatch.json has a bound for (by name: moe4, moe4_noreplay, moe48)
+      python3 tools/baselines.py check tools/baselines/mismatch.json "$OUT/soak.json" | tee -a "$SUMMARY"
+      ;;
+    gate)  # 1 GPU (issue 89): pair `auto`'s dsrl side on the 1.5B `tail` workload (tools/peers/peers.py, run
+      # dsrl-auto: its records' command), 11 steps, then each figure of its steady steps (2-11) against the committed
+      # baseline: a step or phase more than 15% slower, the update's peak more than 1% higher, the sync's GB/s more than
+      # 15% slower, the mismatch over its bound are named, and the stage fails (tools/baselines.py). GATE_SEED: 0 (the
+      # baseline's repeats ran seeds 0-2, the same prompts a step)
+      rm -rf /tmp/gate
+      stage gate_run ${GATE_LIMIT:-420} python3 tools/peers/peers.py --model /tmp/models/1.5b --workload tail \
+        --runs dsrl-auto --steps 11 --seeds ${GATE_SEED:-0} --limits $((${GATE_LIMIT:-420} - 40)) --out /tmp/gate \
+        --budget $((${GATE_LIMIT:-420} - 20))
+      cp /tmp/gate/peers.json "$OUT/gate_peers.json" 2>/dev/null
+      stage gate 30 python3 tools/baselines.py check tools/baselines/gate_tail_1.5b.json /tmp/gate/peers.json
+      cat "$OUT/gate.log" | tee -a "$SUMMARY"
       ;;
     fp8)  # 1 GPU (issue 64): FP8 rollout against bf16 on peers' `tail` workload, same model and GPU, back to back:
       # the generate phase, the sync's bytes and seconds (sync/seconds: send to version check), the mismatch and the
@@ -557,6 +574,7 @@ for name, run in json.load(open(sys.argv[1]))["runs"].items():
           f"{mean('timing/sync'):.3f} s) | mismatch {mean('mismatch/logprob_abs_diff'):.4f} | probe {probe} | "
           f"reward {mean('reward/mean'):.3f} | rc {run.get('rc')}")
 PY
+      python3 tools/baselines.py check tools/baselines/mismatch.json /tmp/fp8_peers/$M/peers.json | tee -a "$SUMMARY"
       ;;
     fp8_toy)  # 1 GPU (issue 64): the GPU toy, bf16 against FP8 rollout, FP8_TOY_SEEDS (2 runs ~130 s each a seed).
       # SGLang's FP8 layers split weights into 128-row blocks: the toy at hidden 128 and 4 KV heads (q, k, v 128 rows

@@ -216,19 +216,22 @@ def run_updates(
     num_seqs)` -> (loss, metrics, mask) gives each micro-batch's share of its mini-batch loss. Their number
     varies from step to step, so the last one of each mini-batch is marked as DeepSpeed's accumulation
     boundary. `beside()` is called after the last backward pass, before the last optimizer step, which then runs
-    beside what it started (what that is: `dsrl.train.beside_optimizer_step`). Returns token-weighted means of the
-    metrics, `padded_frac` (the padding's share of the tokens the model ran on) and `steps_skipped`: optimizer
+    beside what it started (what that is: `dsrl.train.beside_optimizer_step`). Returns the metrics as this rank's
+    share of their token-weighted means over every rank (its sums over the global token count / ranks: the ranks'
+    mean, `reduce_across_ranks`, is the batch's on any number of ranks; a rank's own mean made it the mean of per-rank
+    means), `padded_frac` (the padding's share of the tokens the model ran on) and `steps_skipped`: optimizer
     steps DeepSpeed skipped, their gradient norm not finite (non-finite logprobs in the update give that), and
     `optimizer_seconds`, the optimizer steps' wall time."""
     t = cfg.trainer
     mini_size = len(samples) // t.updates_per_step
     sums: dict[str, float] = defaultdict(float)
     maxima: dict[str, float] = {}
-    tokens_seen, grad_norms, lrs, ran, real, skipped, optimizer_s = 0.0, [], [], 0, 0, 0, 0.0
+    shares, grad_norms, lrs, ran, real, skipped, optimizer_s = 0.0, [], [], 0, 0, 0, 0.0
     with training(engine, samples, cfg, micro_batch_size):
         for epoch, m in itertools.product(range(t.ppo_epochs), range(0, len(samples), mini_size)):
             mini = samples[m : m + mini_size]
             num_tokens, num_seqs = global_denominators(mini)
+            shares += num_tokens
             chunks = trainer_micro_batches(mini, cfg, micro_batch_size)
             for i, chunk in enumerate(chunks):
                 mb = MicroBatch.build(chunk, pad_id, engine.device, packs(cfg))
@@ -253,10 +256,9 @@ def run_updates(
                 for key, value in stats.items():
                     # the loss is a share of the mini-batch loss already; the rest are per-token means
                     sums[key] += value.item() * (num_tokens if key.endswith("_loss") else weight)
-                tokens_seen += weight
             grad_norms.append(float(engine.get_global_grad_norm() or 0.0))
             lrs.append(engine.get_lr()[0])
-    out = with_ess({k: v / max(tokens_seen, 1.0) for k, v in sums.items()})
+    out = with_ess({k: v / shares for k, v in sums.items()})
     out.update(maxima)
     out["padded_frac"] = 1 - real / max(ran, 1)
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)

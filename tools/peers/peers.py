@@ -472,6 +472,11 @@ DSRL_VARIANTS = {
         },
     ),
     "dsrl-fp8": ("FP8 rollout", FP8_FLAGS),
+    "dsrl-auto": (  # pair `auto`'s dsrl side alone, as its records ran it: tools/gpu_run.sh `gate` (issue 89)
+        PAIRS["auto"].what,
+        {"--rollout.max_staleness": 0, "--algorithm.off_policy": "none", "--data.shuffle": "false"}
+        | PAIRS["auto"].dsrl,
+    ),
     "dsrl-moments-fp8": (
         "synchronous, Adam on the GPU, FP8 rollout",
         {
