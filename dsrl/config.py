@@ -595,7 +595,8 @@ class DistillConfig:
     mem_fraction_static: float = 0.2
     """Fraction of GPU memory a started SGLang server of it takes."""
     server_args: dict[str, Any] = field(default_factory=dict)
-    """Extra launch arguments for its started servers, as rollout.server_args."""
+    """Extra launch arguments for its started servers, as rollout.server_args (not inherited from them: where SGLang
+    needs e.g. attention_backend triton, give it here too)."""
     timeout_s: float = 60.0
     """Seconds one group's request may take; a failure follows `algorithm.on_reward_error`."""
 
