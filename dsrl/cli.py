@@ -11,13 +11,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from dsrl.auto import fleet_kind, rollout_engine, trainer_on_cuda
 from dsrl.config import ConfigError, build_parser, dump_config, reward_rollout, to_config, validate
 from dsrl.rundir import (
-    OWNER_ENV,
+    LOCK_FILE,
     OWNER_FLAG,
     STOP_SIGNALS,
     ExportTargetError,
@@ -85,6 +86,9 @@ def train(argv: list[str]) -> int:
     try:
         clear_stop(run_dir)
         return launch(cfg, run_dir, cuda)
+    except NodeError as e:
+        print(f"dsrl train: error: {e}", file=sys.stderr)
+        return 2
     finally:
         lock.release()
 
@@ -154,17 +158,21 @@ def launch(cfg, run_dir: Path, cuda: bool) -> int:
     Returns the launcher's exit status, or 128 + the signal's number when it was stopped."""
     config_path = run_dir / "config.yaml"
     dump_config(cfg, config_path)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **{OWNER_ENV: str(os.getpid())})
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     if cuda:
         env.update(NCCL_CUMEM_ENABLE="0", DSRL_CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", ""))
     else:
         # gloo ranks on CPU; one thread each (measured: 3x faster on a small box than the default)
         env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
         pin_cpu_kernels(env)
-    cmd = launcher_command(cfg.trainer, cuda, env, free_port())
+    owner, port = f"{os.getpid()}@{socket.gethostname()}", free_port()
+    if cfg.trainer.hostfile:
+        listener, port = across_nodes(cfg, run_dir, env)
+        owner += f"@{listener[0]}:{listener[1]}"  # ranks on other nodes watch it: it refuses once this process is gone
+    cmd = launcher_command(cfg.trainer, cuda, env, port)
     cmd += ["--module", "--no_local_rank", "dsrl.train", "--config", str(config_path)]
     say(f"{' '.join(cmd)}\ndsrl train: the ranks speak once torch, DeepSpeed and transformers are imported (10-70 s)")
-    cmd.append(f"{OWNER_FLAG}{os.getpid()}@{socket.gethostname()}")  # each rank ends when this process does
+    cmd.append(f"{OWNER_FLAG}{owner}")  # each rank ends when this process does
     # Its own process group: a Ctrl-C on the terminal reaches this process only (the launcher would kill
     # the ranks at once), and the whole run can be killed as a group. Killed with this process (SIGKILL
     # included): the ranks see this process gone and end themselves (dsrl.rundir.OwnerWatch).
@@ -183,6 +191,36 @@ def launch(cfg, run_dir: Path, cuda: bool) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         kill_group(proc)  # nothing of the run outlives this command
+
+
+def across_nodes(cfg, run_dir: Path, env: dict) -> tuple[tuple[str, int], int]:
+    """A run on the nodes of --trainer.hostfile: a port of this process's that the ranks of other nodes watch (it
+    refuses once this process is gone), each node checked over ssh (`nodes.check_nodes`: the run directory, the model
+    and the data at the same path, that port reached), and the settings the launcher does not pass on written for it
+    (`nodes.env_file`). Returns the port's address, and rank 0's master port (free on its node). A node that lacks
+    anything stops the run here, before any rank starts, with a line naming the node and what it lacks."""
+    from dsrl.nodes import check_nodes, env_file, hostfile_hosts, routable_address
+
+    hosts = hostfile_hosts(cfg.trainer.hostfile)
+    server = socket.create_server((routable_address(hosts[0]), 0))
+
+    def answer() -> None:
+        while True:
+            server.accept()[0].close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    paths = {"the working directory": os.getcwd(), "--model.path": cfg.model.path, "--data.train_path":
+             cfg.data.train_path, "--eval.path": cfg.eval.path}  # fmt: skip
+    paths = {flag: str(Path(p).resolve()) for flag, p in paths.items() if p and Path(p).exists()}
+    problems, port = check_nodes(hosts, paths, run_dir / LOCK_FILE, server.getsockname()[:2])
+    if problems:
+        raise NodeError("a node of --trainer.hostfile cannot run this: " + "\n".join(problems))
+    env["DS_ENV_FILE"] = str(env_file(run_dir, env))
+    return server.getsockname()[:2], port
+
+
+class NodeError(RuntimeError):
+    """A node of the hostfile lacks what the run needs (`across_nodes`)."""
 
 
 def pin_cpu_kernels(env) -> None:

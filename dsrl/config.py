@@ -132,8 +132,9 @@ class RolloutConfig:
     cpus_per_server: float = 1.0
     """fleet ray: CPUs reserved per server (GPUs: tp_size each, for SGLang)."""
     host: str | None = None
-    """Address started servers bind and are reached at. Default: loopback (127.0.0.1) for local servers of a
-    one-node trainer; the node's address for Ray-placed servers and with --trainer.hostfile."""
+    """Address the servers trainer rank 0 starts, and its fleet control endpoint, bind and are reached at. Default:
+    loopback (127.0.0.1) on a one-node trainer; with --trainer.hostfile, the node's address on the route to the
+    others. Servers on other nodes (Ray's, colocated ones of other trainer nodes) bind their own node's address."""
     api_key: str | None = None
     """Sent as `Authorization: Bearer <key>` on every request to the servers and the fleet control endpoint;
     servers dsrl starts (SGLang's --api-key, the embedded engine's) require it."""

@@ -156,7 +156,7 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     if fleet_kind(cfg.rollout) != "external":
         check_server_args(cfg.rollout, rollout_engine(cfg, use_cuda(cfg)))
     run_dir = Path(cfg.logging.run_dir)
-    lock = take_run_dir(cfg, run_dir, rank)
+    lock = take_run_dir(cfg, run_dir, rank, watch.holder if watch else None)
     stop = StopRequests(run_dir, watch_file=rank == 0).install()
     torch.manual_seed(cfg.seed + rank)
     model_dir = prepare_model_dir(cfg, run_dir)
@@ -216,10 +216,11 @@ def launch_before_trainer(cfg: Config, servers_dir: str, run_dir: Path, rank: in
     return launch_fleet(r, servers_dir, run_dir, cfg.seed, r.engine, multi_node=bool(cfg.trainer.hostfile))
 
 
-def take_run_dir(cfg: Config, run_dir: Path, rank: int) -> rundir.RunLock | None:
-    """Rank 0 claims the run directory (`claim_run_dir`); a failure there stops every rank."""
+def take_run_dir(cfg: Config, run_dir: Path, rank: int, holder: tuple[int, str] | None) -> rundir.RunLock | None:
+    """Rank 0 claims the run directory (`claim_run_dir`; `holder`: `dsrl train`, which holds it); a failure there
+    stops every rank."""
     with agreed("taking the run directory", (RunDirLocked, PermissionError, ExportTargetError)):
-        lock = rundir.claim_run_dir(run_dir, cfg) if rank == 0 else None
+        lock = rundir.claim_run_dir(run_dir, cfg, holder) if rank == 0 else None
     rundir.hold_run_dir(run_dir)  # locked while any process of the run lives: this rank, its servers and workers
     return lock
 

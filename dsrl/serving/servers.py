@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dsrl.config import ConfigError, RolloutConfig, write_private
+from dsrl.nodes import routable_address
 from dsrl.rundir import PROGRESS_S, die_with_parent, member_fds
 from dsrl.serving.embedded_args import build_parser
 
@@ -543,17 +544,6 @@ def server_host(cfg: RolloutConfig, multi_node: bool) -> str:
     if cfg.host:
         return cfg.host
     return routable_address() if multi_node else "127.0.0.1"
-
-
-def routable_address(peer: str = "8.8.8.8") -> str:
-    """This machine's address on the interface that routes to `peer` (no packet is sent). Not
-    gethostbyname(gethostname()), which is 127.0.1.1 on Debian-style hosts."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((peer, 9))
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
 
 
 def server_env(engine: str) -> dict[str, str]:
