@@ -212,7 +212,7 @@ def across_nodes(cfg, run_dir: Path, env: dict) -> tuple[tuple[str, int], int]:
     paths = {"the working directory": os.getcwd(), "--model.path": cfg.model.path, "--data.train_path":
              cfg.data.train_path, "--eval.path": cfg.eval.path}  # fmt: skip
     paths = {flag: str(Path(p).resolve()) for flag, p in paths.items() if p and Path(p).exists()}
-    problems, port = check_nodes(hosts, paths, run_dir / LOCK_FILE, server.getsockname()[:2])
+    problems, port = check_nodes(hosts, paths, run_dir.resolve() / LOCK_FILE, server.getsockname()[:2])
     if problems:
         raise NodeError("a node of --trainer.hostfile cannot run this: " + "\n".join(problems))
     env["DS_ENV_FILE"] = str(env_file(run_dir, env))

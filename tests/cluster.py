@@ -128,7 +128,7 @@ class Node:
             cwd: str | Path | None = None) -> subprocess.CompletedProcess:  # fmt: skip
         """`command` (bash) on the node, waited for; its output returned. `check`: a failure raises with it."""
         proc = subprocess.run(
-            [*self.enter(), f"--wd={cwd or self.cluster.cwd}", "bash", "-c", command],
+            [*self.enter(), "bash", "-c", f"cd {shlex.quote(str(cwd or self.cluster.cwd))} && {command}"],
             env=self.environment(env), capture_output=True, text=True, timeout=timeout,
         )  # fmt: skip
         if check and proc.returncode != 0:
@@ -142,7 +142,7 @@ class Node:
         log = log or self.dir / f"{len(self.started)}.log"
         out = kwargs.pop("stdout", None) or open(log, "ab")  # noqa: SIM115 -- the process's own, closed below
         proc = subprocess.Popen(
-            [*self.enter(), f"--wd={cwd or self.cluster.cwd}", "bash", "-c", command],
+            [*self.enter(), "bash", "-c", f"cd {shlex.quote(str(cwd or self.cluster.cwd))} && {command}"],
             env=self.environment(env), stdout=out, stderr=kwargs.pop("stderr", subprocess.STDOUT), **kwargs,
         )  # fmt: skip
         if out is not subprocess.PIPE:

@@ -85,7 +85,7 @@ def connect(address: str) -> None:
         if address != "auto":  # Ray's driver needs a raylet of the cluster on its own node
             raise ConnectionError(
                 f"--rollout.ray_address={address}: trainer rank 0's node ({socket.gethostname()}) cannot join that Ray "
-                f"cluster ({e.__cause__ or e}). Ray runs a driver only on a node of the cluster: start one there first, "
+                f"cluster ({e.__cause__ or e}). Ray runs a driver only on a node of the cluster: make it one first, "
                 f"with no resources: ray start --address {address} --num-cpus 0 --num-gpus 0 --node-ip-address "
                 f"{routable_address(address.rsplit(':', 1)[0])}"
             ) from None
@@ -113,7 +113,9 @@ class RayFleet(Fleet):
     @classmethod
     def start(cls, cfg: RolloutConfig, model_path: str, run_dir: Path, seed: int, engine: str) -> "RayFleet":
         connect(cfg.ray_address)
-        fleet = cls([], cfg, engine, model_path, run_dir, seed)
+        if Path(model_path).exists():  # (not a hub id) an actor's working directory is its raylet's, not this rank's
+            model_path = str(Path(model_path).resolve())
+        fleet = cls([], cfg, engine, model_path, Path(run_dir).resolve(), seed)
         try:
             fleet.add(cfg.num_servers)
         except BaseException:
