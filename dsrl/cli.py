@@ -186,7 +186,14 @@ def launch(cfg, run_dir: Path, cuda: bool) -> int:
 
     previous = {sig: signal.signal(sig, asked) for sig in STOP_SIGNALS}
     try:
-        return supervise(proc, run_dir, signals, cfg.logging.stop_timeout_s)
+        status = supervise(proc, run_dir, signals, cfg.logging.stop_timeout_s)
+        if status and not signals and cfg.trainer.hostfile:  # a node lost? (a rank on it left no word of its own)
+            from dsrl.nodes import hostfile_hosts, unanswering
+
+            for host, why in unanswering(hostfile_hosts(cfg.trainer.hostfile)).items():
+                say(f"trainer node {host} does not answer ssh ({why}): it is lost; once it is back, the same command "
+                    "resumes the run from its last checkpoint")  # fmt: skip
+        return status
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -156,3 +156,18 @@ def check_nodes(hosts: list[str], paths: dict[str, str], lock: Path, owner: tupl
     with ThreadPoolExecutor(len(hosts)) as pool:
         results = list(pool.map(check, hosts))
     return [line for line, _ in results if line], results[0][1]
+
+
+def unanswering(hosts: list[str], timeout_s: int = 5) -> dict[str, str]:
+    """Those of `hosts` that ssh does not reach within `timeout_s`, and what ssh said."""
+
+    def ask(host: str) -> str | None:
+        cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout_s}", host, "true"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 5)
+        except subprocess.TimeoutExpired:
+            return f"no answer within {timeout_s} s"
+        return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["no answer"])[-1][:200]
+
+    with ThreadPoolExecutor(len(hosts)) as pool:
+        return {host: why for host, why in zip(hosts, pool.map(ask, hosts)) if why}

@@ -5,6 +5,7 @@ import gc
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -329,6 +330,13 @@ def main(argv: list[str] | None = None) -> None:
             log.warning("%s; the same command resumes the run", e)
     except USER_ERRORS as e:  # they name the file, row or flag: a traceback would only hide that line
         log.error("error: %s", e)
+        sys.exit(1)
+    except RuntimeError as e:  # gloo's, when a rank of another node is gone (its node lost): no traceback says more
+        peer = re.search(r"by peer.*?\[([\w.:-]+)\]:\d+|\[([\w.:-]+)\]:\d+: Connection reset by peer", str(e))
+        if peer is None:
+            raise
+        log.error("error: the trainer rank at %s is gone (its process or its node): %s", peer[1] or peer[2],
+                  str(e).splitlines()[0][:200])  # fmt: skip
         sys.exit(1)
 
 

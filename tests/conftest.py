@@ -103,3 +103,14 @@ def still_running(pids: list[int], within_s: float = 10) -> list[int]:
     while any(running(pid) for pid in pids) and time.monotonic() < due:
         time.sleep(0.1)
     return [pid for pid in pids if running(pid)]
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """One line: how many of the `cluster` tests (tests/cluster.py: a cluster of namespaces) ran, or why none did."""
+    reports = [r for kind in ("passed", "failed", "error", "skipped") for r in terminalreporter.stats.get(kind, [])]
+    cluster = {r.nodeid: r for r in reports if "cluster" in getattr(r, "keywords", {}) and r.when in ("setup", "call")}
+    if not cluster:
+        return
+    skipped = [r for r in cluster.values() if r.skipped]
+    why = f"; {len(skipped)} skipped: {skipped[0].longrepr[-1].removeprefix('Skipped: ')}" if skipped else ""
+    terminalreporter.write_line(f"cluster tests (tests/cluster.py): {len(cluster) - len(skipped)} ran{why}")

@@ -9,7 +9,6 @@ directory is not shared, which stops before any rank starts.
 
 import json
 import re
-import shlex
 import subprocess
 import threading
 import time
@@ -49,13 +48,17 @@ def on_cluster(command: str, cluster: Cluster) -> str:
     return re.sub(r"10\.0\.0\.\d", lambda m: cluster.nodes[ROLES[m[0]]].address, command)
 
 
-def launch_lines(cluster: Cluster) -> list[tuple[int, str]]:
-    """The README's first block: (the node that runs it, the command), in order."""
+def launch_lines_of_readme() -> list[tuple[int, str]]:
+    """The README's first block: (the node that runs it, the command as written), in order."""
     lines = []
     for line in readme_blocks()[0].splitlines():
         if m := re.fullmatch(r"(.*?)\s+# on \w+ node \w \((10\.0\.0\.\d)\)", line.strip()):
-            lines.append((ROLES[m[2]], on_cluster(m[1], cluster)))
+            lines.append((ROLES[m[2]], m[1]))
     return lines
+
+
+def launch_lines(cluster: Cluster) -> list[tuple[int, str]]:
+    return [(node, on_cluster(cmd, cluster)) for node, cmd in launch_lines_of_readme()]
 
 
 def fleet_line(action: str, cluster: Cluster) -> str:
@@ -236,13 +239,56 @@ def test_a_lost_rollout_node_is_routed_around_and_its_return_rejoins(story):
     assert "is down" in log and "restarted at" in log, log[-3000:]
 
 
-def test_a_lost_trainer_node_ends_every_process_within_15_s_and_the_same_command_resumes(story, cluster):
-    run_dir, events = story
+def test_a_lost_trainer_node_ends_every_process_within_15_s_and_the_same_command_resumes(story):
+    _, events = story
+    log = events["first_log"]
     assert events["trainer_lost"] != 0
     assert events["exited_in_s"] < 15, events["exited_in_s"]
-    assert not any(events["left"].values()), events["left"]
-    assert f"resuming from {run_dir}" in events["resumed_log"] or "resum" in events["resumed_log"]
+    assert not any(events["left"].values()), events["left"]  # the ranks and servers of every node
+    assert "dsrl train: trainer node 198.18.0.2 does not answer ssh" in log, log[-3000:]
+    assert "the trainer rank at 198.18.0.2 is gone" in log, log[-3000:]
+    assert re.search(r"resumed from runs/my_run/checkpoints/step_(\d+) at step \1", events["resumed_log"])
 
 
-def shell(command: list[str]) -> str:
-    return shlex.join(command)
+COLOCATED = (
+    "--rollout.placement colocate --rollout.num_servers 2 --rollout.max_staleness 0 --logging.run_dir runs/coloc"
+)
+
+
+@pytest.fixture(scope="module")
+def colocated(cluster, story):
+    """The README's command colocated: the trainer nodes' servers started by their own nodes (after the story)."""
+    train = re.sub(r"--rollout\.placement .* --rollout\.placement_strategy \S+", COLOCATED, story[1]["train"])
+    run = Run(cluster, 0, f"exec {train} --trainer.total_steps 6 --logging.save_every 0")
+    try:
+        run.wait_for(r"step 2/6 \|")
+        servers = {n: processes(cluster, n, "dsrl.serving.embedded") for n in range(4)}
+        assert run.proc.wait(300) == 0, run.log[-5000:]
+    finally:
+        run.proc.kill()
+    return train, servers, run.log
+
+
+def test_colocated_across_two_nodes_each_node_serves_from_its_own(colocated, cluster):
+    train, servers, log = colocated
+    assert "--rollout.placement colocate" in train and "ray" not in train, train
+    assert [len(servers[n]) for n in range(4)] == [1, 1, 0, 0], servers
+    for n in (0, 1):
+        assert f"--host {cluster.nodes[n].address}" in servers[n][0], servers[n]
+    assert "step 6/6 |" in log
+
+
+def test_a_run_directory_not_shared_stops_the_run_before_any_rank_starts(tmp_path):
+    """Each node its own /mnt/shared: `dsrl train` names the node that does not see the run directory."""
+    if why := missing():
+        pytest.skip(why)
+    with up(4, shared=False, base=tmp_path / "cluster") as cluster:
+        (cluster.nodes[0].dir / "shared" / "run.yaml").write_text(run_yaml("runs/my_run"))
+        for node, cmd in launch_lines(cluster):
+            if not cmd.startswith("ray start"):  # (it stops before it would need Ray)
+                out = cluster.nodes[node].run(cmd, env=ENV, cwd=SHARED, check=False, timeout=300)
+    lines = [line for line in out.stderr.splitlines() if "node 198.18.0.2" in line]
+    assert out.returncode == 2, out.stdout + out.stderr
+    lacks = f"node 198.18.0.2 (node2) lacks the run directory {SHARED}/runs/my_run this node holds (not shared with it"
+    assert len(lines) == 1 and lacks in lines[0], out.stderr
+    assert "deepspeed.launcher" not in out.stdout + out.stderr  # no rank started
