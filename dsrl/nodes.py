@@ -60,6 +60,23 @@ def interface_of(address: str) -> str | None:
     return None
 
 
+PROBE_S = (5, 2, 3)
+"""A quiet connection's first probe after 5 s, then every 2 s; the third unanswered ends it (`probing_socket`)."""
+
+
+def probing_socket(addr_info: tuple) -> socket.socket:
+    """A TCP socket (aiohttp's `socket_factory`) whose peer is probed when the connection goes quiet: one that stops
+    answering (a partition, a lost host, where no reset ever comes) fails its requests within ~15 s instead of at
+    their own timeout, minutes on. A live server's kernel answers the probes while it computes a long reply."""
+    sock = socket.socket(*addr_info[:3])
+    idle, interval, count = PROBE_S
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in ((socket.TCP_KEEPIDLE, idle), (socket.TCP_KEEPINTVL, interval), (socket.TCP_KEEPCNT, count),
+                          (socket.TCP_USER_TIMEOUT, 1000 * (idle + interval * count))):  # fmt: skip
+        sock.setsockopt(socket.IPPROTO_TCP, option, value)  # (USER_TIMEOUT: data sent and never acknowledged)
+    return sock
+
+
 CHOSEN_GLOO = "DSRL_GLOO_SOCKET_IFNAME"
 """Where dsrl notes the GLOO_SOCKET_IFNAME it chose: one that differs from it is the user's, and stays."""
 

@@ -368,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             cluster.down()
             STATE.unlink(missing_ok=True)
+            shutil.rmtree(cluster.dir, ignore_errors=True)
         return 0
     if not STATE.is_file():
         sys.exit("python -m tests.cluster: no cluster is up (`python -m tests.cluster up`)")

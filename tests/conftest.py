@@ -25,11 +25,12 @@ SHARED_RUNS = (
     ("tests/test_agents.py::",),
     ("tests/test_async.py::",),
     ("tests/test_embedded.py::",),
+    ("tests/test_cluster.py::",),
 )
 """Tests that share one costly module fixture, by their ids' beginnings: whole files (the toy run, the Ray fleet run,
 the LoRA run: 80-150 s each; the sync worker's runs on 2 ranks and on 1, 25-30 s each, which split files built on
 both workers; the servers of the agent, async and embedded tests, 4-5 s each), or the tests of one file that read one
-story (the stopped run)."""
+story (the stopped run); the cluster tests, one cluster and its story of runs."""
 
 
 def pytest_xdist_make_scheduler(config, log):

@@ -98,7 +98,8 @@ def cluster(tmp_path_factory):
 class Run:
     """`dsrl train` on a node, its output read line by line (the launcher prefixes each rank's with its host)."""
 
-    def __init__(self, cluster: Cluster, node: int, command: str):
+    def __init__(self, cluster: Cluster, node: int, command: str, total: int = STEPS):
+        self.total = total
         self.proc = cluster.nodes[node].popen(command, env=ENV, cwd=SHARED, stdout=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self.seen = threading.Condition()
@@ -124,7 +125,7 @@ class Run:
         return next((m for line in reversed(self.lines) if (m := re.search(pattern, line))), None)
 
     def step(self, n: int) -> None:
-        self.wait_for(rf"step {n}/{STEPS} \|")
+        self.wait_for(rf"step {n}/{self.total} \|")
 
     @property
     def log(self) -> str:
@@ -259,9 +260,9 @@ COLOCATED = (
 def colocated(cluster, story):
     """The README's command colocated: the trainer nodes' servers started by their own nodes (after the story)."""
     train = re.sub(r"--rollout\.placement .* --rollout\.placement_strategy \S+", COLOCATED, story[1]["train"])
-    run = Run(cluster, 0, f"exec {train} --trainer.total_steps 6 --logging.save_every 0")
+    run = Run(cluster, 0, f"exec {train} --trainer.total_steps 6 --logging.save_every 0", total=6)
     try:
-        run.wait_for(r"step 2/6 \|")
+        run.step(2)
         servers = {n: processes(cluster, n, "dsrl.serving.embedded") for n in range(4)}
         assert run.proc.wait(300) == 0, run.log[-5000:]
     finally:
@@ -292,3 +293,36 @@ def test_a_run_directory_not_shared_stops_the_run_before_any_rank_starts(tmp_pat
     lacks = f"node 198.18.0.2 (node2) lacks the run directory {SHARED}/runs/my_run this node holds (not shared with it"
     assert len(lines) == 1 and lacks in lines[0], out.stderr
     assert "deepspeed.launcher" not in out.stdout + out.stderr  # no rank started
+
+
+def test_a_partition_longer_than_the_sync_timeout_is_one_line_naming_the_server_not_a_hang(cluster):
+    """Servers the user runs on the rollout nodes (`dsrl serve`), a trainer of one rank on node1; node4's link goes
+    down for three times --sync.timeout_s. Its server is set aside within the timeout, named in one line, and the
+    run goes on with node3's while the partition lasts; once the link is back the server rejoins."""
+    serve = f"exec dsrl serve --model-path {ROOT / 'examples/toy/model'} --port 30000 --host"
+    servers = [cluster.nodes[n].popen(f"{serve} {cluster.nodes[n].address}", env=ENV) for n in (2, 3)]
+    urls = [f"http://{cluster.nodes[n].address}:30000" for n in (2, 3)]
+    for n in (2, 3):
+        cluster.nodes[n].wait_port(30000)
+    args = f"--rollout.fleet external --rollout.server_urls '{json.dumps(urls)}' --sync.timeout_s 5"
+    args += " --trainer.num_ranks 1 --trainer.total_steps 20 --logging.run_dir part"
+    (cluster.dir / "shared" / "part.yaml").write_text(run_yaml("part"))
+    run = Run(cluster, 0, f"exec dsrl train --config part.yaml {args}", total=20)
+    try:
+        run.step(5)
+        cluster.nodes[3].partition()
+        parted = time.monotonic()
+        run.wait_for(rf"external rollout server {urls[1]} is down: set aside", timeout=200)
+        during = len(re.findall(r"step \d+/20 \|", run.log))
+        run.step(during + 2)  # two more steps while the partition lasts
+        time.sleep(max(0.0, 15 - (time.monotonic() - parted)))  # (3 x --sync.timeout_s in all)
+        cluster.nodes[3].heal()
+        run.wait_for(rf"answer again and rejoin: {urls[1]}", timeout=60)
+        assert run.proc.wait(300) == 0, run.log[-5000:]
+    finally:
+        run.proc.kill()
+        for server in servers:
+            server.kill()
+        (cluster.dir / "partition_run.log").write_text(run.log)
+    assert run.log.count("is down: set aside") == 1, run.log[-5000:]  # said once, naming it
+    assert [r["step"] for r in trace(cluster.dir / "shared" / "part")] == list(range(20))

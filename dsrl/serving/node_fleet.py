@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dsrl.config import RolloutConfig
-from dsrl.serving.servers import ServerFleet, answers, wait_healthy
+from dsrl.serving.servers import ServerFleet, answers, rejoin_when_answering, wait_healthy
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +19,6 @@ class NodeFleet(ServerFleet):
     """Trainer rank 0's fleet: its node's servers (started here) and those the other nodes started (`remote`)."""
 
     remote: list[str] = field(default_factory=list)
-    lost: list[str] = field(default_factory=list)
 
     def exited(self) -> set[str]:
         return super().exited() | {url for url in self.urls if url in self.remote and not answers(url)}
@@ -29,17 +28,8 @@ class NodeFleet(ServerFleet):
             return super().set_aside(url)
         log.warning("rollout server %s of another trainer node is down: set aside until it answers again", url)
         self.urls.remove(url)
-        self.lost.append(url)
+        rejoin_when_answering(self, url)
         return None
-
-    def heal(self, dead: set[str]):
-        back = [url for url in self.lost if url not in dead and answers(url)]
-        if back:
-            log.info("rollout servers of other trainer nodes answer again and rejoin: %s", ", ".join(back))
-            self.lost = [url for url in self.lost if url not in back]
-            with self.lock:
-                self.requests += [{"add": url} for url in back]
-        return super().heal(dead)
 
     def numbers(self) -> list[int]:  # (CUDA IPC's, which one node alone has)
         return list(range(len(self.urls)))

@@ -495,26 +495,16 @@ class ServerFleet(Fleet):
 
 @dataclass
 class ExternalFleet(Fleet):
-    """Servers the user runs (--rollout.server_urls). One that goes down is set aside, asked again at
-    every weight update, and rejoins (with the weights of that update) once it answers."""
+    """Servers the user runs (--rollout.server_urls). One that goes down is set aside, asked again every few
+    seconds (`rejoin_when_answering`), and rejoins (with the weights of the next update) once it answers."""
 
     urls: list[str]
-    lost: list[str] = field(default_factory=list)
     startup_timeout_s: float = 300.0
 
     def set_aside(self, url: str) -> None:
         log.warning("external rollout server %s is down: set aside until it answers again", url)
         self.urls.remove(url)
-        self.lost.append(url)
-
-    def heal(self, dead: set[str]) -> Membership | None:
-        back = [url for url in self.lost if url not in dead and answers(url)]
-        if back:
-            log.info("external rollout servers answer again and rejoin: %s", ", ".join(back))
-            self.lost = [url for url in self.lost if url not in back]
-            with self.lock:
-                self.requests += [{"add": url} for url in back]
-        return super().heal(dead)
+        rejoin_when_answering(self, url)
 
     def add(self, count: int = 0, url: str | None = None) -> list[str]:
         if url is None:
@@ -526,6 +516,20 @@ class ExternalFleet(Fleet):
 
     def stop(self) -> None:
         pass
+
+
+def rejoin_when_answering(fleet: Fleet, url: str, every_s: float = 2.0) -> None:
+    """Ask a server set aside whether it answers, from a thread of its own (a partitioned one takes each ask's whole
+    timeout), and queue its join once it does: it rejoins at the next update, with its weights."""
+
+    def ask() -> None:
+        while not answers(url):
+            time.sleep(every_s)
+        log.info("rollout servers answer again and rejoin: %s (at the next weight update)", url)
+        with fleet.lock:
+            fleet.requests.append({"add": url})
+
+    threading.Thread(target=ask, daemon=True, name="rejoin").start()
 
 
 def answers(url: str, timeout_s: float = 5.0) -> bool:
