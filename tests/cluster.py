@@ -15,7 +15,7 @@ them).
         node = cluster.nodes[0]
         node.run("hostname -I")            # a shell command on the node, in a login-like environment
         node.popen("ray start --head ...") # one that keeps running (ended with the cluster)
-        cluster.shape("10gbit")            # every link at 10 Gbit/s (tc netem), None: unshaped
+        cluster.shape("10gbit")            # every link at 10 Gbit/s each way (tc tbf), None: unshaped
         cluster.nodes[2].kill()            # every process of node3 killed (its sshd too): the node is lost
         cluster.nodes[2].revive()          # its sshd again: it is back
         cluster.nodes[1].partition()       # its link down; .heal() brings it up
@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -42,6 +43,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 from dsrl.rundir import die_with_parent
 
@@ -90,6 +93,12 @@ def hold(flags: list[str]) -> tuple[subprocess.Popen, int]:
             raise RuntimeError(f"unshare {' '.join(flags)} exited with {holder.returncode}")
         time.sleep(0.02)
     raise RuntimeError("unshare's child did not start")
+
+
+def bits(rate: str) -> float:
+    """Bits a second of a rate in tc's words (10gbit, 500mbit)."""
+    number, unit = re.fullmatch(r"([\d.]+)([kmg]?)bit", rate).groups()
+    return float(number) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[unit]
 
 
 def pid_namespace(pid: int) -> str | None:
@@ -149,6 +158,14 @@ class Node:
             out.close()
         self.started.append(proc)
         return proc
+
+    def end(self, proc: subprocess.Popen) -> None:
+        """SIGKILL a process `popen` started (the command on the node, not only the nsenter before it)."""
+        for child in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        proc.kill()
+        proc.wait()
 
     def processes(self) -> list[int]:
         """The pids (as the box sees them) of every process of the node but its init."""
@@ -271,15 +288,17 @@ class Cluster:
         """DeepSpeed's hostfile of `nodes`, by address."""
         return "".join(f"{node.address} slots={slots}\n" for node in nodes)
 
-    def shape(self, rate: str | None, delay: str | None = None) -> None:
-        """Every link at `rate` (tc's words: 10gbit) each way, with `delay` each way (50us), or unshaped (None)."""
+    def shape(self, rate: str | None) -> None:
+        """Every link at `rate` each way (tc's words: 10gbit; tbf, with a burst of a millisecond's bytes), or
+        unshaped (None). (These machines' kernels have tbf and htb, not netem: no delay.)"""
         self.rate = rate
         for node in self.nodes:
             for enter, dev in ((self.switch_enter(), f"n{node.index}"), (node.enter("-n"), "eth0")):
                 sh(*enter, "tc", "qdisc", "del", "dev", dev, "root", check=False)
-                if rate or delay:
-                    netem = (["rate", rate] if rate else []) + (["delay", delay] if delay else [])
-                    sh(*enter, "tc", "qdisc", "add", "dev", dev, "root", "netem", "limit", "100000", *netem)
+                if rate:
+                    burst = f"{max(64 * 1024, int(bits(rate) / 8 / 1000))}b"
+                    sh(*enter, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
+                       "latency", "20ms")  # fmt: skip
 
     def down(self) -> None:
         """End every process of every node, then the nodes and the bridge (idempotent)."""
