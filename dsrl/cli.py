@@ -7,6 +7,7 @@ import difflib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -176,8 +177,10 @@ def launch(cfg, run_dir: Path, cuda: bool) -> int:
     # Its own process group: a Ctrl-C on the terminal reaches this process only (the launcher would kill
     # the ranks at once), and the whole run can be killed as a group. Killed with this process (SIGKILL
     # included): the ranks see this process gone and end themselves (dsrl.rundir.OwnerWatch).
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
+    pipe = subprocess.PIPE if cfg.trainer.hostfile else None  # (pdsh's word of each node's end: `node_ends`)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent, stderr=pipe, text=True)
     signals: list[int] = []
+    ended = node_ends(proc) if pipe else []
 
     def asked(signum: int, _) -> None:  # the STOP file at once: the ranks read it at the end of the step under way
         if not signals:
@@ -186,7 +189,7 @@ def launch(cfg, run_dir: Path, cuda: bool) -> int:
 
     previous = {sig: signal.signal(sig, asked) for sig in STOP_SIGNALS}
     try:
-        status = supervise(proc, run_dir, signals, cfg.logging.stop_timeout_s)
+        status = supervise(proc, run_dir, signals, cfg.logging.stop_timeout_s, ended)
         if status and not signals and cfg.trainer.hostfile:  # a node lost? (a rank on it left no word of its own)
             from dsrl.nodes import hostfile_hosts, unanswering
 
@@ -241,9 +244,37 @@ def pin_cpu_kernels(env) -> None:
         env.setdefault("MKL_CBWR", "AVX2")
 
 
-def supervise(proc: subprocess.Popen, run_dir: Path, signals: list[int], stop_timeout_s: float) -> int:
+NODE_GRACE_S = 10.0
+"""How long the other nodes' ranks may go on after one node's failed, before `dsrl train` stops them: they end on
+their own at their next collective, but not those still waiting to join the world (a rank that failed before it
+joined left the others waiting 30 minutes, the store's timeout)."""
+
+
+def node_ends(proc: subprocess.Popen) -> list[tuple[str, int, float]]:
+    """The launcher's stderr, passed on line by line; the list fills with (host, status, when) as pdsh says a node's
+    launch ended in failure ("pdsh@a: 10.0.0.4: ssh exited with exit code 1")."""
+    ended: list[tuple[str, int, float]] = []
+
+    def read() -> None:
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            if (m := re.match(r"pdsh@\S+: (\S+): ssh exited with exit code (\d+)", line)) and int(m[2]):
+                ended.append((m[1], int(m[2]), time.monotonic()))
+
+    threading.Thread(target=read, daemon=True).start()
+    return ended
+
+
+def supervise(proc: subprocess.Popen, run_dir: Path, signals: list[int], stop_timeout_s: float,
+              ended: list[tuple[str, int, float]] = ()) -> int:  # fmt: skip
     deadline = None
     while proc.poll() is None:
+        if ended and time.monotonic() > ended[0][2] + NODE_GRACE_S:
+            say(f"the ranks of trainer node {ended[0][0]} exited with status {ended[0][1]} {NODE_GRACE_S:.0f} s ago "
+                "and the others went on: stopping them")  # fmt: skip
+            kill_group(proc)
+            return 1
         if signals and deadline is None:
             deadline = time.monotonic() + stop_timeout_s
             say(f"{signal.Signals(signals[0]).name}: the run stops at the end of this step (within "

@@ -674,7 +674,7 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     check(r.cpus_per_server > 0, "rollout.cpus_per_server", r.cpus_per_server, "must be > 0")
     check(t.total_steps >= 1, "trainer.total_steps", t.total_steps, "must be >= 1")
     check(t.num_ranks >= 0, "trainer.num_ranks", t.num_ranks, "must be >= 0 (0: every visible GPU)")
-    if t.hostfile and check_paths:
+    if t.hostfile and check_paths and "RANK" not in os.environ:  # (the launcher's file: a rank's node may lack it)
         check(Path(t.hostfile).is_file(), "trainer.hostfile", t.hostfile, "file not found")
     check(t.micro_batch_size >= 1, "trainer.micro_batch_size", t.micro_batch_size, "must be >= 1")
     budget = t.max_tokens_per_micro_batch

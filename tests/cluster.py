@@ -19,6 +19,7 @@ them).
         cluster.nodes[2].kill()            # every process of node3 killed (its sshd too): the node is lost
         cluster.nodes[2].revive()          # its sshd again: it is back
         cluster.nodes[1].partition()       # its link down; .heal() brings it up
+        env = cluster.start_slurm()        # Debian's Slurm on the nodes (where it is installed): sbatch, srun
 
 Everything ends with the cluster (`down`, or the exit of the thread that made it, SIGKILL included): each node's
 first process is its PID namespace's init, which takes every process of the node with it, and the namespaces and
@@ -284,6 +285,33 @@ class Cluster:
         sh(*self.switch_enter(), "ip", "link", "set", port, "master", "br0", "up")
         sh(*node.enter("-n"), "sh", "-ec", f"ip addr add {node.address}/15 dev eth0; ip link set eth0 up")
 
+    def start_slurm(self) -> dict[str, str]:
+        """Debian's Slurm on the nodes (slurmctld, slurmd, munge): munged on each (the box's key), slurmctld on
+        node1, slurmd on each, one partition of them all. Returns what a node's Slurm commands need in their
+        environment (SLURM_CONF: each node's /tmp/slurm.conf)."""
+        lines = [SLURM_CONFIG] + [f"NodeName={n.name} NodeAddr={n.address} CPUs={os.cpu_count()}" for n in self.nodes]
+        for node in self.nodes:
+            (node.dir / "tmp" / "slurm.conf").write_text(
+                "\n".join(lines) + "\nPartitionName=main Nodes=ALL Default=YES\n"
+            )
+            munged = "mkdir -p /run/munge && exec munged -F --force --log-file=/tmp/munged.log --seed-file=/tmp/seed"
+            node.popen(munged, log=node.dir / "munged.log")
+        self.nodes[0].popen(
+            "mkdir -p /tmp/slurmctld && exec slurmctld -D -f /tmp/slurm.conf", log=self.dir / "ctld.log"
+        )
+        self.nodes[0].wait_port(6817)
+        for node in self.nodes:
+            node.popen("mkdir -p /tmp/slurmd && exec slurmd -D -f /tmp/slurm.conf", log=node.dir / "slurmd.log")
+        env = {"SLURM_CONF": "/tmp/slurm.conf"}
+        due = time.monotonic() + 60
+        while len(self.nodes[0].run("sinfo -h -N -t idle -o %N", env=env, check=False).stdout.split()) < len(
+            self.nodes
+        ):
+            if time.monotonic() > due:
+                raise TimeoutError(f"Slurm's nodes did not come up: {self.nodes[0].run('sinfo', env=env).stdout}")
+            time.sleep(0.5)
+        return env
+
     def hostfile(self, nodes: list[Node], slots: int = 1) -> str:
         """DeepSpeed's hostfile of `nodes`, by address."""
         return "".join(f"{node.address} slots={slots}\n" for node in nodes)
@@ -344,6 +372,27 @@ PidFile /run/sshd.pid
 MaxStartups 100
 MaxSessions 100
 """
+SLURM_CONFIG = """\
+ClusterName=dsrl
+SlurmctldHost=node1(198.18.0.1)
+AuthType=auth/munge
+CredType=cred/munge
+MpiDefault=none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+ReturnToService=2
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPidFile=/run/slurmctld.pid
+SlurmdPidFile=/run/slurmd.pid
+SlurmdSpoolDir=/tmp/slurmd
+StateSaveLocation=/tmp/slurmctld
+SlurmctldLogFile=/tmp/slurmctld.log
+SlurmdLogFile=/tmp/slurmd.log
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none"""
 SSH_CONFIG = """\
 Host *
     IdentityFile /etc/ssh/cluster_key

@@ -9,6 +9,7 @@ directory is not shared, which stops before any rank starts.
 
 import json
 import re
+import shutil
 import subprocess
 import threading
 import time
@@ -326,3 +327,22 @@ def test_a_partition_longer_than_the_sync_timeout_is_one_line_naming_the_server_
         (cluster.dir / "partition_run.log").write_text(run.log)
     assert run.log.count("is down: set aside") == 1, run.log[-5000:]  # said once, naming it
     assert [r["step"] for r in trace(cluster.dir / "shared" / "part")] == list(range(20))
+
+
+def test_the_slurm_recipe_runs_the_readme_run_across_a_jobs_nodes(tmp_path):
+    """tools/slurm/dsrl.sbatch, submitted to Debian's Slurm on the cluster (where Slurm is installed: .ci/run does not
+    install it, for time): Ray on the job's last two nodes, `dsrl train` from the first over both trainer nodes."""
+    if why := missing() or (None if shutil.which("slurmctld") else "Slurm is not installed (apt-get install slurmd "
+                                                                       "slurmctld slurm-client munge)"):  # fmt: skip
+        pytest.skip(why)
+    with up(4, base=tmp_path / "cluster") as cluster:
+        env = cluster.start_slurm() | ENV | {"GPUS_PER_NODE": "1"}
+        (cluster.dir / "shared" / "run.yaml").write_text(run_yaml("runs/slurm", trainer__total_steps=8))
+        job = f"sbatch --wait --nodes 4 -o slurm.out {ROOT / 'tools/slurm/dsrl.sbatch'} run.yaml"
+        done = cluster.nodes[0].run(job, env=env, cwd=SHARED, timeout=600, check=False)
+        log = (cluster.dir / "shared" / "slurm.out").read_text()
+    assert done.returncode == 0, done.stdout + done.stderr + log[-5000:]
+    assert "198.18.0.1: " in log and "198.18.0.2: " in log  # a rank on each trainer node
+    servers = re.findall(r"rollout server \d ready at http://([\d.]+):", log)
+    assert sorted(servers) == ["198.18.0.3", "198.18.0.4"], log[-5000:]
+    assert "step 8/8 |" in log
