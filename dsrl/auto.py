@@ -52,7 +52,8 @@ def servers_first(cfg: Config, world: int) -> bool:
     trainer's module names). Colocated they start after it, in the memory its plan leaves."""
     r = cfg.rollout
     shared = use_cuda(cfg) and r.first_gpu < local_ranks(default=world)  # (a GPU the trainers' too)
-    return r.placement == "disaggregate" and fleet_kind(r) == "local" and cfg.sync.lora != "adapter" and not shared
+    local = fleet_kind(r) == "local" and not cfg.trainer.hostfile  # (with one, each node starts its own: node_fleet.py)
+    return r.placement == "disaggregate" and local and cfg.sync.lora != "adapter" and not shared
 
 
 def bf16(cfg: Config) -> bool:
@@ -91,7 +92,8 @@ def resolve_sync(cfg: Config) -> SyncConfig:
     if s.probe_tolerance is None:
         s = replace(s, probe_tolerance=PROBE_TOLERANCE[cfg.rollout.precision])
     if s.type == "auto":
-        s = replace(s, type="ipc" if cfg.rollout.placement == "colocate" and use_cuda(cfg) else "broadcast")
+        ipc = cfg.rollout.placement == "colocate" and use_cuda(cfg) and not cfg.trainer.hostfile  # (one node's GPUs)
+        s = replace(s, type="ipc" if ipc else "broadcast")
     if s.senders == "auto":
         s = replace(s, senders="all" if s.delta else "rank0")
     if s.senders == "all" and s.type != "broadcast":

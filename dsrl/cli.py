@@ -7,17 +7,19 @@ import difflib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from dsrl.auto import fleet_kind, rollout_engine, trainer_on_cuda
 from dsrl.config import ConfigError, build_parser, dump_config, reward_rollout, side_rollout, to_config, validate
 from dsrl.rundir import (
-    OWNER_ENV,
+    LOCK_FILE,
     OWNER_FLAG,
     STOP_SIGNALS,
     ExportTargetError,
@@ -88,6 +90,9 @@ def train(argv: list[str]) -> int:
     try:
         clear_stop(run_dir)
         return launch(cfg, run_dir, cuda)
+    except NodeError as e:
+        print(f"dsrl train: error: {e}", file=sys.stderr)
+        return 2
     finally:
         lock.release()
 
@@ -169,22 +174,28 @@ def launch(cfg, run_dir: Path, cuda: bool) -> int:
     Returns the launcher's exit status, or 128 + the signal's number when it was stopped."""
     config_path = run_dir / "config.yaml"
     dump_config(cfg, config_path)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **{OWNER_ENV: str(os.getpid())})
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     if cuda:
         env.update(NCCL_CUMEM_ENABLE="0", DSRL_CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", ""))
     else:
         # gloo ranks on CPU; one thread each (measured: 3x faster on a small box than the default)
         env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
         pin_cpu_kernels(env)
-    cmd = launcher_command(cfg.trainer, cuda, env, free_port())
+    owner, port = f"{os.getpid()}@{socket.gethostname()}", free_port()
+    if cfg.trainer.hostfile:
+        listener, port = across_nodes(cfg, run_dir, env)
+        owner += f"@{listener[0]}:{listener[1]}"  # ranks on other nodes watch it: it refuses once this process is gone
+    cmd = launcher_command(cfg.trainer, cuda, env, port)
     cmd += ["--module", "--no_local_rank", "dsrl.train", "--config", str(config_path)]
     say(f"{' '.join(cmd)}\ndsrl train: the ranks speak once torch, DeepSpeed and transformers are imported (10-70 s)")
-    cmd.append(f"{OWNER_FLAG}{os.getpid()}@{socket.gethostname()}")  # each rank ends when this process does
+    cmd.append(f"{OWNER_FLAG}{owner}")  # each rank ends when this process does
     # Its own process group: a Ctrl-C on the terminal reaches this process only (the launcher would kill
     # the ranks at once), and the whole run can be killed as a group. Killed with this process (SIGKILL
     # included): the ranks see this process gone and end themselves (dsrl.rundir.OwnerWatch).
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
+    pipe = subprocess.PIPE if cfg.trainer.hostfile else None  # (pdsh's word of each node's end: `node_ends`)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent, stderr=pipe, text=True)
     signals: list[int] = []
+    ended = node_ends(proc) if pipe else []
 
     def asked(signum: int, _) -> None:  # the STOP file at once: the ranks read it at the end of the step under way
         if not signals:
@@ -193,11 +204,48 @@ def launch(cfg, run_dir: Path, cuda: bool) -> int:
 
     previous = {sig: signal.signal(sig, asked) for sig in STOP_SIGNALS}
     try:
-        return supervise(proc, run_dir, signals, cfg.logging.stop_timeout_s)
+        status = supervise(proc, run_dir, signals, cfg.logging.stop_timeout_s, ended)
+        if status and not signals and cfg.trainer.hostfile:  # a node lost? (a rank on it left no word of its own)
+            from dsrl.nodes import hostfile_hosts, unanswering
+
+            for host, why in unanswering(hostfile_hosts(cfg.trainer.hostfile)).items():
+                say(f"trainer node {host} does not answer ssh ({why}): it is lost; once it is back, the same command "
+                    "resumes the run from its last checkpoint")  # fmt: skip
+        return status
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         kill_group(proc)  # nothing of the run outlives this command
+
+
+def across_nodes(cfg, run_dir: Path, env: dict) -> tuple[tuple[str, int], int]:
+    """A run on the nodes of --trainer.hostfile: a port of this process's that the ranks of other nodes watch (it
+    refuses once this process is gone), each node checked over ssh (`nodes.check_nodes`: the run directory, the model
+    and the data at the same path, that port reached), and the settings the launcher does not pass on written for it
+    (`nodes.env_file`). Returns the port's address, and rank 0's master port (free on its node). A node that lacks
+    anything stops the run here, before any rank starts, with a line naming the node and what it lacks."""
+    from dsrl.nodes import check_nodes, env_file, hostfile_hosts, routable_address
+
+    hosts = hostfile_hosts(cfg.trainer.hostfile)
+    server = socket.create_server((routable_address(hosts[0]), 0))
+
+    def answer() -> None:
+        while True:
+            server.accept()[0].close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    paths = {"the working directory": os.getcwd(), "--model.path": cfg.model.path, "--data.train_path":
+             cfg.data.train_path, "--eval.path": cfg.eval.path}  # fmt: skip
+    paths = {flag: str(Path(p).resolve()) for flag, p in paths.items() if p and Path(p).exists()}
+    problems, port = check_nodes(hosts, paths, run_dir.resolve() / LOCK_FILE, server.getsockname()[:2])
+    if problems:
+        raise NodeError("a node of --trainer.hostfile cannot run this: " + "\n".join(problems))
+    env["DS_ENV_FILE"] = str(env_file(run_dir, env))
+    return server.getsockname()[:2], port
+
+
+class NodeError(RuntimeError):
+    """A node of the hostfile lacks what the run needs (`across_nodes`)."""
 
 
 def pin_cpu_kernels(env) -> None:
@@ -211,9 +259,37 @@ def pin_cpu_kernels(env) -> None:
         env.setdefault("MKL_CBWR", "AVX2")
 
 
-def supervise(proc: subprocess.Popen, run_dir: Path, signals: list[int], stop_timeout_s: float) -> int:
+NODE_GRACE_S = 10.0
+"""How long the other nodes' ranks may go on after one node's failed, before `dsrl train` stops them: they end on
+their own at their next collective, but not those still waiting to join the world (a rank that failed before it
+joined left the others waiting 30 minutes, the store's timeout)."""
+
+
+def node_ends(proc: subprocess.Popen) -> list[tuple[str, int, float]]:
+    """The launcher's stderr, passed on line by line; the list fills with (host, status, when) as pdsh says a node's
+    launch ended in failure ("pdsh@a: 10.0.0.4: ssh exited with exit code 1")."""
+    ended: list[tuple[str, int, float]] = []
+
+    def read() -> None:
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            if (m := re.match(r"pdsh@\S+: (\S+): ssh exited with exit code (\d+)", line)) and int(m[2]):
+                ended.append((m[1], int(m[2]), time.monotonic()))
+
+    threading.Thread(target=read, daemon=True).start()
+    return ended
+
+
+def supervise(proc: subprocess.Popen, run_dir: Path, signals: list[int], stop_timeout_s: float,
+              ended: list[tuple[str, int, float]] = ()) -> int:  # fmt: skip
     deadline = None
     while proc.poll() is None:
+        if ended and time.monotonic() > ended[0][2] + NODE_GRACE_S:
+            say(f"the ranks of trainer node {ended[0][0]} exited with status {ended[0][1]} {NODE_GRACE_S:.0f} s ago "
+                "and the others went on: stopping them")  # fmt: skip
+            kill_group(proc)
+            return 1
         if signals and deadline is None:
             deadline = time.monotonic() + stop_timeout_s
             say(f"{signal.Signals(signals[0]).name}: the run stops at the end of this step (within "

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
+from dsrl.nodes import choose_gloo_interface
+
 
 def reduce_device() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
@@ -50,6 +52,8 @@ def init_weight_update_group(
     `PrefixStore(group_name, ...)`, then torch's group helper. Both ends must build it identically or
     the rendezvous keys never match and the set-up hangs."""
     timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        choose_gloo_interface(master_address)  # each end binds its address toward rank 0, not its hostname's
     store, rank, world_size = next(
         rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
     )

@@ -132,8 +132,9 @@ class RolloutConfig:
     cpus_per_server: float = 1.0
     """fleet ray: CPUs reserved per server (GPUs: tp_size each, for SGLang)."""
     host: str | None = None
-    """Address started servers bind and are reached at. Default: loopback (127.0.0.1) for local servers of a
-    one-node trainer; the node's address for Ray-placed servers and with --trainer.hostfile."""
+    """Address the servers trainer rank 0 starts, and its fleet control endpoint, bind and are reached at. Default:
+    loopback (127.0.0.1) on a one-node trainer; with --trainer.hostfile, the node's address on the route to the
+    others. Servers on other nodes (Ray's, colocated ones of other trainer nodes) bind their own node's address."""
     api_key: str | None = None
     """Sent as `Authorization: Bearer <key>` on every request to the servers and the fleet control endpoint;
     servers dsrl starts (SGLang's --api-key, the embedded engine's) require it."""
@@ -810,7 +811,7 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     check(r.cpus_per_server > 0, "rollout.cpus_per_server", r.cpus_per_server, "must be > 0")
     check(t.total_steps >= 1, "trainer.total_steps", t.total_steps, "must be >= 1")
     check(t.num_ranks >= 0, "trainer.num_ranks", t.num_ranks, "must be >= 0 (0: every visible GPU)")
-    if t.hostfile and check_paths:
+    if t.hostfile and check_paths and "RANK" not in os.environ:  # (the launcher's file: a rank's node may lack it)
         check(Path(t.hostfile).is_file(), "trainer.hostfile", t.hostfile, "file not found")
     check(t.micro_batch_size >= 1, "trainer.micro_batch_size", t.micro_batch_size, "must be >= 1")
     budget = t.max_tokens_per_micro_batch

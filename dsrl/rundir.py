@@ -34,11 +34,10 @@ STOP_FILE = "STOP"
 """Written by `dsrl train` when it is signalled: trainer rank 0 sees it at the end of a step."""
 EXPORT_MARKER = "dsrl_export.json"
 """In every directory dsrl exports: what marks it as dsrl's to replace (`--overwrite`)."""
-OWNER_ENV = "DSRL_RUN_LOCK_PID"
-"""Set by `dsrl train` for the ranks it launches: the pid that holds the run directory's lock for them."""
 OWNER_FLAG = "--dsrl_owner="
-"""`dsrl train` passes --dsrl_owner=PID@HOST to its ranks (on every node: the launcher passes argv on, not the
-environment): each rank lives only as long as that process (`OwnerWatch`)."""
+"""`dsrl train` passes --dsrl_owner=PID@HOST[@ADDRESS:PORT] to its ranks (on every node: the launcher passes argv on,
+not the environment): the process that holds the run directory's lock for them, and, across nodes, a port of its
+that refuses once it is gone. Each rank lives only as long as that process (`OwnerWatch`)."""
 
 
 class RunDirLocked(RuntimeError):
@@ -162,9 +161,10 @@ def _read_owner(fd: int) -> str:
         return raw[:200]
 
 
-def _lock_pid(path: Path) -> int | None:
+def _lock_owner(path: Path) -> tuple[int, str] | None:
     try:
-        return int(json.loads(path.read_text())["pid"])
+        held = json.loads(path.read_text())
+        return int(held["pid"]), held["host"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -176,48 +176,53 @@ def die_with_parent(signum: int = signal.SIGKILL) -> None:
 
 
 class OwnerWatch:
-    """A rank's watch on what it lives for: `dsrl train` (`owner_pid`, seen on the host it launched from) and
-    trainer rank 0 (`store`, its TCP store's address: ranks of other nodes cannot see the pid). When either
-    is gone -- killed by any signal, SIGKILL included -- the rank kills the processes it started and itself,
+    """A rank's watch on what it lives for: `dsrl train` (its pid on the host it launched from; on other hosts, the
+    port it listens on there) and trainer rank 0 (its TCP store's address, on ranks above 0). When either is gone --
+    killed by any signal, SIGKILL included, or its node lost -- the rank kills the processes it started and itself,
     so nothing of the run outlives its owner. `stop()` before the ranks close: rank 0 may exit first then."""
 
-    def __init__(self, owner_pid: int | None, store: tuple[str, int] | None, interval_s: float = 1.0):
-        self.store, self.interval_s, self.stopped = store, interval_s, threading.Event()
+    def __init__(self, holder: tuple[int, str], ports: list[tuple[str, tuple[str, int]]], interval_s: float = 1.0):
+        self.holder, self.ports, self.interval_s, self.stopped = holder, ports, interval_s, threading.Event()
+        """`holder`: `dsrl train`'s (pid, host), which holds the run directory's lock for the ranks."""
         self.owner = None
-        if owner_pid:
+        if holder[1] == socket.gethostname():
             try:
-                self.owner = psutil.Process(owner_pid)
+                self.owner = psutil.Process(holder[0])
             except psutil.NoSuchProcess:
-                self._end(f"dsrl train (pid {owner_pid})")
+                self._end(f"dsrl train (pid {holder[0]})")
         threading.Thread(target=self._watch, name="dsrl-owner-watch", daemon=True).start()
 
     @classmethod
     def of(cls, argv: list[str]) -> tuple["OwnerWatch | None", list[str]]:
-        """Launched by `dsrl train` (--dsrl_owner=PID@HOST among the rank's `argv`): its watch, on its host and, on
-        ranks above 0, on rank 0 (else None); and `argv` without the flag."""
+        """Launched by `dsrl train` (--dsrl_owner=PID@HOST[@ADDRESS:PORT] among the rank's `argv`): its watch (else
+        None), and `argv` without the flag."""
         owner = next((a.split("=", 1)[1] for a in argv if a.startswith(OWNER_FLAG)), None)
         argv = [a for a in argv if not a.startswith(OWNER_FLAG)]
         if owner is None:
             return None, argv
-        pid, host = owner.split("@", 1)
-        rank0 = (
-            (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])) if os.environ.get("RANK", "0") != "0" else None
-        )
-        return cls(int(pid) if host == socket.gethostname() else None, rank0), argv
+        pid, host, *port = owner.split("@")
+        ports = []
+        if port and host != socket.gethostname():  # its pid is not seen from here: its port is
+            address, number = port[0].rsplit(":", 1)
+            ports.append((f"dsrl train (pid {pid} on {host}, its port {address}:{number})", (address, int(number))))
+        if os.environ.get("RANK", "0") != "0":
+            store = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+            ports.append((f"trainer rank 0 (its store at {store[0]}:{store[1]})", store))
+        return cls((int(pid), host), ports), argv
 
     def _watch(self) -> None:
-        misses = None  # rank 0's store is watched once it has answered (it starts with rank 0's world)
-        while not self.stopped.wait(self.interval_s):
+        misses: dict[str, int | None] = {who: None for who, _ in self.ports}  # watched once it has answered (rank 0's
+        while not self.stopped.wait(self.interval_s):  # store starts with rank 0's world)
             if self.owner is not None and not self.owner.is_running():
                 self._end(f"dsrl train (pid {self.owner.pid})")
-            if self.store is not None:
+            for who, address in self.ports:
                 try:
-                    socket.create_connection(self.store, timeout=2).close()
-                    misses = 0
-                except OSError:  # refused at once when rank 0's process is gone; a slow network gets 3 tries
-                    misses = None if misses is None else misses + 1
-                    if misses is not None and misses >= 3:
-                        self._end(f"trainer rank 0 (its store at {self.store[0]}:{self.store[1]})")
+                    socket.create_connection(address, timeout=2).close()
+                    misses[who] = 0
+                except OSError:  # refused at once when the process is gone; a slow network, or a lost node, 3 tries
+                    misses[who] = None if misses[who] is None else misses[who] + 1
+                    if misses[who] is not None and misses[who] >= 3:
+                        self._end(who)
 
     def _end(self, who: str) -> None:
         end_process(f"the run's owner, {who}, is gone")
@@ -399,11 +404,12 @@ def check_writable(run_dir: Path) -> None:
         raise PermissionError(f"--logging.run_dir={str(run_dir)!r}: cannot write checkpoints there ({e})") from e
 
 
-def claim_run_dir(run_dir: Path, cfg: Config) -> "RunLock | None":
-    """Rank 0, before anything is written: the run directory's lock (unless `dsrl train` holds it for the ranks),
-    a writable checkpoint directory, an export target that holds nothing but dsrl's own; then the config."""
-    holder, lock = os.environ.get(OWNER_ENV), None
-    if not holder or _lock_pid(run_dir / LOCK_FILE) != int(holder):  # not launched by `dsrl train`, which holds it
+def claim_run_dir(run_dir: Path, cfg: Config, owner: tuple[int, str] | None) -> "RunLock | None":
+    """Rank 0, before anything is written: the run directory's lock (unless `dsrl train`, `owner` (pid, host), holds
+    it for the ranks), a writable checkpoint directory, an export target that holds nothing but dsrl's own; then the
+    config."""
+    lock = None
+    if owner is None or _lock_owner(run_dir / LOCK_FILE) != owner:  # not launched by `dsrl train`, which holds it
         lock = RunLock(run_dir).acquire("python -m dsrl.train")
         clear_stop(run_dir)  # a stale stop request is ours to clear
     check_writable(run_dir)

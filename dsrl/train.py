@@ -5,6 +5,7 @@ import gc
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -168,7 +169,7 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     if fleet_kind(cfg.rollout) != "external":
         check_server_args(cfg.rollout, rollout_engine(cfg, use_cuda(cfg)))
     run_dir = Path(cfg.logging.run_dir)
-    lock = take_run_dir(cfg, run_dir, rank)
+    lock = take_run_dir(cfg, run_dir, rank, watch.holder if watch else None)
     stop = StopRequests(run_dir, watch_file=rank == 0).install()
     torch.manual_seed(cfg.seed + rank)
     model_dir = prepare_model_dir(cfg, run_dir)
@@ -230,10 +231,11 @@ def launch_before_trainer(cfg: Config, servers_dir: str, run_dir: Path, rank: in
     return launch_fleet(r, servers_dir, run_dir, cfg.seed, r.engine, multi_node=bool(cfg.trainer.hostfile))
 
 
-def take_run_dir(cfg: Config, run_dir: Path, rank: int) -> rundir.RunLock | None:
-    """Rank 0 claims the run directory (`claim_run_dir`); a failure there stops every rank."""
+def take_run_dir(cfg: Config, run_dir: Path, rank: int, holder: tuple[int, str] | None) -> rundir.RunLock | None:
+    """Rank 0 claims the run directory (`claim_run_dir`; `holder`: `dsrl train`, which holds it); a failure there
+    stops every rank."""
     with agreed("taking the run directory", (RunDirLocked, PermissionError, ExportTargetError)):
-        lock = rundir.claim_run_dir(run_dir, cfg) if rank == 0 else None
+        lock = rundir.claim_run_dir(run_dir, cfg, holder) if rank == 0 else None
     rundir.hold_run_dir(run_dir)  # locked while any process of the run lives: this rank, its servers and workers
     return lock
 
@@ -369,6 +371,13 @@ def main(argv: list[str] | None = None) -> None:
     except USER_ERRORS as e:  # they name the file, row or flag: a traceback would only hide that line
         if not isinstance(e, ServersLost) or os.environ.get("RANK", "0") == "0":  # (every rank has that one)
             log.error("error: %s", e)
+        sys.exit(1)
+    except RuntimeError as e:  # gloo's, when a rank of another node is gone (its node lost): no traceback says more
+        peer = re.search(r"by peer.*?\[([\w.:-]+)\]:\d+|\[([\w.:-]+)\]:\d+: Connection reset by peer", str(e))
+        if peer is None:
+            raise
+        log.error("error: the trainer rank at %s is gone (its process or its node): %s", peer[1] or peer[2],
+                  str(e).splitlines()[0][:200])  # fmt: skip
         sys.exit(1)
 
 

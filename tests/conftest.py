@@ -27,11 +27,13 @@ SHARED_RUNS = (
     ("tests/test_embedded.py::",),
     ("tests/test_parity.py::test_layout_",),
     ("tests/test_parity.py::test_corrupt_",),
+    ("tests/test_cluster.py::",),
 )
 """Tests that share one costly module fixture, by their ids' beginnings: whole files (the toy run, the Ray fleet run,
 the LoRA run: 80-150 s each; the sync worker's runs on 2 ranks and on 1, 25-30 s each, which split files built on
 both workers; the servers of the agent, async and embedded tests, 4-5 s each), or the tests of one file that read one
-story (the stopped run; the layout parity's process groups on 1, 2 and 4 ranks; the corrupted servers' run)."""
+story (the stopped run; the layout parity's process groups on 1, 2 and 4 ranks; the corrupted servers' run; the
+cluster tests, one cluster and its story of runs)."""
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -105,3 +107,14 @@ def still_running(pids: list[int], within_s: float = 10) -> list[int]:
     while any(running(pid) for pid in pids) and time.monotonic() < due:
         time.sleep(0.1)
     return [pid for pid in pids if running(pid)]
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """One line: how many of the `cluster` tests (tests/cluster.py: a cluster of namespaces) ran, or why none did."""
+    reports = [r for kind in ("passed", "failed", "error", "skipped") for r in terminalreporter.stats.get(kind, [])]
+    cluster = {r.nodeid: r for r in reports if "cluster" in getattr(r, "keywords", {}) and r.when in ("setup", "call")}
+    if not cluster:
+        return
+    skipped = [r for r in cluster.values() if r.skipped]
+    why = f"; {len(skipped)} skipped: {skipped[0].longrepr[-1].removeprefix('Skipped: ')}" if skipped else ""
+    terminalreporter.write_line(f"cluster tests (tests/cluster.py): {len(cluster) - len(skipped)} ran{why}")

@@ -137,3 +137,24 @@ def test_a_server_start_may_outlast_the_timeout_while_its_log_moves_and_fails_on
                 assert '"GET /health HTTP/1.1" 503' in (tmp_path / "down.log").read_text()
         finally:
             server.stop()
+
+
+def test_a_trainer_nodes_failed_launch_stops_the_others_after_the_grace_naming_it(tmp_path, capsys, monkeypatch):
+    """pdsh says a node's launch ended in failure while the launcher goes on (the other nodes' ranks waiting to join
+    a world that lost a rank): `dsrl train` stops the run NODE_GRACE_S later, in one line naming the node."""
+    import subprocess
+
+    from dsrl import cli
+
+    monkeypatch.setattr(cli, "NODE_GRACE_S", 1.0)
+    said = "pdsh@node1: 10.0.0.4: ssh exited with exit code 2"
+    launcher = f"import sys, time; print({said!r}, file=sys.stderr, flush=True); time.sleep(600)"
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stderr=subprocess.PIPE, text=True, start_new_session=True)
+    started = time.monotonic()
+    assert cli.supervise(proc, tmp_path, [], 600, cli.node_ends(proc)) == 1
+    assert time.monotonic() - started < 30 and proc.poll() is not None
+    err = capsys.readouterr().err
+    assert said in err  # passed on
+    assert (
+        "the ranks of trainer node 10.0.0.4 exited with status 2 1 s ago and the others went on: stopping them" in err
+    )

@@ -48,6 +48,7 @@ def parse_args(argv=None):
         default=None,
         help="pause the servers around each sync (interrupt pause)",
     )
+    p.add_argument("--server-urls", default=None, help="cpu mode: servers running elsewhere (a JSON list), not started")
     p.add_argument("--workdir", default=None, help="Models, logs, results (default: a temporary directory).")
     p.add_argument("--server-gpu", type=int, default=None, help="ipc mode: the server's GPU (default 0, the trainer's)")
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -172,6 +173,8 @@ def rank_main(args) -> None:
     cfg = Config(
         model=ModelConfig(path=str(model_dir)), data=DataConfig(train_path=str(ROOT / "examples/toy/train.jsonl"))
     )
+    if args.server_urls:  # (tools/bench_cluster.py: servers on other nodes)
+        rollout.fleet, rollout.server_urls = "external", json.loads(args.server_urls)
     cfg.rollout = rollout
     cfg.trainer.micro_batch_size = 2
     cfg.trainer.device = "cuda" if gpu else "cpu"

@@ -18,6 +18,8 @@ from typing import Any
 
 import aiohttp
 
+from dsrl.nodes import probing_socket
+
 log = logging.getLogger(__name__)
 
 # Control calls that are safe to repeat after a connection error.
@@ -111,7 +113,7 @@ class RolloutClient:
     async def _on_loop(self, n: int) -> tuple[asyncio.Semaphore, aiohttp.ClientSession]:
         """What belongs to the client's event loop: the concurrency limit and the HTTP session."""
         timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=30)
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S, socket_factory=probing_socket)
         self.changed = asyncio.Condition()  # the fleet changed: a request waiting for a server looks again
         return asyncio.Semaphore(n), aiohttp.ClientSession(timeout=timeout, connector=connector, headers=self.headers)
 
@@ -341,11 +343,11 @@ class RolloutClient:
         # /model_info, not /get_weight_version: SGLang 0.5.17 answers the latter with 404.
         return [str(info["weight_version"]) for info in self.call_all("/model_info", method="GET")]
 
-    def responds(self, url: str) -> bool:
+    def responds(self, url: str, timeout_s: float = 30) -> bool:
         """Whether a server answers at all. Not /health: SGLang's runs a one-token generation, which takes a
         second and crashes a colocated server whose memory is released (seen on an H100/H200)."""
         try:
-            self.run(self.request(url, "/model_info", method="GET", timeout_s=30))
+            self.run(self.request(url, "/model_info", method="GET", timeout_s=timeout_s))
             return True
         except ServerError:
             return False

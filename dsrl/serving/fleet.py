@@ -55,8 +55,9 @@ def start_fleet(
 
 
 def launch_fleet(cfg: RolloutConfig, model_path: str, run_dir: Path, seed: int, engine: str, multi_node: bool = False,
-                 role: str = "rollout") -> ServerFleet:  # fmt: skip
-    """`start_fleet`'s subprocesses here, started and not yet waited for (`await_fleet`)."""
+                 role: str = "rollout", first: int = 0) -> ServerFleet:  # fmt: skip
+    """`start_fleet`'s subprocesses here, started and not yet waited for (`await_fleet`): servers `first` on (their
+    logs' numbers; GPUs from `cfg.first_gpu` on this node)."""
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     env, host, ports = server_env(engine), server_host(cfg, multi_node), {}
@@ -64,14 +65,15 @@ def launch_fleet(cfg: RolloutConfig, model_path: str, run_dir: Path, seed: int, 
     def launch(i: int, args: dict | None = None) -> ServerProcess:
         port = ports[i] = (ports.get(i) if role != "rollout" else None) or free_port(host)
         given = with_server_args(cfg, args)
-        cmd = server_command(given, engine, model_path, host, port, seed + i, cfg.first_gpu + i * cfg.tp_size, log_dir)
+        gpu = cfg.first_gpu + (i - first) * cfg.tp_size
+        cmd = server_command(given, engine, model_path, host, port, seed + i, gpu, log_dir)
         log.info("starting %s server %d: %s", role, i, " ".join(cmd))
         prefix = f"{role}_" if role != "rollout" else ""
         return spawn(cmd, env, log_dir / f"{prefix}server_{i}.log", f"http://{host}:{port}")
 
     fleet = ServerFleet(urls=[], launch=launch, startup_timeout_s=cfg.startup_timeout_s)
     try:
-        for i in range(cfg.num_servers):
+        for i in range(first, first + cfg.num_servers):
             server = launch(i)
             fleet.processes.append(server)
             fleet.urls.append(server.url)
@@ -99,6 +101,10 @@ def start_fleet_for_ranks(cfg: RolloutConfig, model_path: str, run_dir: Path, se
     their URLs (on the other ranks the fleet is only that list: rank 0 alone changes it)."""
     import torch.distributed as dist  # (this module is imported before the launcher, where torch is not)
 
+    if multi_node and fleet_kind(cfg) == "local" and launched is None:  # each trainer node starts its own
+        from dsrl.serving.node_fleet import start_on_every_node
+
+        return start_on_every_node(cfg, model_path, run_dir, seed, engine, role)
     fleet = None
     if dist.get_rank() == 0 and launched is not None:
         fleet = await_fleet(launched, role)

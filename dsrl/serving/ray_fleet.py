@@ -14,6 +14,7 @@ replaced in its bundle. dsrl must be importable on every node (installed there, 
 import contextlib
 import logging
 import os
+import socket
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dsrl.config import RolloutConfig
+from dsrl.nodes import routable_address
 from dsrl.serving.servers import (
     PORT_TAKEN,
     Fleet,
@@ -48,7 +50,7 @@ class ServerActor:
     def start(self, cfg: RolloutConfig, engine: str, model_path: str, log_path: str, seed: int) -> tuple[str, str]:
         """Start the server and wait until it answers; returns its URL and the Ray node it runs on. A server
         that lost its port to another process while starting is started once more, on a new port."""
-        host = cfg.host or ray.util.get_node_ip_address()
+        host = ray.util.get_node_ip_address()  # this node's (`ray start --node-ip-address`), not --rollout.host's
         env = server_env(engine)
         if "CUDA_VISIBLE_DEVICES" in os.environ:  # the GPUs Ray gave this actor (the bundle's)
             env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
@@ -79,9 +81,14 @@ def connect(address: str) -> None:
         return
     try:
         ray.init(address=address, log_to_driver=False)
-    except ConnectionError:
-        if address != "auto":
-            raise
+    except ConnectionError as e:
+        if address != "auto":  # Ray's driver needs a raylet of the cluster on its own node
+            raise ConnectionError(
+                f"--rollout.ray_address={address}: trainer rank 0's node ({socket.gethostname()}) cannot join that Ray "
+                f"cluster ({e.__cause__ or e}). Ray runs a driver only on a node of the cluster: make it one first, "
+                f"with no resources: ray start --address {address} --num-cpus 0 --num-gpus 0 --node-ip-address "
+                f"{routable_address(address.rsplit(':', 1)[0])}"
+            ) from None
         log.info("no running Ray cluster: starting a local one for the rollout servers")
         ray.init(include_dashboard=False, log_to_driver=False)
     log.info("Ray cluster: %s", {k: v for k, v in ray.cluster_resources().items() if "/" not in k})
@@ -106,7 +113,9 @@ class RayFleet(Fleet):
     @classmethod
     def start(cls, cfg: RolloutConfig, model_path: str, run_dir: Path, seed: int, engine: str) -> "RayFleet":
         connect(cfg.ray_address)
-        fleet = cls([], cfg, engine, model_path, run_dir, seed)
+        if Path(model_path).exists():  # (not a hub id) an actor's working directory is its raylet's, not this rank's
+            model_path = str(Path(model_path).resolve())
+        fleet = cls([], cfg, engine, model_path, Path(run_dir).resolve(), seed)
         try:
             fleet.add(cfg.num_servers)
         except BaseException:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dsrl.config import ConfigError, RolloutConfig, write_private
+from dsrl.nodes import routable_address
 from dsrl.rundir import PROGRESS_S, die_with_parent, member_fds
 from dsrl.serving.embedded_args import build_parser
 
@@ -526,44 +527,28 @@ class ServerFleet(Fleet):
 
 @dataclass
 class ExternalFleet(Fleet):
-    """Servers the user runs (--rollout.server_urls). One that goes down is set aside, asked again at
-    every weight update, and rejoins (with the weights of that update) once it answers."""
+    """Servers the user runs (--rollout.server_urls). One that goes down is set aside, asked again every few
+    seconds (`rejoin_when_answering`), and rejoins (with the weights of the next update) once it answers."""
 
     urls: list[str]
-    lost: list[str] = field(default_factory=list)
     startup_timeout_s: float = 300.0
 
     def set_aside(self, url: str) -> None:
         log.warning("external rollout server %s is down: set aside until it answers again", url)
         self.urls.remove(url)
-        self.lost.append(url)
-
-    def heal(self, dead: set[str]) -> Membership | None:
-        self._rejoin(dead)
-        return super().heal(dead)
-
-    def _rejoin(self, dead: set[str] = frozenset()) -> bool:
-        """The servers set aside that answer again rejoin (with this update's weights); returns whether any did."""
-        back = [url for url in self.lost if url not in dead and answers(url)]
-        if back:
-            log.info("external rollout servers answer again and rejoin: %s", ", ".join(back))
-            self.lost = [url for url in self.lost if url not in back]
-            with self.lock:
-                self.requests += [{"add": url} for url in back]
-        return bool(back)
+        rejoin_when_answering(self, url)
 
     def await_server(self) -> bool:
-        """Every server is down: wait up to --rollout.startup_timeout_s for one to answer again, saying so each 30 s."""
-        start = said = time.monotonic()
-        while time.monotonic() - start < self.startup_timeout_s:
-            if self._rejoin():
-                return True
-            if time.monotonic() - said >= 30:
-                said = time.monotonic()
-                waited = f"{said - start:.0f} s of {self.startup_timeout_s:.0f} s (--rollout.startup_timeout_s)"
-                log.warning("every rollout server (--rollout.server_urls) is down: waiting for one, %s", waited)
-            time.sleep(1)
-        self.given_up = [f"none of {', '.join(self.lost)} answered within {self.startup_timeout_s:.0f}s"]
+        """Every server is down: wait up to --rollout.startup_timeout_s for one to answer again (`rejoin_when_answering`
+        queues its join), saying so each 30 s."""
+        start = time.monotonic()
+        while (waited := time.monotonic() - start) < self.startup_timeout_s:
+            with self.lock:
+                if self.lock.wait_for(lambda: any("add" in r for r in self.requests), 30):
+                    return True
+            waited = f"{waited + 30:.0f} s of {self.startup_timeout_s:.0f} s (--rollout.startup_timeout_s)"
+            log.warning("every rollout server (--rollout.server_urls) is down: waiting for one, %s", waited)
+        self.given_up = [f"no external server answered within {self.startup_timeout_s:.0f}s"]
         return False
 
     def add(self, count: int = 0, url: str | None = None) -> list[str]:
@@ -576,6 +561,21 @@ class ExternalFleet(Fleet):
 
     def stop(self) -> None:
         pass
+
+
+def rejoin_when_answering(fleet: Fleet, url: str, every_s: float = 2.0) -> None:
+    """Ask a server set aside whether it answers, from a thread of its own (a partitioned one takes each ask's whole
+    timeout), and queue its join once it does: it rejoins at the next update, with its weights."""
+
+    def ask() -> None:
+        while not answers(url):
+            time.sleep(every_s)
+        log.info("rollout servers answer again and rejoin: %s (at the next weight update)", url)
+        with fleet.lock:
+            fleet.requests.append({"add": url})
+            fleet.lock.notify_all()  # (a heal with no server left waits for it: `await_server`)
+
+    threading.Thread(target=ask, daemon=True, name="rejoin").start()
 
 
 def answers(url: str, timeout_s: float = 5.0) -> bool:
@@ -594,17 +594,6 @@ def server_host(cfg: RolloutConfig, multi_node: bool) -> str:
     if cfg.host:
         return cfg.host
     return routable_address() if multi_node else "127.0.0.1"
-
-
-def routable_address(peer: str = "8.8.8.8") -> str:
-    """This machine's address on the interface that routes to `peer` (no packet is sent). Not
-    gethostbyname(gethostname()), which is 127.0.1.1 on Debian-style hosts."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((peer, 9))
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
 
 
 def server_env(engine: str) -> dict[str, str]:

@@ -179,10 +179,10 @@ class WeightSync:
         if self.rank0:
             exited = self.fleet.exited()
             if exited is None:  # external servers: ask them
-                exited = {url for url in self.client.urls if not self.client.responds(url)}
+                exited = {url for url in self.client.urls if not self.client.responds(url, self.cfg.sync.timeout_s)}
             # A request that failed is no proof of death: a server that answers stays (killing it was the "-9 exit")
             reported = {url for urls in down for url in urls} - exited
-            answering = [url for url in reported if self.client.responds(url)]
+            answering = [url for url in reported if self.client.responds(url, self.cfg.sync.timeout_s)]
             for url in answering:
                 log.warning("rollout server %s answers again after a failed request: it stays in the fleet", url)
             try:

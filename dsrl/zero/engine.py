@@ -20,6 +20,7 @@ from transformers.integrations import HfDeepSpeedConfig
 from dsrl import moe
 from dsrl.auto import bf16, device_memory, packs, replicated_base, use_cuda, weight_bytes
 from dsrl.config import Config, ModelConfig, critic_on_actor_base
+from dsrl.nodes import choose_gloo_interface
 from dsrl.rundir import report_writes, reporting
 from dsrl.zero import varlen
 from dsrl.zero.critic import PolicyAndValue
@@ -264,6 +265,7 @@ def init_distributed(cfg: Config) -> None:
         if not op.exists() and os.environ.get("RANK", "0") == "0":  # rank 0 tells how the build goes
             build = op.parent
             log.info("building DeepSpeed's shared-memory comm op in %s: once, a minute or more on 2 cores", build)
+    choose_gloo_interface(os.environ.get("MASTER_ADDR", "127.0.0.1"))  # (gloo's groups: its address toward rank 0)
     # (DeepSpeed prints "... built successfully" at every load of it)
     with report_writes(build, "the comm op's build"), redirect_stdout(StringIO()) as printed:
         deepspeed.init_distributed(dist_backend="nccl" if use_cuda(cfg) else "gloo")
