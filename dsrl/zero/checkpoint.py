@@ -130,14 +130,8 @@ def warn_disk_room(cfg: Config, model_dir: str) -> None:
         "the run directory's disk (%s) has %.1f GB free, and this run writes about %.1f GB there: %d checkpoint(s) of "
         "%.1f GB on it at once (logging.save_every, logging.keep_last) and the final export, %.1f GB "
         "(logging.export_hf). A full disk stops the run at that write: free space, or set logging.run_dir on a "
-        "larger disk",
-        logs.run_dir,
-        free / 1e9,
-        need / 1e9,
-        at_once,
-        checkpoint / 1e9,
-        export / 1e9,
-    )
+        "larger disk", logs.run_dir, free / 1e9, need / 1e9, at_once, checkpoint / 1e9, export / 1e9,
+    )  # fmt: skip
 
 
 def checkpoints(root: Path) -> list[Path]:
