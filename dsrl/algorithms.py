@@ -6,7 +6,7 @@ marking response tokens. Groups (a prompt's samples) are contiguous: [g0s0, g0s1
 """
 
 import math
-from functools import partial
+from functools import partial, wraps
 from typing import Literal
 
 import torch
@@ -200,56 +200,46 @@ def importance_weights(
     raise ValueError(f"--algorithm.off_policy={mode!r}: expected none, decoupled or tis")
 
 
-def ppo_clip_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-    agg: LossAgg,
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
-    is_weights: torch.Tensor | None = None,
-    clip_ratio_c: float | None = None,
-    horizon: int | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clip (Schulman et al. 2017): max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)),
-    aggregated.
+def policy_loss(term):
+    """A policy loss from its per-token `term`, called as every loss is: loss(logprobs, old_logprobs, advantages, mask,
+    clip_low, clip_high, agg, num_tokens=None, num_seqs=None, horizon=None, is_weights=None, **knobs) -> (loss, its
+    detached metrics). The frame is the same for each: advantages per token ([B, T]) or per sequence ([B]), the
+    log-ratio clamped (`LOG_RATIO_LIMIT`) and given to `term` as `log_ratio`, `is_weights` (per token: an off-policy
+    correction) multiplying each token's term, `aggregate`; metrics clip_frac (the tokens `term` says it clipped or
+    masked) and approx_kl (KL(old || new))."""
 
-    `advantages` is per token ([B, T]) or per sequence ([B]); `is_weights` (per token) multiplies
-    each token's term (off-policy correction). `clip_ratio_c`: dual-clip PPO (Ye et al. 2020,
-    arXiv:1912.09729), a token with a negative advantage costs at most -A * clip_ratio_c however far
-    its ratio has grown. Returns the loss and detached metrics: clip fraction (tokens whose clipped
-    term was the one used) and approx KL(old || new).
-    """
-    advantages = _per_token(advantages, logprobs)
-    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    per_token, clip_used = _clipped_objective(advantages, torch.exp(log_ratio), clip_low, clip_high)
+    @wraps(term)
+    def loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg, num_tokens=None, num_seqs=None,
+             horizon=None, is_weights=None, **knobs) -> LossValue:  # fmt: skip
+        advantages = _per_token(advantages, logprobs)
+        log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+        args = (logprobs, old_logprobs, advantages, mask, clip_low, clip_high)
+        per_token, clipped = term(*args, log_ratio=log_ratio, **knobs)
+        if is_weights is not None:
+            per_token = per_token * is_weights
+        return aggregate(per_token, mask, agg, num_tokens, num_seqs, horizon), _ratio_metrics(clipped, log_ratio, mask)
+
+    return loss
+
+
+@policy_loss
+def ppo_clip_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, *, log_ratio, clip_ratio_c=None):
+    """PPO-clip (Schulman et al. 2017): max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)).
+    `clip_ratio_c`: dual-clip PPO (Ye et al. 2020, arXiv:1912.09729), a token with a negative advantage costs at most
+    -A * clip_ratio_c however far its ratio has grown. clip_frac: the tokens whose clipped term was the one used."""
+    per_token, clip_used = _clipped_objective(advantages, log_ratio.exp(), clip_low, clip_high)
     if clip_ratio_c is not None:
         per_token = torch.where(advantages < 0, torch.minimum(per_token, -advantages * clip_ratio_c), per_token)
-    if is_weights is not None:
-        per_token = per_token * is_weights
-    loss = aggregate(per_token, mask, agg, num_tokens, num_seqs, horizon)
-    return loss, _ratio_metrics(clip_used, log_ratio, mask)
+    return per_token, clip_used
 
 
-def gspo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-    agg: LossAgg,
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
-    horizon: int | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def gspo_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg, num_tokens=None, num_seqs=None,
+              horizon=None) -> LossValue:  # fmt: skip
     """GSPO (Zheng et al. 2025, arXiv:2507.18071): the ratio is the sequence's, the geometric mean of its
     tokens' ratios s = exp(mean_t log(pi / pi_old)), clipped at the sequence level (the paper's ranges
     are small: clip_low 3e-4, clip_high 4e-4). Token form GSPO-token: s_t = sg(s) * pi_t / sg(pi_t), so
-    each token's gradient is its sequence's; with sequence-level advantages the two are equal.
+    each token's gradient is its sequence's; with sequence-level advantages the two are equal. (Outside
+    `policy_loss`: its mean is of the log-ratios before their clamp, and so is its approx_kl.)
     """
     advantages = _per_token(advantages, logprobs)
     log_ratio = (logprobs - old_logprobs) * mask
@@ -260,40 +250,24 @@ def gspo_loss(
     return loss, _ratio_metrics(clip_used, log_ratio, mask)
 
 
-def cispo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-    agg: LossAgg,
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
-    horizon: int | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+@policy_loss
+def cispo_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, *, log_ratio):
     """CISPO (MiniMax-M1, 2025, arXiv:2506.13585): REINFORCE with a clipped, stop-gradient importance
     weight, -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * log pi. Unlike PPO no token's gradient is
     dropped: a clipped token still contributes, with its weight capped."""
-    advantages = _per_token(advantages, logprobs)
-    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(log_ratio)
     weight = torch.clamp(ratio, 1 - clip_low, 1 + clip_high).detach()
-    per_token = -advantages * weight * logprobs
-    loss = aggregate(per_token, mask, agg, num_tokens, num_seqs, horizon)
-    return loss, _ratio_metrics((ratio < 1 - clip_low) | (ratio > 1 + clip_high), log_ratio, mask)
+    return -advantages * weight * logprobs, (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
 
 
-def dppo_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg, num_tokens=None, num_seqs=None,
-              horizon=None, divergence: Literal["tv", "kl"] = "tv", clip_ratio_c: float | None = None,
-              is_weights=None) -> LossValue:  # fmt: skip
+@policy_loss
+def dppo_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, *, log_ratio,
+              divergence: Literal["tv", "kl"] = "tv", clip_ratio_c: float | None = None):  # fmt: skip
     """DPPO (Qi et al. 2026, arXiv:2602.04879): the trust region is a divergence between the token's old and new
     Bernoulli (the token, or not), not its ratio: a token the update has moved by more than clip_high toward its
     advantage's side (clip_low against) is masked. tv: p - p_old; kl: KL(Bern(p_old) || Bern(p)), counted
     only on the side the advantage pushes. The rest: -A * sg(min(ratio, clip_ratio_c)) * log pi (its truncated
     importance weight; null: untruncated). Metrics: clip_frac = the masked share."""
-    advantages = _per_token(advantages, logprobs)
-    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     p, p_old = logprobs.detach().exp(), old_logprobs.exp()
     if divergence == "tv":
         outside = torch.where(advantages > 0, p - p_old > clip_high, p - p_old < -clip_low)
@@ -302,44 +276,34 @@ def dppo_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg
         outside = torch.where(advantages > 0, (kl > clip_high) & (p > p_old), (kl > clip_low) & (p < p_old))
     weight = log_ratio.detach().exp()
     weight = weight if clip_ratio_c is None else weight.clamp(max=clip_ratio_c)
-    per_token = -advantages * weight * logprobs * ~outside
-    loss = _aggregated(per_token, mask, agg, num_tokens, num_seqs, horizon, is_weights)
-    return loss, _ratio_metrics(outside, log_ratio, mask)
+    return -advantages * weight * logprobs * ~outside, outside
 
 
-def sapo_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg, num_tokens=None, num_seqs=None,
-              horizon=None, tau_pos: float = 1.0, tau_neg: float = 1.05, is_weights=None) -> LossValue:  # fmt: skip
+@policy_loss
+def sapo_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, *, log_ratio, tau_pos: float = 1.0,
+              tau_neg: float = 1.05):  # fmt: skip
     """SAPO (Gao et al. 2025, arXiv:2511.20347): a soft gate instead of the clip, -A * 4/tau * sigmoid(tau (r - 1)),
     whose gradient is PPO's at r = 1 and fades smoothly away from it; tau_pos for A > 0, tau_neg otherwise. The
     paper (and verl, always) aggregate seq_mean; the clips are unused."""
-    advantages = _per_token(advantages, logprobs)
-    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     tau = torch.where(advantages > 0, tau_pos, tau_neg)
-    per_token = -advantages * torch.sigmoid(tau * (log_ratio.exp() - 1)) * 4 / tau
-    loss = _aggregated(per_token, mask, agg, num_tokens, num_seqs, horizon, is_weights)
-    return loss, _ratio_metrics(torch.zeros_like(mask), log_ratio, mask)
+    return -advantages * torch.sigmoid(tau * (log_ratio.exp() - 1)) * 4 / tau, torch.zeros_like(mask)
 
 
-def gpg_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg, num_tokens=None, num_seqs=None,
-             horizon=None, is_weights=None) -> LossValue:  # fmt: skip
+@policy_loss
+def gpg_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, *, log_ratio):
     """GPG (Chu et al. 2025, arXiv:2504.02546): plain policy gradient, -A * log pi: no ratio, no clip."""
-    per_token = -_per_token(advantages, logprobs) * logprobs
-    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    loss = _aggregated(per_token, mask, agg, num_tokens, num_seqs, horizon, is_weights)
-    return loss, _ratio_metrics(torch.zeros_like(mask), log_ratio, mask)
+    return -advantages * logprobs, torch.zeros_like(mask)
 
 
-def covariance_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg, num_tokens=None, num_seqs=None,
-                    horizon=None, kind: Literal["clip", "kl"] = "clip", cov_ratio: float = 2e-4,
-                    clip_cov_bounds: tuple[float, float] = (1.0, 5.0), kl_cov_coef: float = 0.1,
-                    is_weights=None) -> LossValue:  # fmt: skip
+@policy_loss
+def covariance_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, *, log_ratio,
+                    kind: Literal["clip", "kl"] = "clip", cov_ratio: float = 2e-4,
+                    clip_cov_bounds: tuple[float, float] = (1.0, 5.0), kl_cov_coef: float = 0.1):  # fmt: skip
     """Clip-Cov and KL-Cov (Cui et al. 2025, arXiv:2505.22617): entropy collapse is driven by tokens whose
     log-prob and advantage covary most, cov = (A - mean A)(log pi - mean log pi) over the micro-batch's tokens.
     clip: PPO-clip, with the gradient of cov_ratio of the tokens (at least one), drawn at random among the
     unclipped ones whose cov lies in clip_cov_bounds, dropped. kl: -A * ratio (no clip), plus kl_cov_coef *
     |log ratio| on the cov_ratio of the tokens with the largest cov. Metrics: clip_frac = the tokens so treated."""
-    advantages = _per_token(advantages, logprobs)
-    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     valid, lp = mask > 0, logprobs.detach()
     cov = (advantages - advantages[valid].mean()) * (lp - lp[valid].mean())
     count = max(int(cov_ratio * valid.sum().item()), 1)
@@ -349,14 +313,10 @@ def covariance_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_hig
         lower, upper = clip_cov_bounds
         where = (valid & ~clipped & (cov > lower) & (cov < upper)).flatten().nonzero()[:, 0]
         chosen.view(-1)[where[torch.randperm(len(where))[:count]]] = True
-        per_token = per_token * ~chosen
-    else:
-        per_token = -advantages * log_ratio.exp()
-        where = valid.flatten().nonzero()[:, 0]
-        chosen.view(-1)[where[cov.flatten()[where].topk(min(count, len(where))).indices]] = True
-        per_token = per_token + kl_cov_coef * log_ratio.abs() * chosen
-    loss = _aggregated(per_token, mask, agg, num_tokens, num_seqs, horizon, is_weights)
-    return loss, _ratio_metrics(chosen, log_ratio, mask)
+        return per_token * ~chosen, chosen
+    where = valid.flatten().nonzero()[:, 0]
+    chosen.view(-1)[where[cov.flatten()[where].topk(min(count, len(where))).indices]] = True
+    return -advantages * log_ratio.exp() + kl_cov_coef * log_ratio.abs() * chosen, chosen
 
 
 def gmpo_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg, num_tokens=None, num_seqs=None,
@@ -377,15 +337,12 @@ def gmpo_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg
     return loss, _ratio_metrics(clipped != log_ratio, log_ratio, mask)
 
 
-def dro_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg, num_tokens=None, num_seqs=None,
-             horizon=None, dro_beta: float = 0.05, is_weights=None) -> LossValue:  # fmt: skip
+@policy_loss
+def dro_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, *, log_ratio, dro_beta: float = 0.05):
     """DRO (Richemond et al. 2024, arXiv:2405.19107), in the per-token form Tinker and verl register:
     -(A * log pi - dro_beta / 2 * (log pi - log pi_old)^2), a quadratic trust region instead of a clip (on every
-    model token, an advantage of 0 included)."""
-    log_ratio = logprobs - old_logprobs
-    per_token = -(_per_token(advantages, logprobs) * logprobs - 0.5 * dro_beta * log_ratio.square())
-    loss = _aggregated(per_token, mask, agg, num_tokens, num_seqs, horizon, is_weights)
-    return loss, _ratio_metrics(torch.zeros_like(mask), log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT), mask)
+    model token, an advantage of 0 included; its log-ratio unclamped)."""
+    return -(advantages * logprobs - 0.5 * dro_beta * (logprobs - old_logprobs).square()), torch.zeros_like(mask)
 
 
 POLICY_LOSSES = {
@@ -446,12 +403,6 @@ def _clipped_objective(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
     return torch.maximum(unclipped, clipped), clipped > unclipped
-
-
-def _aggregated(per_token, mask, agg, num_tokens, num_seqs, horizon, is_weights) -> torch.Tensor:
-    return aggregate(
-        per_token if is_weights is None else per_token * is_weights, mask, agg, num_tokens, num_seqs, horizon
-    )
 
 
 def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -122,10 +122,15 @@ class GpuLending:
                         "the update's peak, each must release its memory before the trainers take the GPU",
                         len(self.fleet.unsized))  # fmt: skip
             self.fleet.await_replacements(self.startup_timeout_s)
-        before = self.free_bytes(barrier_after=True)  # (rank 0 releases every GPU's servers)
+        between = self.measured and dist.get_world_size() > 1  # rank 0 releases every GPU's servers, between barriers
+        before = torch.cuda.mem_get_info()[0] if self.measured else 0.0
+        if between:
+            dist.barrier()
         for tenant in self.servers:
             tenant.release(self.sleep_tags)
-        self.asleep = self.free_bytes(barrier_before=True) - before if self.measured else 0.0
+        if between:
+            dist.barrier()
+        self.asleep = torch.cuda.mem_get_info()[0] - before if self.measured else 0.0
         self.sleeping = set(self.sleep_tags)
         for engine in self.trainers if self.offload else []:  # (where they were offloaded)
             reload_states(engine)
@@ -136,18 +141,6 @@ class GpuLending:
         replacement's released), so that the update finds them where it expects them."""
         for engine in self.trainers if self.offload else []:
             reload_states(engine)
-
-    def free_bytes(self, barrier_before: bool = False, barrier_after: bool = False) -> float:
-        """This rank's GPU's free bytes, measured between barriers where rank 0 releases servers on other GPUs."""
-        if not self.measured:
-            return 0.0
-        several = dist.get_world_size() > 1
-        if barrier_before and several:
-            dist.barrier()
-        free = torch.cuda.mem_get_info()[0]
-        if barrier_after and several:
-            dist.barrier()
-        return free
 
     def check_room(self, tag: str) -> None:
         """Before the servers take `tag` back: every rank's GPU has room for what they released there, else the run

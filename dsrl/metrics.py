@@ -114,18 +114,17 @@ class MetricsWriter:
     """Rank 0's sinks: tensorboard (default), and wandb / mlflow through accelerate's tracker layer, all
     with the same tags; sampled generations also go to <run_dir>/generations.jsonl."""
 
-    def __init__(self, run_dir: Path, enabled: bool, config: Config | None = None):
+    def __init__(self, run_dir: Path, enabled: bool, config: Config):
         """`config`: the run's, as the user gave it (the trackers store it; its `logging` picks the sinks)."""
         self.writer, self.trackers, self.run_dir = None, [], run_dir
         if not enabled:
             return
-        cfg = config.logging if config is not None else None
-        if cfg is None or cfg.tensorboard:
+        if config.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(run_dir / "tensorboard"))
-        for name in cfg.trackers if cfg is not None else []:
-            tracker = _tracker(name, cfg, run_dir)
+        for name in config.logging.trackers:
+            tracker = _tracker(name, config.logging, run_dir)
             tracker.start()
             tracker.store_init_configuration(tracker_config(config))
             self.trackers.append(tracker)

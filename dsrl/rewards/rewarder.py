@@ -26,27 +26,16 @@ class RewardValueError(RewardError, TypeError):
     """A reward function that returned something other than a finite number."""
 
 
-def reward_item(sample: Sample, tokenizer) -> tuple:
-    """What the reward function is called with: (prompt, response, answer, row)."""
-    response = tokenizer.decode(sample.response_ids, skip_special_tokens=True)
-    return sample.prompt.text, response, sample.prompt.answer, sample.prompt.row
-
-
 def _checked(samples: list[Sample], results: list[tuple], source: str) -> list[float]:
-    """The group's rewards from one source, or the error of the row that failed first (not of those left unscored
-    after it)."""
+    """The group's rewards from one source as floats, or the error naming the row that failed first (not of those left
+    unscored after it)."""
     for i in sorted(range(len(samples)), key=lambda i: results[i][1] == NOT_SCORED):
-        check_reward(samples[i].prompt.index, *results[i], source)
+        (value, error), row = results[i], samples[i].prompt.index
+        if error is not None:
+            raise RewardError(f"{source} failed on dataset row {row}: {error}")
+        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+            raise RewardValueError(f"{source} returned {value!r} for dataset row {row}; expected a finite float")
     return [float(value) for value, _ in results]
-
-
-def check_reward(row: int, value, error: str | None, source: str = "reward function") -> float:
-    """The reward as a float, or the error naming the row."""
-    if error is not None:
-        raise RewardError(f"{source} failed on dataset row {row}: {error}")
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
-        raise RewardValueError(f"{source} returned {value!r} for dataset row {row}; expected a finite float")
-    return float(value)
 
 
 class Rewarder:
@@ -76,26 +65,27 @@ class Rewarder:
         """Whether scored groups update `moments` (not an evaluation's: `frozen`)."""
 
     async def score_group(self, samples: list[Sample]) -> None:
-        """The group's rewards, its rule and model scores (and the teacher's logprobs) computed side by side."""
-        jobs = ([self._rule(samples)] if self.rule else []) + ([self._model(samples)] if self.model else [])
-        jobs += [self._teacher(samples)] if self.teacher else []
-        self.settle(samples, dict(await asyncio.gather(*jobs)))
+        """The group's rewards, its rule and model scores (and the teacher's logprobs) computed side by side, each part
+        (its source's name, a (value, error) per sample); the teacher's only fail or skip the group."""
+        parts = {}
+        if self.rule:
+            parts["rule"] = ("the environment" if self.env else "reward function", self._rule(samples))
+        if self.model is not None:
+            parts["model"] = ("judge" if self.model.parse else "reward model", self.model.score(samples))
+        if self.teacher is not None:
+            parts["teacher"] = ("teacher", self.teacher.score(samples))
+        results = await asyncio.gather(*(job for _, job in parts.values()))
+        self.settle(samples, {kind: (source, r) for (kind, (source, _)), r in zip(parts.items(), results)})
 
-    async def _rule(self, samples: list[Sample]) -> tuple[str, tuple[str, list]]:
+    async def _rule(self, samples: list[Sample]) -> list[tuple]:
         if self.env:
-            return "rule", ("the environment", [(s.episode.reward, s.episode.error) for s in samples])
-        items = [reward_item(s, self.tokenizer) for s in samples]
+            return [(s.episode.reward, s.episode.error) for s in samples]
+        decode = self.tokenizer.decode  # (prompt, response, answer, row): what the reward function is called with
+        items = [(s.prompt.text, decode(s.response_ids, skip_special_tokens=True), s.prompt.answer, s.prompt.row)
+                 for s in samples]  # fmt: skip
         if self.pool is not None:
-            results = await self.pool.run_async(items, fail_fast=True)  # one failed row skips the group
-        else:
-            results = await asyncio.to_thread(lambda: [_call_in_process(self.fn, item) for item in items])
-        return "rule", ("reward function", results)
-
-    async def _model(self, samples: list[Sample]) -> tuple[str, tuple[str, list]]:
-        return "model", ("judge" if self.model.parse else "reward model", await self.model.score(samples))
-
-    async def _teacher(self, samples: list[Sample]) -> tuple[str, tuple[str, list]]:
-        return "teacher", ("teacher", await self.teacher.score(samples))  # (failures only: fail or skip the group)
+            return await self.pool.run_async(items, fail_fast=True)  # one failed row skips the group
+        return await asyncio.to_thread(lambda: [_call_in_process(self.fn, item) for item in items])
 
     def settle(self, samples: list[Sample], parts: dict[str, tuple[str, list[tuple]]]) -> None:
         """Set the group's rewards from each part's (value, error) pairs, or fail or skip it (on_reward_error)."""

@@ -22,11 +22,8 @@ class Teacher(ServedModel):
 
         super().__init__(cfg, cfg.distill, client, fleet, rank0)
         self.path = cfg.distill.teacher_path
-        check_vocabulary(
-            self.path,
-            tokenizer,
-            AutoTokenizer.from_pretrained(self.path, trust_remote_code=cfg.model.trust_remote_code),
-        )
+        own = AutoTokenizer.from_pretrained(self.path, trust_remote_code=cfg.model.trust_remote_code)
+        check_vocabulary(self.path, tokenizer, own)
 
     async def score(self, samples: list[Sample]) -> list[tuple[float | None, str | None]]:
         """Each sample's `teacher_logprobs`, one per response token (an episode's environment tokens too: the loss

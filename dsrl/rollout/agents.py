@@ -1,21 +1,11 @@
 """Environments and tools for multi-turn agent episodes (`--rollout.env module:Class`).
 
-An environment is user code in ~20 lines; it never sees tokens, servers or DeepSpeed:
-
-    class KeyLookup(dsrl.Environment):
-        def __init__(self, row, **options):      # one instance per episode, from the dataset row
-            self.key = row["key"]
-        def step(self, response: str) -> dsrl.Step:
-            if "lookup" in response:             # the model's turn, as text
-                return dsrl.Step(observation=f"value: {VALUES[self.key]}")
-            return dsrl.Step(reward=float(response.strip() == VALUES[self.key]), done=True)
-
-`step` gets each of the model's turns and returns the next observation (a string, or chat messages
-such as tool results and user turns), tool calls for dsrl to run, or the end of the episode with a
-reward. dsrl renders the observation into tokens, once, and owns the token state, masks, versions,
-limits and deadlines around it. An episode's environment lives in one worker process (`--agent.env_workers`)
-from its first turn to its last; one that is cheap and trusted may say `in_process = True` and run in
-the trainer's process instead.
+An environment is user code in ~20 lines (the README's Agents section has two); it never sees tokens, servers or
+DeepSpeed. `step` gets each of the model's turns as text and returns the next observation (a string, or chat messages
+such as tool results and user turns), tool calls for dsrl to run, or the end of the episode with a reward. dsrl
+renders the observation into tokens, once, and owns the token state, masks, versions, limits and deadlines around it.
+An episode's environment lives in one worker process (`--agent.env_workers`) from its first turn to its last; one
+that is cheap and trusted may say `in_process = True` and run in the trainer's process instead.
 
 Tools are plain functions, made tools by `@dsrl.tool` (their JSON schema comes from the type hints and
 the docstring). `ToolEnv` is the built-in tool-calling environment: it reads Hermes/Qwen

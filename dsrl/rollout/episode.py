@@ -158,7 +158,8 @@ class EpisodeRunner:
             return
         self.agent, self.tokenizer = cfg.agent, tokenizer
         self.env_spec, self.env_args = function_spec(cfg.rollout.env), dict(cfg.rollout.env_args)
-        self.tools = {schema["function"]["name"]: function_spec(fn) for fn, schema in env_tools(self.env_cls)}
+        tools = zip(getattr(self.env_cls, "tools", None) or [], self.tool_schemas or [])
+        self.tools = {schema["function"]["name"]: function_spec(fn) for fn, schema in tools}
         self.renderer = Renderer(tokenizer, self.tool_schemas, cfg.data.apply_chat_template)
         check_rendering(self.renderer)
         g = self.agent
@@ -369,16 +370,9 @@ def observation_messages(observation, templated: bool) -> list[dict]:
     return [dict(m) for m in observation]
 
 
-def env_tools(env_cls) -> list[tuple]:
-    """(function, JSON schema) of each tool an environment class offers."""
-    return [(fn, tool_schema(fn)) for fn in getattr(env_cls, "tools", []) or []]
-
-
 def tool_schemas(env_cls) -> list[dict] | None:
-    """The tools an environment class offers, as the chat template's `tools` (None: it offers none)."""
-    if env_cls is None:
-        return None
-    return [schema for _, schema in env_tools(env_cls)] or None
+    """The tools an environment class offers, as the chat template's `tools` (None: it offers none, or no class)."""
+    return [tool_schema(fn) for fn in getattr(env_cls, "tools", None) or []] or None
 
 
 def episode_metrics(samples: list[Sample]) -> dict[str, float]:

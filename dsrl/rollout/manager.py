@@ -296,14 +296,18 @@ class RolloutManager(Rollouts):
             if self.paused:  # resubmitted by _after_update, under the new weights
                 self.interrupted.append((group, slot, resume))
             else:  # aborted between updates (its server left the fleet): sent again now
-                self.stats.resumed += resume is not None
-                self.stats.restarted += resume is None
-                self._spawn(self._run_sample(group, slot, resume))
+                self._resubmit(group, slot, resume)
             return
         group.samples[slot] = episode.sample
         group.pending -= 1
         if group.pending == 0:
             await self._group_done(group)
+
+    def _resubmit(self, group: Group, slot: int, partial: Episode | None) -> None:
+        """An interrupted sample sent again: from its tokens so far (`partial`), or from its prompt."""
+        self.stats.resumed += partial is not None
+        self.stats.restarted += partial is None
+        self._spawn(self._run_sample(group, slot, partial))
 
     def _request_started(self) -> None:
         if self.in_flight == 0 and self.idle_since is not None:
@@ -383,9 +387,7 @@ class RolloutManager(Rollouts):
         self.doomed = set()
         for group, slot, partial in interrupted:
             if group.gid not in restart:
-                self.stats.resumed += partial is not None
-                self.stats.restarted += partial is None
-                self._spawn(self._run_sample(group, slot, partial))
+                self._resubmit(group, slot, partial)
         for group in restart.values():  # too stale to train on: every sample from scratch
             self.stats.restarted += self.n_samples
             group.samples, group.pending, group.version = [None] * self.n_samples, self.n_samples, version

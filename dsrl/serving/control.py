@@ -105,9 +105,9 @@ def call(run_dir: str, method: str, path: str, body: dict | None = None) -> dict
     if not info.is_file():
         raise SystemExit(f"dsrl fleet: no {info}: is a run live in {run_dir} (its --logging.run_dir)?")
     url = json.loads(info.read_text())["control"] + path
-    headers = {"Content-Type": "application/json"}
-    key = run_api_key(Path(run_dir))
-    if key:
+    headers, config = {"Content-Type": "application/json"}, Path(run_dir) / "config.yaml"
+    key = (yaml.safe_load(config.read_text()) or {}).get("rollout", {}).get("api_key") if config.is_file() else None
+    if key:  # (the run's --rollout.api_key)
         headers["Authorization"] = f"Bearer {key}"
     data = json.dumps(body).encode() if body is not None else None
     try:
@@ -117,11 +117,6 @@ def call(run_dir: str, method: str, path: str, body: dict | None = None) -> dict
         raise SystemExit(f"dsrl fleet: {json.loads(e.read()).get('error', e)}") from None
     except OSError as e:
         raise SystemExit(f"dsrl fleet: {url} does not answer ({e}); has the run ended?") from None
-
-
-def run_api_key(run_dir: Path) -> str | None:
-    config = run_dir / "config.yaml"
-    return (yaml.safe_load(config.read_text()) or {}).get("rollout", {}).get("api_key") if config.is_file() else None
 
 
 def wait_applied(run_dir: str, request_id: str, timeout_s: float) -> str:

@@ -29,7 +29,7 @@ from dsrl.config import SyncConfig
 from dsrl.metrics import Timer
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import free_port, routable_address
-from dsrl.serving.shard_loader import LOADER, checksum, encode_header
+from dsrl.serving.shard_loader import LOADER, checksum, encode_header, spans
 from dsrl.sync.base import SERVER_ERRORS, SyncError
 from dsrl.sync.broadcast import BroadcastTransport
 from dsrl.zero.buckets import full_shape, local, plan_buckets
@@ -44,8 +44,9 @@ class ShardTransport(BroadcastTransport):
         """Every rank's group, in rank order; groups formed and passes sent (unique names and store keys)."""
         self.tp, self.offsets, self.mismatch = 1, [], ""
         """(rank 0) a server's most TP ranks, each server's first rank in the groups, the last checksum failures."""
-        self.plan: tuple | None = None
-        """(bucket_bytes, each bucket's (param, its words here), its header's tensors, its first word in `snapshot`)."""
+        self.bucket_bytes: int | None = None
+        self.words, self.headers, self.starts = [], [], [0]
+        """The plan of bucket_bytes: each bucket's (param, its words here), header tensors, first word in `snapshot`."""
         self.snapshot, self.sums = None, {}
         """(--sync.delta) this rank's words as last sent, on the host, and each bucket's checksum of them."""
         self.full_version: int | None = None
@@ -137,33 +138,31 @@ class ShardTransport(BroadcastTransport):
     def _plan(self, module: torch.nn.Module) -> None:
         """The buckets, each parameter's part on this rank (ZeRO-3: [rank x part, (rank + 1) x part) of its elements),
         and the snapshot's layout; again when bucket_bytes changed."""
-        if self.plan is not None and self.plan[0] == self.cfg.bucket_bytes:
+        if self.bucket_bytes == self.cfg.bucket_bytes:
             return
         named, rank = list(module.named_parameters()), dist.get_rank()
         odd = [name for name, p in named if p.element_size() % 2]
         if odd:
             raise ValueError(f"--sync.senders all sends 2-byte words: {odd[0]} is {module.get_parameter(odd[0]).dtype}")
-        params, headers, starts = [], [], [0]
+        self.words, self.headers, self.starts = [], [], [0]
         for bucket in plan_buckets(named, self.cfg.bucket_bytes):
-            parts = []
-            for name, p in (named[i] for i in bucket):
-                numel = full_shape(p).numel()
-                part = local(p).numel() if hasattr(p, "ds_tensor") else numel
-                parts.append((name, p, part, max(0, min(part, numel - rank * part))))
-            params.append([(p, n) for _, p, _, n in parts])
-            headers.append([[name, str(p.dtype).removeprefix("torch."), list(full_shape(p)), part]
-                            for name, p, part, _ in parts])  # fmt: skip
-            starts.append(starts[-1] + sum(n * p.element_size() // 2 for _, p, _, n in parts))
-            if self.cfg.delta and starts[-1] - starts[-2] >= 1 << 31:  # (positions are int32)
+            params = [named[i] for i in bucket]
+            header = [[name, str(p.dtype).removeprefix("torch."), list(full_shape(p)),
+                       (local(p) if hasattr(p, "ds_tensor") else p).numel()] for name, p in params]  # fmt: skip
+            words = [n for _, n in spans(header, rank)]  # (as the servers read the same header)
+            self.words.append([(p, n) for (_, p), n in zip(params, words)])
+            self.headers.append(header)
+            self.starts.append(self.starts[-1] + sum(words))
+            if self.cfg.delta and sum(words) >= 1 << 31:  # (positions are int32)
                 raise ValueError(f"--sync.bucket_bytes {self.cfg.bucket_bytes}: too large for --sync.delta")
-        self.plan, self.full_version = (self.cfg.bucket_bytes, params, headers, starts), None
+        self.bucket_bytes, self.full_version = self.cfg.bucket_bytes, None
         if self.cfg.delta:
-            self.snapshot = torch.empty(starts[-1], dtype=torch.int16, pin_memory=torch.cuda.is_available())
+            self.snapshot = torch.empty(self.starts[-1], dtype=torch.int16, pin_memory=torch.cuda.is_available())
 
     def _encode(self, i: int, full: bool) -> tuple[list[torch.Tensor], int, int]:
         """This rank's tensors to broadcast for bucket i, the words changed and the words it holds."""
-        own = [local(p)[:n].view(torch.int16) for p, n in self.plan[1][i]]
-        before = self.snapshot[self.plan[3][i] : self.plan[3][i + 1]] if self.cfg.delta else None
+        own = [local(p).view(torch.int16)[:n] for p, n in self.words[i]]
+        before = self.snapshot[self.starts[i] : self.starts[i + 1]] if self.cfg.delta else None
         if full:
             now = own[0] if len(own) == 1 else torch.cat(own)
             if before is not None:
@@ -193,7 +192,7 @@ class ShardTransport(BroadcastTransport):
         """Every bucket once, in full or as a delta. Returns [failed ranks, mismatched buckets, bytes, changed words,
         words], summed over the ranks (on every rank); raises on every rank when one failed."""
         self.passes += 1
-        key, n = f"dsrl_shards_gave_up_{self.passes}", len(self.plan[1])
+        key, n = f"dsrl_shards_gave_up_{self.passes}", len(self.words)
         failure, replies, works, totals = None, [], [], [0, 0, 0, 0, 0]  # (failed, mismatched, bytes, changed, words)
         for i in range(n):
             try:
@@ -241,8 +240,8 @@ class ShardTransport(BroadcastTransport):
         return totals
 
     def _body(self, i: int, full: bool, version: int, flush_cache: bool) -> dict:
-        last = i + 1 == len(self.plan[1])
-        header = {"groups": self.names, "tensors": self.plan[2][i], "delta": not full, "first": i == 0,
+        last = i + 1 == len(self.words)
+        header = {"groups": self.names, "tensors": self.headers[i], "delta": not full, "first": i == 0,
                   "report": not full and last, "keep": self.cfg.delta, "timeout_s": self.cfg.timeout_s}  # fmt: skip
         return {"serialized_named_tensors": [encode_header(header)] * self.tp, "load_format": LOADER,
                 "flush_cache": flush_cache and last, "weight_version": str(version) if last else None}  # fmt: skip
@@ -253,7 +252,7 @@ class ShardTransport(BroadcastTransport):
         counts = [torch.zeros_like(zero) for _ in range(self.group.size())]
         work = dist.all_gather(counts, zero, group=self.group, async_op=True)
         self._until(work.is_completed, replies, key, "the servers' checksums")
-        counts, n = [int(c) for c in counts], len(self.plan[1])
+        counts, n = [int(c) for c in counts], len(self.words)
         self.mismatch = ", ".join(
             f"{counts[o]} of {n} buckets on {url}" for url, o in zip(self.members, self.offsets) if counts[o]
         )

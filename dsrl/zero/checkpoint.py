@@ -130,23 +130,13 @@ def warn_disk_room(cfg: Config, model_dir: str) -> None:
         "the run directory's disk (%s) has %.1f GB free, and this run writes about %.1f GB there: %d checkpoint(s) of "
         "%.1f GB on it at once (logging.save_every, logging.keep_last) and the final export, %.1f GB "
         "(logging.export_hf). A full disk stops the run at that write: free space, or set logging.run_dir on a "
-        "larger disk",
-        logs.run_dir,
-        free / 1e9,
-        need / 1e9,
-        at_once,
-        checkpoint / 1e9,
-        export / 1e9,
-    )
+        "larger disk", logs.run_dir, free / 1e9, need / 1e9, at_once, checkpoint / 1e9, export / 1e9,
+    )  # fmt: skip
 
 
 def checkpoints(root: Path) -> list[Path]:
     """The published checkpoints under `root`, newest first."""
     return sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: -int(p.name.split("_")[1]))
-
-
-def _files(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
 def _sha256(path: Path) -> str:
@@ -160,7 +150,9 @@ def _sha256(path: Path) -> str:
 def write_manifest(tmp: Path) -> None:
     """Every file's size and SHA-256, written last (the ranks hash a share of the files each)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    box = [_files(tmp) if rank == 0 else None]
+    box = [None]
+    if rank == 0:
+        box = [sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file() and p.name != MANIFEST)]
     dist.broadcast_object_list(box, src=0)
     mine = {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in box[0][rank::world]}
     shares = [None] * world
@@ -262,7 +254,8 @@ class ShardWriter:
     """A Hugging Face model directory written shard by shard (safetensors, `shard_bytes` each, with an
     index), so no process holds the whole model: tensors are added as they are gathered or read. It
     is built in a staging directory beside `out` and published when complete: `out` may be new, empty
-    or a previous dsrl export (with `overwrite`), never anything else (`rundir.check_export_target`)."""
+    or a previous dsrl export (with `overwrite`), never anything else (`rundir.check_export_target`).
+    As a context, an export that fails deletes its staging directory (it is this writer's own)."""
 
     def __init__(self, out: Path, shard_bytes: int = 2 << 30, overwrite: bool = False, source: str = ""):
         check_export_target(out, overwrite)  # before any work: refused at once, not after the gather
@@ -308,9 +301,12 @@ class ShardWriter:
         AutoTokenizer.from_pretrained(model_dir).save_pretrained(self.tmp)
         publish_export(self.tmp, self.out, self.source, self.overwrite)
 
-    def abandon(self) -> None:
-        """Delete the staging directory of an export that failed (it is this writer's own)."""
-        shutil.rmtree(self.tmp, ignore_errors=True)
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, failed, *_) -> None:
+        if failed is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def export_hf(module, tokenizer_dir: str, out_dir: Path, bucket_bytes: int) -> None:
@@ -320,17 +316,12 @@ def export_hf(module, tokenizer_dir: str, out_dir: Path, bucket_bytes: int) -> N
     size = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in module.parameters())
     check_room(out_dir.parent, size if dist.get_rank() == 0 else 0, "the export")  # rank 0 writes it all
     writer = ShardWriter(out_dir, overwrite=True, source="the run's final weights") if dist.get_rank() == 0 else None
-    try:
-        with report_writes(writer and writer.tmp, f"export to {out_dir}", out_dir):
-            for bucket in gathered_buckets(module, bucket_bytes):
-                for name, tensor in bucket if writer is not None else []:
-                    writer.add(name, tensor)
-            if writer is not None:
-                writer.close(tokenizer_dir, module.config)
-    except BaseException:
+    with writer or contextlib.nullcontext(), report_writes(writer and writer.tmp, f"export to {out_dir}", out_dir):
+        for bucket in gathered_buckets(module, bucket_bytes):
+            for name, tensor in bucket if writer is not None else []:
+                writer.add(name, tensor)
         if writer is not None:
-            writer.abandon()
-        raise
+            writer.close(tokenizer_dir, module.config)
     dist.barrier()
 
 
@@ -345,22 +336,17 @@ def export_checkpoint(
     config = AutoConfig.from_pretrained(model_dir)
     dtype = getattr(config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    writer = ShardWriter(out, shard_bytes, overwrite, source=str(checkpoint))
-    try:
+    with ShardWriter(out, shard_bytes, overwrite, source=str(checkpoint)) as writer:
         state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name, lazy_mode=True)
         lora = checkpoint / "adapter_config.json"
-        tensors = (
-            merged_adapters(state, json.loads(lora.read_text()), writer.tmp / "adapter")
-            if lora.is_file()
-            else state.items()
-        )
+        if lora.is_file():
+            tensors = merged_adapters(state, json.loads(lora.read_text()), writer.tmp / "adapter")
+        else:
+            tensors = state.items()
         with report_writes(writer.tmp, f"export of {checkpoint} to {out}", out):
             for name, tensor in split_experts((name, tensor.contiguous()) for name, tensor in tensors):
                 writer.add(name, tensor.to(dtype))
             writer.close(model_dir, config)
-    except BaseException:
-        writer.abandon()
-        raise
 
 
 def merged_adapters(state, adapter: dict, adapter_dir: Path):

@@ -17,7 +17,6 @@ from merge to unmerge.
 import contextlib
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import deepspeed
@@ -95,19 +94,11 @@ def reference_off(module: torch.nn.Module):
     return module.disable_adapter() if is_lora(module) else contextlib.nullcontext()
 
 
-@dataclass
-class Delta:
-    """The adapter of one base weight: W + scale * B @ A."""
-
-    a: torch.nn.Parameter
-    b: torch.nn.Parameter
-    scale: float
-
-
 class ServedWeights:
     """The weights as the servers name and hold them: for a full model its parameters; for a LoRA model
     the base model's parameters under their base names ("...q_proj.weight", not "...q_proj.base_layer.weight"),
-    each with its adapter's `Delta` to merge in, or (`merge=False`: the adapter is served on its own) none."""
+    each with its adapter to merge in, `deltas[name]` = (A, B, scale) for W + scale * B @ A, or (`merge=False`: the
+    adapter is served on its own) none."""
 
     def __init__(self, module: torch.nn.Module, merge: bool = True):
         if not is_lora(module):
@@ -122,28 +113,24 @@ class ServedWeights:
                 self.named.append((name.replace(".base_layer.", "."), param))
         for prefix, layer in base.named_modules():
             if merge and isinstance(layer, LoraLayer) and ADAPTER in layer.lora_A:
-                self.deltas[f"{prefix}.weight"] = Delta(
-                    layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight, layer.scaling[ADAPTER]
-                )
+                a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
+                self.deltas[f"{prefix}.weight"] = (a, b, layer.scaling[ADAPTER])
 
     def adapters(self) -> list[torch.nn.Parameter]:
-        return [p for d in self.deltas.values() for p in (d.a, d.b)]
+        return [p for a, b, _ in self.deltas.values() for p in (a, b)]
 
-    @contextlib.contextmanager
     def gathered_adapters(self):
         """Every rank holds the full adapters (small: a collective, every rank joins) while inside; nothing
         to gather for a full model."""
         if not self.deltas:
-            yield
-            return
-        with deepspeed.zero.GatheredParameters(self.adapters(), modifier_rank=None):
-            yield
+            return contextlib.nullcontext()
+        return deepspeed.zero.GatheredParameters(self.adapters(), modifier_rank=None)
 
     def merge_into(self, name: str, weight: torch.Tensor) -> None:
         """Add `name`'s adapter to its full base `weight` in place (inside `gathered_adapters`)."""
-        d = self.deltas.get(name)
-        if d is not None:
-            weight.copy_(merged(weight, d.a.data, d.b.data, d.scale))
+        if name in self.deltas:
+            a, b, scale = self.deltas[name]
+            weight.copy_(merged(weight, a.data, b.data, scale))
 
 
 def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
