@@ -17,6 +17,7 @@ from dsrl.data import PromptDataset, Sample
 from dsrl.rewards.rewarder import Rewarder
 from dsrl.rollout.episode import Episode
 from dsrl.rollout.manager import Group, PromptStream, RolloutManager
+from dsrl.rollout.rollouts import sampling_params
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.fleet import start_fleet
 from dsrl.tasks import toy
@@ -201,7 +202,7 @@ def test_a_partial_sample_aborted_at_its_last_token_finishes_without_a_request(s
     prompt = stream.next()
     group = Group(0, prompt, [None], 1, 0)
     full = Sample(prompt, [7, 7, 7, 7], [-0.5] * 4, "", 0, spans=[(0, 0), (2, 1)])
-    episode = Episode(full, {**manager.params, **prompt.sampling}, turn_tokens=4)
+    episode = Episode(full, {**sampling_params(manager.cfg.rollout), **prompt.sampling}, turn_tokens=4)
     manager.generating[group.gid] = group
 
     async def resume():
