@@ -179,8 +179,9 @@ class RolloutConfig:
     every server down (a lone server died), a request waits for a replacement (or an external server to answer
     again) this long, each try of a start counted on its own."""
     max_restarts: int = 3
-    """Tries in a row to start a dead server's replacement before it is given up; with no server left then, the run
-    stops, naming the server and the end of its log, with a checkpoint of the last step it trained."""
+    """Tries in a row to start a dead server's replacement before it is given up, and recoveries from every server
+    down within one step (a crash loop: each replacement dies serving); then the run stops, naming the server and the
+    end of its log, with a checkpoint of the last step it trained."""
     server_args: dict[str, Any] = field(default_factory=dict)
     """Extra launch arguments for started servers, by field or flag name, e.g. {attention_backend: triton,
     fp8_gemm_backend: deep_gemm}; true adds a bare flag."""

@@ -315,9 +315,14 @@ def served(run: Run, work: Callable[[], T], version: int) -> T:
 
     # A daemon: a run that ends while it waits (no server could come back) does not wait for it at exit
     threading.Thread(target=target, daemon=True, name="rollout-wait").start()
-    while not all_ranks(not run.client.wait_or_starve(pending)):
-        run.weights.recover(version)
-    return pending.result()
+    for recovered in range(run.cfg.rollout.max_restarts + 1):
+        if all_ranks(not run.client.wait_or_starve(pending)):
+            return pending.result()
+        if recovered < run.cfg.rollout.max_restarts:
+            run.weights.recover(version)
+    # Each replacement started and then died too: what is in flight kills them (a crash loop, not bad luck)
+    raise ServersLost(f"no rollout server left: every one died {recovered + 1} times in a row while serving step "
+                      f"{version}'s requests; {run.run_dir / 'logs'} has their logs")  # fmt: skip
 
 
 def log_step(run: Run, step: int, batch: Batch, local: dict, rank0: dict) -> dict[str, float]:
