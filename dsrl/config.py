@@ -252,7 +252,7 @@ class TrainerConfig:
     """The old policy's logprobs (PPO's ratio, decoupled PPO's proximal policy). auto: where the batch gets one
     optimizer step (updates_per_step 1, ppo_epochs 1, no kl_in_reward), the update's own forward pass gives them,
     detached (the ratio is 1, the gradient the same), and the pass over the batch before the update is saved (11-15%
-    of a step at 1.5B and 3B: docs/benchmarks.md); recompute: always that pass. (Either way, policy_loss bypass_mode
+    of a step at 1.5B and 3B: docs/history.md); recompute: always that pass. (Either way, policy_loss bypass_mode
     takes the engine's, and advantage optimal_token_baseline has the pass.)"""
     lr: float = 1e-6
     """Peak learning rate."""
@@ -314,7 +314,7 @@ class SyncConfig:
     """Largest mean |logprob difference| a probe accepts; default 0.05 (bf16 kernels differ by ~1e-2; a random-init
     7B on an H200 reads 0.050, and 0.055 with --model.liger_kernel, whose kernels are not SGLang's: raise it there),
     and 0.3 with --rollout.precision fp8, which allows FP8's rounding (the CPU toy, its FP8 emulated, read at most
-    0.083 and 0.105 over two 200-step runs, growing as it trained; the GPU's: docs/benchmarks.md, "FP8 rollout")."""
+    0.083 and 0.105 over two 200-step runs, growing as it trained; the GPU's: docs/benchmarks/fp8.md)."""
     timeout_s: float = 300.0
     """Seconds a weight-update group set-up or one bucket's transfer may take; one that does not fail by then is
     tried again after the fleet is healed. A wait stuck past it in NCCL ends the run, every process of it, with a

@@ -1,4 +1,4 @@
-"""The README's "Several machines" commands, run as written on a cluster of four nodes on one box (tests/cluster.py):
+"""The commands of docs/several-machines.md, run as written on a cluster of four nodes on one box (tests/cluster.py):
 node1 and node2 are the trainer nodes (one rank each), node3 and node4 the rollout nodes (Ray's head and a raylet).
 
 One run carries the story, and the tests below read what it left: `dsrl fleet add` and `remove` from the rollout
@@ -27,49 +27,47 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 STEPS, SAVE = 60, 5
 ADD_AT, REMOVE_AT, NODE_LOST_AT = 2, 4, 6
 ROLES = {"10.0.0.1": 2, "10.0.0.2": 3, "10.0.0.3": 0, "10.0.0.4": 1}
-"""The README's addresses, and the cluster's node (by index) each stands for: rollout nodes A and B are node3 and
+"""The page's addresses, and the cluster's node (by index) each stands for: rollout nodes A and B are node3 and
 node4, trainer nodes C and D node1 and node2."""
 SCALE = {"slots=8": "slots=1", "--trainer.num_ranks 8": "--trainer.num_ranks 1",
          "--rollout.num_servers 16": "--rollout.num_servers 2"}  # fmt: skip
-"""The README's 8 GPUs a node, on a cluster of one rank and one server a node."""
+"""The page's 8 GPUs a node, on a cluster of one rank and one server a node."""
 
 
-def readme_blocks() -> list[str]:
-    """The bash blocks of the README's "Several machines", continuation lines joined."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("\n## Several machines\n") :]
-    section = section[: section.index("\n## ", 1)]
-    return [re.sub(r"\\\n\s*", " ", block) for block in re.findall(r"```bash\n(.*?)```", section, re.S)]
+def page_blocks() -> list[str]:
+    """The bash blocks of docs/several-machines.md, continuation lines joined."""
+    text = (ROOT / "docs/several-machines.md").read_text()
+    return [re.sub(r"\\\n\s*", " ", block) for block in re.findall(r"```bash\n(.*?)```", text, re.S)]
 
 
 def on_cluster(command: str, cluster: Cluster) -> str:
-    """A README line with the cluster's addresses and sizes."""
+    """A line of the page with the cluster's addresses and sizes."""
     for old, new in SCALE.items():
         command = command.replace(old, new)
     return re.sub(r"10\.0\.0\.\d", lambda m: cluster.nodes[ROLES[m[0]]].address, command)
 
 
-def launch_lines_of_readme() -> list[tuple[int, str]]:
-    """The README's first block: (the node that runs it, the command as written), in order."""
+def launch_lines_of_page() -> list[tuple[int, str]]:
+    """The page's first block: (the node that runs it, the command as written), in order."""
     lines = []
-    for line in readme_blocks()[0].splitlines():
+    for line in page_blocks()[0].splitlines():
         if m := re.fullmatch(r"(.*?)\s+# on \w+ node \w \((10\.0\.0\.\d)\)", line.strip()):
             lines.append((ROLES[m[2]], m[1]))
     return lines
 
 
 def launch_lines(cluster: Cluster) -> list[tuple[int, str]]:
-    return [(node, on_cluster(cmd, cluster)) for node, cmd in launch_lines_of_readme()]
+    return [(node, on_cluster(cmd, cluster)) for node, cmd in launch_lines_of_page()]
 
 
 def fleet_line(action: str, cluster: Cluster) -> str:
-    """The README's `dsrl fleet <action>` line (the first, for add: a count)."""
-    lines = [line.split("#")[0].strip() for line in readme_blocks()[1].splitlines()]
+    """The page's `dsrl fleet <action>` line (the first, for add: a count)."""
+    lines = [line.split("#")[0].strip() for line in page_blocks()[1].splitlines()]
     return on_cluster(next(line for line in lines if line.split()[:3] == ["dsrl", "fleet", action]), cluster)
 
 
 def run_yaml(run_dir: str, **overrides) -> str:
-    """configs/toy_cpu_async.yaml as the README's run.yaml: the toy task, async k = 2 with partial rollout."""
+    """configs/toy_cpu_async.yaml as the page's run.yaml: the toy task, async k = 2 with partial rollout."""
     cfg = yaml.safe_load((ROOT / "configs/toy_cpu_async.yaml").read_text())
     cfg["model"]["path"] = str(ROOT / cfg["model"]["path"])
     cfg["data"]["train_path"] = str(ROOT / cfg["data"]["train_path"])
@@ -148,7 +146,7 @@ def processes(cluster: Cluster, node: int, name: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def story(cluster):
-    """The README's run, its fleet changed, a rollout node lost and back, a trainer node lost, and resumed."""
+    """The page's run, its fleet changed, a rollout node lost and back, a trainer node lost, and resumed."""
     (cluster.dir / "shared" / "run.yaml").write_text(run_yaml("runs/my_run"))
     lines = launch_lines(cluster)
     head, *raylets = [(node, cmd) for node, cmd in lines if cmd.startswith("ray start")]
@@ -201,7 +199,7 @@ def story(cluster):
     return cluster.dir / "shared" / "runs" / "my_run", events
 
 
-def test_the_readme_commands_run_as_written(story):
+def test_the_documented_commands_run_as_written(story):
     _, events = story
     assert events["train"].startswith("dsrl train --config run.yaml --trainer.hostfile hostfile")
     assert "198.18.0.3:6379" in events["train"], events["train"]
@@ -259,7 +257,7 @@ COLOCATED = (
 
 @pytest.fixture(scope="module")
 def colocated(cluster, story):
-    """The README's command colocated: the trainer nodes' servers started by their own nodes (after the story)."""
+    """The page's command colocated: the trainer nodes' servers started by their own nodes (after the story)."""
     train = re.sub(r"--rollout\.placement .* --rollout\.placement_strategy \S+", COLOCATED, story[1]["train"])
     run = Run(cluster, 0, f"exec {train} --trainer.total_steps 6 --logging.save_every 0", total=6)
     try:
@@ -329,7 +327,7 @@ def test_a_partition_longer_than_the_sync_timeout_is_one_line_naming_the_server_
     assert [r["step"] for r in trace(cluster.dir / "shared" / "part")] == list(range(20))
 
 
-def test_the_slurm_recipe_runs_the_readme_run_across_a_jobs_nodes(tmp_path):
+def test_the_slurm_recipe_runs_the_documented_run_across_a_jobs_nodes(tmp_path):
     """tools/slurm/dsrl.sbatch, submitted to Debian's Slurm on the cluster (where Slurm is installed: .ci/run does not
     install it, for time): Ray on the job's last two nodes, `dsrl train` from the first over both trainer nodes."""
     if why := missing() or (None if shutil.which("slurmctld") else "Slurm is not installed (apt-get install slurmd "

@@ -143,7 +143,7 @@ def test_the_new_losses_and_estimators_knobs_are_checked():
 
 def test_sync_buckets_are_1_gib_on_gpus_and_256_mib_on_cpu_unless_given():
     """On GPUs each bucket costs SGLang a request and a load: a 7B NCCL sync took 80 ms in 1 GiB buckets, 244 ms
-    in 256 MiB (docs/benchmarks.md, "Four GPUs")."""
+    in 256 MiB (docs/benchmarks/several-gpus.md)."""
     parser = build_parser()
 
     def buckets(*argv: str) -> int:
@@ -239,7 +239,8 @@ def test_launcher_keeps_the_trainer_on_the_visible_gpus():
 
 def test_cpu_ranks_run_avx2_kernels_on_an_x86_cpu_with_avx512_too():
     """The toy run's numbers are the same on AVX-512 and AVX2 machines only while torch and MKL run their AVX2 kernels
-    on both (README): the pins `dsrl train` gives its ranks, torch's honoured; a user's own choice stays."""
+    on both (docs/getting-started.md): the pins `dsrl train` gives its ranks, torch's honoured; a user's own choice
+    stays."""
     import os
     import subprocess
     import sys

@@ -199,7 +199,7 @@ def fp8_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_an_fp8_run_syncs_fp8_weights_and_passes_its_probe(fp8_run):
-    """A few steps of the toy (learning over 200: docs/benchmarks.md, "FP8 rollout")."""
+    """A few steps of the toy (learning over 200: docs/benchmarks/fp8.md)."""
     run_dir, metrics, log = fp8_run
     model = AutoModelForCausalLM.from_config(build_model_config())
     weights = [p.detach() for n, p in model.named_parameters() if linear(n)]

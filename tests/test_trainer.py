@@ -303,7 +303,7 @@ def test_gradient_checkpointing_auto_turns_on_for_an_update_whose_micro_batch_wo
     for tokens, peak in [(12288, 99.7e9), (16384, 115.5e9)]:  # liger-kernel's layers keep less
         assert 3.09e9 * 16 + memory.activation_bytes(config, tokens, False, liger=True) == pytest.approx(peak, rel=0.03)
     # A mixture of experts keeps a copy of each token for every expert it routes to: the 4-layer Qwen3-30B-A3B shape
-    # peaked at 71.7 GB (states 49.8 GB) at 16,384 tokens on one H200 (docs/benchmarks.md, "Mixture of experts")
+    # peaked at 71.7 GB (states 49.8 GB) at 16,384 tokens on one H200 (docs/benchmarks/moe.md)
     shape = {"hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128}
     moe = Qwen3MoeConfig(**shape, num_experts_per_tok=8, num_hidden_layers=4, vocab_size=151936)
     assert 49.8e9 + memory.activation_bytes(moe, 16384, False) == pytest.approx(71.7e9, rel=0.05)

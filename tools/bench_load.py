@@ -2,7 +2,7 @@
 same bytes, and 128 experts a layer against 8 at 48 layers (per-tensor cost), twice each in turn. Issue 63: the
 Qwen3-30B-A3B shape loaded in 305 s on 2 H200 ranks; the dense 32B took 12 s on 4 (another day's host).
 
-    python tools/bench_load.py    # "<model>: load N s" a run (docs/benchmarks.md, "Mixture of experts")
+    python tools/bench_load.py    # "<model>: load N s" a run (docs/benchmarks/moe.md)
 """
 
 import argparse

@@ -7,7 +7,7 @@
 #   source .gpu/setup.sh; MODELS=0.5b bash tools/gpu_run.sh setup kill9               # 1 GPU (kill -9 of dsrl train)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup disaggregate bench_nccl        # 2 GPUs
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup ray_colocate                   # 1 GPU, Ray importable
-#   source .gpu/setup.sh; bash tools/gpu_run.sh readme custom_rollout                # 1 GPU (README "On GPUs")
+#   source .gpu/setup.sh; bash tools/gpu_run.sh readme custom_rollout                # 1 GPU (docs/gpus.md)
 #   source .gpu/setup.sh; MODELS=3b bash tools/gpu_run.sh setup step                  # 1 GPU (64x8x512 step)
 #   source .gpu/setup.sh; MODELS=1.5b bash tools/gpu_run.sh setup ppo                 # 1 GPU (PPO, critic)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup ray_fleet routes               # 2 GPUs, Ray importable
@@ -20,9 +20,9 @@
 #                         throughput vs dsrl's client, per attention backend: TP_BACKENDS; ~300 s a backend cold)
 #   source .gpu/setup.sh; MODELS=1.5b bash tools/gpu_run.sh setup peers              # 1 GPU (verl beside dsrl:
 #                                                         tools/peers/; .peers/verl_site.tar.xz carried, see build_site.sh)
-#     (LoRA against full fine-tuning at 3B and 7B, LoRA PPO before/after: the calls in docs/benchmarks.md, "LoRA against full")
+#     (LoRA against full fine-tuning at 3B and 7B, LoRA PPO before/after: the calls in docs/benchmarks/lora.md, "LoRA against full")
 #   Longer than one call (verl's toy run to 100 steps, two seeds: ~1,400 s): tools/gpu_detach.sh runs the stages
-#   detached on the held machine and brings back their output call by call (docs/benchmarks.md, "Beside verl").
+#   detached on the held machine and brings back their output call by call (docs/benchmarks/verl.md).
 #   source .gpu/setup.sh; MODELS="1.5b 1.5b-rm" bash tools/gpu_run.sh setup rm       # 1 GPU (reward model, 3 tenants)
 #   source .gpu/setup.sh; bash tools/gpu_run.sh setup split_hang placements           # 4 GPUs: every placement, one
 #                         line each (issue 52; PLACEMENTS="dis2x2 off2x2|colo4" picks them, in waves; ray2x2 needs
@@ -201,7 +201,7 @@ for s in "$@"; do
       grep -a "Error" "$OUT/async.log" | tail -3 | tee -a "$SUMMARY"
       ;;
     ray_fleet)  # 2 GPUs: a Ray cluster that owns GPU 1 places the SGLang server; the trainer runs on GPU 0
-      # Ray must be importable (carry it as wheels: see README "On GPUs"); its workers inherit this shell's env.
+      # Ray must be importable (carry it as wheels: see docs/gpus.md); its workers inherit this shell's env.
       TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
       CUDA_VISIBLE_DEVICES=1 timeout 120 python3 -m ray.scripts.scripts start --head --num-gpus 1 --num-cpus 8 \
         --include-dashboard false --disable-usage-stats > "$OUT/ray_start.log" 2>&1 || note "ray start failed (ray_start.log)"
@@ -229,7 +229,7 @@ for s in "$@"; do
       [ ${#runs[@]} = 2 ] && [ -f ${runs[0]}/final_metrics.json ] && [ -f ${runs[1]}/final_metrics.json ] \
         && python3 tools/step_report.py ${runs[0]} --against ${runs[1]} 2>&1 | tail -1 | tee -a "$SUMMARY"
       ;;
-    readme)  # 1 GPU: README "On GPUs" as far as a machine with no internet goes: the machine's own environment
+    readme)  # 1 GPU: docs/gpus.md as far as a machine with no internet goes: the machine's own environment
       # (its torch) takes the place of the new venv, and the other wheels are in /tmp/site, pruned (--no-index
       # --no-deps: SGLang declares packages the site leaves out, e.g. anthropic). Then the
       # first GPU run, a mid-run checkpoint exported with `dsrl export`, scored with `dsrl eval` (SGLang), and
@@ -398,7 +398,7 @@ for s in "$@"; do
       fi
       if [ "${PEERS_VERL_PATCH:-0}" = 1 ]; then  # verl 0.9.1's separate_async with hybrid_engine=false dies in its
         # setup on `logger.info(..., flush=True)` (2026-11-28): drop that argument alone, for PEERS_EXTRA="--verl-overrides
-        # actor_rollout_ref.hybrid_engine=false" (its trainer's GPUs without replicas; docs/benchmarks.md)
+        # actor_rollout_ref.hybrid_engine=false" (its trainer's GPUs without replicas; docs/benchmarks/verl.md)
         F=$VSITE/verl/trainer/ppo/v1/trainer_separate_async.py
         if grep -q '^ *flush=True,$' "$F"; then sed -i '/^ *flush=True,$/d' "$F" \
           && note "verl patched: trainer_separate_async.py without its logger.info(..., flush=True)"

@@ -11,7 +11,7 @@
 #       features the runs do not use and are imported lazily, as for the dsrl site. 54.5 MiB (370 MB unpacked): not
 #       beside the dsrl site (.gpu, ~53 MiB with its JIT cache) in one call (64 MiB a call in all), so it travels in
 #       a call of its own that unpacks it into /tmp/verlstack on the held machine; the runs come in later calls
-#       (tools/peers/peers.py's docstring, docs/benchmarks.md "Beside verl").
+#       (tools/peers/peers.py's docstring, docs/benchmarks/verl.md).
 #   DEST=.peers bash tools/peers/build_site.sh               # -> .peers/verl_site.tar.xz (~19 MiB): verl and what
 #       the dsrl site (../shared/gpu/build_site.sh: SGLang 0.5.17, transformers 5.12.1, the HTTP stack) lacks, layered
 #       over that site: how verl ran before issue 53, on dsrl's stack.

@@ -59,7 +59,7 @@ travel in one call, so on one held machine: call 1 carries `.peers` and unpacks 
 carries `.gpu`, sources its setup.sh (which unpacks /tmp/site) and starts the runs detached (tools/gpu_detach.sh);
 later calls carry nothing (ignored folders already on the machine stay) and `wait`. verl's runs get
 /tmp/verlstack alone on PYTHONPATH (with the repo and tools/peers): the dsrl site's SGLang 0.5.17 and
-transformers 5.12.1 stay off it. docs/benchmarks.md ("Beside verl") has the calls.
+transformers 5.12.1 stay off it. docs/benchmarks/verl.md has the calls.
 
 On an H200 (1.5B, 64 x 8 x 512), verl took ~200 s of start-up, ~65 s for its first step, ~24 s a step after it;
 dsrl ~130 s to its first step, ~14 s a step after it: give each run's --limits room for the steps asked.
@@ -319,7 +319,7 @@ def verl_settings(
     top; gradient checkpointing as `CHECKPOINTING_PARAMS` and `SMALL_GPU_GB` say, on GPUs of `gpu_gb` GB each.
     `overrides` (hydra's KEY=VALUE) replace or add
     settings last: actor_rollout_ref.model.use_fused_kernels=false is the path the first runs took (a Python loop
-    over every token's log-softmax; docs/benchmarks.md, "Beside verl")."""
+    over every token's log-softmax; docs/benchmarks/verl.md)."""
     toy, tail = w["new_tokens"] < 16, w.get("tail", False)
     offload = w.get("offload", False) and gpus == 1
     split = pair is not None and pair.split
@@ -406,7 +406,7 @@ def verl_settings(
               Setting("+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype", "fp32",
                       "the toy trains in fp32 on both sides")]  # fmt: skip
     if offload:  # the optimizer's states alone: with the parameters too (its docs' one-GPU 7B setting), its first
-        # weight sync ran a 128 GB host out of memory (docs/benchmarks.md, "Beside verl": 7B)
+        # weight sync ran a 128 GB host out of memory (docs/benchmarks/verl.md: 7B)
         s += [Setting("actor_rollout_ref.actor.fsdp_config.param_offload", False,
                       "its docs' one-GPU 7B setting offloads these too: that ran a 128 GB host out of memory"),
               Setting("actor_rollout_ref.actor.fsdp_config.optimizer_offload", True,
@@ -522,7 +522,7 @@ def dsrl_command(w: dict, model: Path, data: Path, run_dir: Path, steps: int, se
         half = gpus // 2
         args |= ({"--trainer.num_ranks": half, "--rollout.num_servers": gpus - half, "--rollout.first_gpu": half}
                  if split else {"--trainer.num_ranks": gpus, "--rollout.num_servers": gpus})  # fmt: skip
-    if offload:  # (the host's RAM holds 60% of 7B's Adam states beside the rest: docs/benchmarks.md)
+    if offload:  # (the host's RAM holds 60% of 7B's Adam states beside the rest: docs/history.md, ninth session)
         args |= {"--trainer.offload_optimizer": "true", "--trainer.offload_optimizer_ratio": 0.6,
                  "--rollout.max_staleness": 1, "--algorithm.off_policy": "tis"}  # fmt: skip
     if pair is not None:  # synchronous unless the pair says otherwise; the same prompts in each step as verl's

@@ -8,7 +8,7 @@ start-up costs are not a step's).
     python tools/peers/report.py OUT_DIR [DIR ...]  # the table of OUT_DIR/peers.json (and of each DIR's, merged:
                                                     # one call per framework), and its PNGs into OUT_DIR; a DIR
                                                     # may be a verl console log (verl_toy_s0.log, `log_run`)
-    python tools/peers/report.py /tmp/toy docs/peers_runs/toy   # the toy runs in docs/benchmarks.md, redrawn
+    python tools/peers/report.py /tmp/toy docs/peers_runs/toy   # the toy runs in docs/benchmarks/verl.md, redrawn
     python tools/peers/report.py /tmp/t A/auto01 B/auto2        # matched pairs from two machines: the runs, the pair
                                                                 # table (pair_table) and verl's settings
 """
@@ -60,8 +60,8 @@ WORKLOADS = {
 """The issue's workloads: the colocated step (every sample to 512 tokens, every reward 0 on a random-init model), the
 toy task of configs/toy_gpu.yaml, 7B full-parameter on one GPU with the optimizer's states on the host (`offload`:
 verl's FSDP optimizer offload with gradient checkpointing, its parameters kept on the GPU, since offloading them as
-well ran the host out of memory; dsrl's ZeRO-Offload of 60% of the states, one-step-off colocated with TIS, as
-docs/benchmarks.md's 7B rows ran; on several GPUs neither offloads), and the realistic one, `tail`: each row its own
+well ran the host out of memory; dsrl's ZeRO-Offload of 60% of the states, one-step-off colocated with TIS, as the
+7B rows of docs/history.md ran; on several GPUs neither offloads), and the realistic one, `tail`: each row its own
 `max_new_tokens` (peers.TAIL_CAPS, 64 to 1024, `ignore_eos`) and the `graded` reward (tools/peers/verl_reward.py),
 whose groups have a spread, so the gradients are not 0."""
 

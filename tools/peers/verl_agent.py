@@ -17,7 +17,7 @@ TRACE = "PEERS_AGENT_TRACE"
 """The environment variable naming a file each sample appends one JSON line to (set by peers.verl_env): its step,
 when its loop started and ended (time.time(): one clock for the host's processes), its request's seconds (verl's own
 `generate_sequences` timer: the balancer, the server's actor, SGLang), its cap and tokens. report.trace_steps places
-them inside verl's `gen` (docs/benchmarks.md, "Where verl's generate time goes")."""
+them inside verl's `gen` (docs/benchmarks/verl.md, "Where verl's generate time goes")."""
 
 
 def plain(value):
