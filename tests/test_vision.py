@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dsrl.config import DataConfig, RolloutConfig
 from dsrl.data import DatasetError, PromptDataset
 from dsrl.rollout.rollouts import generate
-from dsrl.serving.client import RolloutClient
+from dsrl.serving.client import RolloutClient, ServerError
 from dsrl.serving.fleet import start_fleet
 from dsrl.sync.base import SyncError
 from dsrl.sync.verify import probe_reference, probe_servers
@@ -137,6 +137,9 @@ def test_the_probe_checks_the_vision_tower(tmp_path):
     client = RolloutClient(fleet.urls, timeout_s=60)
     try:
         assert client.run(probe_servers(client, ids, reference, 1e-5, image=image)) < 1e-5
+        unexpanded = {"input_ids": image[0]["input_ids"], "sampling_params": {"max_new_tokens": 1}}  # (no image_data)
+        with pytest.raises(ServerError, match="HTTP 400: input_ids hold an image placeholder but the request has no"):
+            client.run(client.request(fleet.urls[0], "/generate", unexpanded))
         name = "model.visual.blocks.1.mlp.down_proj.weight"
         (tmp_path / "other").mkdir()
         other = {saved_names(model, [name])[name]: model.get_parameter(name).detach() * 1.5}

@@ -134,10 +134,11 @@ async def generate_one(client: RolloutClient, input_ids: list[int], sampling: di
 
 def request_of(prompt: Prompt, response_ids: list[int]) -> tuple[list[int], dict]:
     """The token ids of a request that continues `prompt` with `response_ids`, and its other fields: a vision-language
-    prompt's images (`image_data`) beside its ids with one placeholder per image, which the server expands."""
+    prompt's images (`image_data`) beside its ids with one placeholder per image, which the server expands. A resumed
+    request (a partial rollout, an episode's next turn) carries them too: a server keeps nothing between requests."""
     if prompt.images is None:
         return prompt.prompt_ids + response_ids, {}
-    return prompt.images.request(response_ids), ({"image_data": prompt.images.image_data()} if not response_ids else {})  # BUG
+    return prompt.images.request(response_ids), {"image_data": prompt.images.image_data()}
 
 
 def parse_generation(out: dict) -> Generation:

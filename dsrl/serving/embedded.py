@@ -384,6 +384,8 @@ class Engine:
             if not vision.is_vision(self.model.config):
                 raise BadRequest(f"image_data: the model at {self.model_path} is not a vision-language model")
             input_ids, pixels = vision.request_inputs(image_data, input_ids, self.model_path)
+        elif getattr(self.model.config, "image_token_id", -1) in input_ids:  # (a batch's forward would count them)
+            raise BadRequest("input_ids hold an image placeholder but the request has no image_data")
         unknown = set(params) - SAMPLING_KEYS
         if unknown:
             raise BadRequest(f"unknown sampling_params {sorted(unknown)}; allowed: {sorted(SAMPLING_KEYS)}")
