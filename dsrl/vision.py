@@ -12,8 +12,6 @@ import base64
 import functools
 import io
 import re
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +33,7 @@ except ImportError:
 
 PLACEHOLDER = "<image>"
 CACHED = 512
-"""Pixel values and data URLs kept, of the prompts used last (at 448 px: 4.8 MB of pixel values a prompt)."""
+"""Pixel values (and data URLs) kept, of the prompts used last (at 448 px: 4.8 MB of pixel values a prompt)."""
 PROBE_SIDE = 224
 """The probe image's side: a multiple of 28 and 32 (Qwen2.5-VL's and Qwen3-VL's patch x merge), resized by no one."""
 
@@ -76,21 +74,6 @@ def copy_processor(model_dir: str, out: Path) -> None:
             (out / name).write_bytes((Path(model_dir) / name).read_bytes())
 
 
-_cache, _cache_lock = OrderedDict(), threading.Lock()
-
-
-def cached(key, make):
-    """`make()`, kept among the CACHED used last (the trainer's pixel values, the client's data URLs)."""
-    with _cache_lock:
-        value = _cache.pop(key, None)
-    value = make() if value is None else value
-    with _cache_lock:
-        _cache[key] = value
-        while len(_cache) > CACHED:
-            _cache.popitem(last=False)
-    return value
-
-
 @dataclass(eq=False)
 class Images:
     """A prompt's images, decoded when asked for."""
@@ -110,18 +93,16 @@ class Images:
     def decoded(self) -> list[Image.Image]:
         return [Image.open(io.BytesIO(f)).convert("RGB") for f in self.files]
 
+    @functools.lru_cache(CACHED)  # noqa: B019 (it keeps the CACHED prompts used last alive: that is its purpose)
     def image_data(self) -> list[str]:
         """SGLang's `image_data`: PNG data URLs (lossless: a server decodes the pixels the trainer's processor has)."""
-        return cached((self, "url"), lambda: [png_url(image) for image in self.decoded()])
+        return [png_url(image) for image in self.decoded()]
 
+    @functools.lru_cache(CACHED)  # noqa: B019
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixel_values, image_grid_thw), as the model's image processor gives them."""
-
-        def make():
-            out = self.processor(images=self.decoded(), return_tensors="pt")
-            return out["pixel_values"], out["image_grid_thw"]
-
-        return cached((self, "pixels"), make)
+        out = self.processor(images=self.decoded(), return_tensors="pt")
+        return out["pixel_values"], out["image_grid_thw"]
 
 
 def png_url(image: Image.Image) -> str:
