@@ -188,28 +188,24 @@ class Engine:
             self.params.setdefault(name, view)
             self.offsets.setdefault(name, (start, view.numel() * view.element_size()))
         for name, saved in vision.saved_names(self.model, list(self.offsets)).items():  # (a VL model's, as SGLang's)
-            self.params.setdefault(saved, self.params[name])
-            self.offsets.setdefault(saved, self.offsets[name])
+            self.params[saved], self.offsets[saved] = self.params[name], self.offsets[name]
         self.model.dsrl_params = self.params  # (the shard loader's names)
         self._hook_forward(return_routed_experts)
         self.adapters = Adapters(self.model, *lora) if lora is not None else None
         """--enable-lora: (max rank, target layer names)."""
-        text = config.get_text_config()  # (a vision-language model's language model)
-        self.context_len = getattr(text, "max_position_embeddings", 1 << 30)
+        self.context_len = getattr(text := config.get_text_config(), "max_position_embeddings", 1 << 30)  # (a VL's LM)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.eos_ids = _as_set(text.eos_token_id)
         with contextlib.suppress(OSError):
             self.eos_ids |= _as_set(GenerationConfig.from_pretrained(model_path).eos_token_id)
         self.pad_id = text.pad_token_id if text.pad_token_id is not None else 0
-        self.generator = torch.Generator().manual_seed(seed)
-        self.max_batch_tokens = max_batch_tokens
+        self.generator, self.max_batch_tokens = torch.Generator().manual_seed(seed), max_batch_tokens
         self.decode_delay_s = decode_delay_ms / 1000  # emulate a slower engine (tests, benchmarks)
         self.deterministic = deterministic  # batch-invariant: each request's forward runs alone
         self.crash_marker = crash_marker  # fault injection for tests: see --crash-marker
-        self.failing, self.custom_weight_loaders = False, custom_weight_loaders
-        self.weight_version = "default"
+        self.failing, self.custom_weight_loaders, self.weight_version = False, custom_weight_loaders, "default"
         self.running: list[Request] = []
-        self.paused = False
+        self.paused = self.stopped = False
         self.released: set[str] = set()
         self.groups: dict[str, Any] = {}
         self.cond = threading.Condition()
@@ -218,7 +214,6 @@ class Engine:
         # receive buffers are reused (fresh pages cost more than the copy on small hosts).
         self.recv_lock = threading.Lock()
         self.free_buffers: dict[int, list[torch.Tensor]] = {}
-        self.stopped = False
         if weights and self.fp8:
             self.update_from_disk(model_path)
         self.thread = threading.Thread(target=self._loop, name="embedded-scheduler", daemon=True)
