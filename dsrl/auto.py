@@ -150,6 +150,8 @@ def _count_params(model_dir: str, trust_remote_code: bool) -> int:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    import dsrl.vision  # noqa: F401 -- a vision-language model is a causal LM too
+
     with init_empty_weights():
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
         return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())

@@ -152,7 +152,7 @@ def check_lora_targets(cfg) -> None:
     from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dsrl.zero.lora import lora_config
+    from dsrl.zero.lora import lora_config  # (it registers the vision-language models as causal LMs)
 
     config = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     with torch.device("meta"):

@@ -38,6 +38,9 @@ class ModelConfig:
     """Run the trainer's RMSNorm, SwiGLU MLP and rotary embedding as liger-kernel's fused Triton kernels (`pip
     install liger-kernel`; CUDA; the model types liger patches: Llama, Qwen2/3, Mistral, Gemma, ...): fewer
     passes over the activations. The servers and the weights are unchanged."""
+    freeze_vision_tower: bool = False
+    """A vision-language model's vision tower (its patch embedding, blocks and merger) takes no gradient: only the
+    language model trains."""
     lora_rank: int = 0
     """LoRA adapters of this rank on the actor (0: train every weight). The base is frozen: no gradients or
     optimizer states for it, the reference model is the base with the adapters off (no second engine), and
@@ -75,6 +78,9 @@ class DataConfig:
     """A malformed row (bad JSON, missing or mistyped prompt): stop naming it, or skip it (counted, logged)."""
     apply_chat_template: bool = True
     """Wrap prompts with the tokenizer's chat template when it has one."""
+    image_key: str = "images"
+    """Row field holding a vision-language prompt's images (verl's layout): a list of paths (relative to the dataset
+    file) or {bytes: ...} (parquet), one "<image>" in the prompt's text for each (docs/vision-language.md)."""
     shuffle: bool = True
     """Shuffle the prompts each epoch (seeded by `seed` and the epoch)."""
 
@@ -685,6 +691,10 @@ class Config:
     """Outputs of the run."""
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be used, with the file and row at fault (defined here: `data` and `vision` raise it)."""
 
 
 class ConfigError(ValueError):

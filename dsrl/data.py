@@ -10,14 +10,12 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     import torch
 
+    from dsrl.vision import Images
+
 from dsrl.auto import fleet_kind
-from dsrl.config import Config, DataConfig, RolloutConfig, eval_rollout
+from dsrl.config import Config, DataConfig, DatasetError, RolloutConfig, eval_rollout
 
 log = logging.getLogger(__name__)
-
-
-class DatasetError(ValueError):
-    """A dataset that cannot be used, with the file and row at fault."""
 
 
 @dataclass
@@ -32,6 +30,8 @@ class Prompt:
     """Per-prompt overrides of the sampling parameters (the row's `sampling_params` field)."""
     row: dict[str, Any] = field(default_factory=dict)
     """The dataset row, for reward functions that take `row=` (every field, not just the answer)."""
+    images: "Images | None" = None
+    """A vision-language prompt's images (`dsrl.vision`): `prompt_ids` hold their image tokens."""
 
 
 @dataclass
@@ -218,27 +218,38 @@ class PromptDataset:
         is_chat = isinstance(raw, list) and all(isinstance(m, dict) and "content" in m for m in raw)
         if not (isinstance(raw, str) or is_chat):
             raise DatasetError(f"{where}: {cfg.prompt_key!r} must be a string or a list of chat messages, got {raw!r}")
+        files = None
+        if row.get(cfg.image_key):  # (a vision-language prompt: README "Vision-language")
+            from dsrl import vision
+
+            files = vision.read_images(row[cfg.image_key], self.path, where)
         if self.use_template:
             messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
+            messages = vision.place_images(messages, len(files), where) if files else messages
             text = tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False, add_generation_prompt=True)
-        elif isinstance(raw, str):
+        elif isinstance(raw, str) and not files:
             text = raw
         else:
-            raise DatasetError(
-                f"{where}: {cfg.prompt_key!r} holds chat messages, but the tokenizer has no chat template"
-            )
+            what = "images" if files else "chat messages"
+            raise DatasetError(f"{where}: {cfg.prompt_key!r} holds {what}, but the tokenizer has no chat template")
         if not text.strip():
             raise DatasetError(f"{where}: {cfg.prompt_key!r} is empty")
         overrides = row.get("sampling_params") or {}
         if not isinstance(overrides, dict):
             raise DatasetError(f"{where}: sampling_params must be a mapping, got {overrides!r}")
         ids = tokenizer(text, add_special_tokens=not self.use_template)["input_ids"]
+        images = None
+        if files:  # each image's tokens in its placeholder
+            ids, images = vision.prompt_images(ids, files, tokenizer.name_or_path, where)
         if len(ids) > cfg.max_prompt_tokens:
             self.too_long += 1
             if cfg.on_long_prompt == "skip":
                 return None
+            if images:
+                raise DatasetError(f"{where}: {len(ids)} tokens with its images, over --data.max_prompt_tokens: "
+                                   "truncating would cut an image (--data.on_long_prompt skip skips it)")  # fmt: skip
             ids = ids[-cfg.max_prompt_tokens :]  # keep the end: the question and the generation prompt
-        return Prompt(i, ids, text, field_at(row, cfg.answer_key), overrides, row)
+        return Prompt(i, ids, text, field_at(row, cfg.answer_key), overrides, row, images)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -316,4 +327,4 @@ def server_context(cfg: Config, model_dir: str, engine: str) -> int | None:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    return getattr(config, "max_position_embeddings", None)
+    return getattr(config.get_text_config(), "max_position_embeddings", None)

@@ -33,6 +33,8 @@
 #                         against bf16 on the tail workload, and on the GPU toy; FP8_MODEL=7b with FP8_RUNS: see the stage)
 #   source .gpu/setup.sh; MODELS=1.5b bash tools/gpu_run.sh setup gate               # 1 GPU (issue 89: the 1.5B `tail`
 #                         step, phases, update peak, sync GB/s and mismatch against tools/baselines/gate_tail_1.5b.json)
+#   source .gpu/setup.sh; MODELS="3b vl-3b vl-data" bash tools/gpu_run.sh setup vl   # 1 GPU (issue 88: a Qwen2.5-VL-3B
+#                         shape on geo3k-like rows, then its text-only twin; docs/benchmarks.md "Vision-language")
 #   source .gpu/setup.sh; bash tools/gpu_run.sh async                                # 2 GPUs (tools/bench_async.py;
 #                                                         ASYNC_EXTRA="--rollout.max_concurrency 768" passes flags on)
 # Wheels the image lacks travel in .whl/ (carried; `setup` installs them into /tmp/site): peft, sgl-deep-gemm (the
@@ -603,6 +605,25 @@ json.dump(c, open('/tmp/models/toy128/config.json', 'w'))"
 .Path(sys.argv[1])); print('mismatch by step:', [round(s.get('mismatch/logprob_abs_diff', -1), 4) for s in steps])" \
           /tmp/runs/fp8_toy_${prec}_s$seed 2>&1 | tail -1 | tee -a "$SUMMARY"  # (a KV scale lost at a sleep: a jump)
       done; done
+      ;;
+    vl)  # 1 GPU (issue 88): a random-init Qwen2.5-VL-3B shape (MODELS: vl-3b) colocated on geo3k-like rows of one picture
+      # of 224-448 px each (MODELS: vl-data; 64-256 image tokens a prompt), 10 steps, every sync probe-checked (its probe
+      # has an image too); then (VL_RUNS) its text-only twin, the 3B language model (MODELS: 3b) on the same prompts
+      # without their pictures. Per run: the steady steps and phases, the sync's bytes and seconds, the probe's diff, the
+      # mismatch and the prompts' mean length (the runs' difference: the image tokens a prompt)
+      TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
+      for run in ${VL_RUNS:-vl text}; do
+        model=/tmp/models/vl-3b data=/tmp/models/vl-data/train.parquet
+        [ $run = text ] && model=/tmp/models/3b data=/tmp/models/vl-data/train.jsonl
+        rm -rf /tmp/runs/vl_$run
+        stage vl_$run ${VL_LIMIT:-420} python3 -m dsrl.cli train --config configs/gpu_colocate.yaml --model.path $model \
+          --data.train_path $data --trainer.total_steps 10 --sync.verify probe --logging.tensorboard $TB \
+          --logging.export_hf false --logging.run_dir /tmp/runs/vl_$run
+        note "vl $run: $(python3 tools/step_report.py --line /tmp/runs/vl_$run 2>/dev/null || grep -a 'Error\|error:' \
+          "$OUT/vl_$run.log" | tail -1 | cut -c1-200)"
+        grep -a "final metrics" "$OUT/vl_$run.log" | grep -o '"prompt/length_mean": [0-9.e-]*\|"sync/bytes": [0-9.e-]*\|"sync/seconds": [0-9.e-]*\|"sync/probe_logprob_diff": [0-9.e-]*\|"mismatch/logprob_abs_diff": [0-9.e-]*' \
+          | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
+      done
       ;;
     *) note "unknown stage $s" ;;
   esac

@@ -249,6 +249,9 @@ class EpisodeRunner:
         episode.responses.append(text)
         start = time.monotonic()
         step, error = await self.call_env(episode, text, left)
+        shown = step.observation if step is not None and isinstance(step.observation, list) else []
+        if any(not isinstance(m.get("content", ""), str) for m in shown):  # (an image, a tool's picture)
+            step, error = None, "its observation is not text: an episode adds text only (images come with the row)"
         if error is not None:
             record.stop, record.error = "error", f"the environment failed on turn {record.turns}: {error}"
         if step is None:

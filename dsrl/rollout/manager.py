@@ -46,6 +46,7 @@ from dsrl.rollout.rollouts import (
     Rollouts,
     SyncRollouts,
     generate_one,
+    request_of,
     request_seed,
     sampling_params,
     with_baseline,
@@ -277,8 +278,8 @@ class RolloutManager(Rollouts):
             try:
                 # Older groups first where the server schedules by priority (the embedded engine; SGLang with
                 # --enable-priority-scheduling, else ignored): a group near the staleness bound holds up the next batch.
-                ids, route = prompt.prompt_ids + s.response_ids, (self.rid_prefix, group.gid)
-                reply = await generate_one(self.client, ids, params, route, rid=rid, priority=-oldest)
+                (ids, images), route = request_of(prompt, s.response_ids), (self.rid_prefix, group.gid)
+                reply = await generate_one(self.client, ids, params, route, rid=rid, priority=-oldest, **images)
             finally:
                 group.started.pop(rid)
                 await self._request_finished()

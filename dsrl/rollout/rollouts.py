@@ -132,6 +132,15 @@ async def generate_one(client: RolloutClient, input_ids: list[int], sampling: di
     return parse_generation(await client.generate(body, route_key))
 
 
+def request_of(prompt: Prompt, response_ids: list[int]) -> tuple[list[int], dict]:
+    """The token ids of a request that continues `prompt` with `response_ids`, and its other fields: a vision-language
+    prompt's images (`image_data`) beside its ids with one placeholder per image, which the server expands. A resumed
+    request (a partial rollout, an episode's next turn) carries them too: a server keeps nothing between requests."""
+    if prompt.images is None:
+        return prompt.prompt_ids + response_ids, {}
+    return prompt.images.request(response_ids), {"image_data": prompt.images.image_data()}
+
+
 def parse_generation(out: dict) -> Generation:
     meta = out["meta_info"]
     # A LoRA adapter served on its own generates all of a request's tokens, even past a later update
@@ -179,7 +188,8 @@ class Engine:
 
     async def sample(self, prompt: Prompt, sampling: dict) -> Sample:
         """dsrl's own rollout: one response to `prompt`."""
-        out = await self.generate(prompt.prompt_ids, {**sampling, **prompt.sampling})
+        ids, images = request_of(prompt, [])
+        out = await generate_one(self.client, ids, {**sampling, **prompt.sampling}, self.route_key, **images)
         return Sample(prompt, out.output_ids, out.logprobs, out.finish_reason, out.weight_version,
                       spans=[(0, out.weight_version)], routed_experts=out.routed_experts)  # fmt: skip
 
@@ -255,7 +265,8 @@ async def play(client: RolloutClient, runner: EpisodeRunner, episode: Episode, s
     async def request(episode: Episode, params: dict) -> tuple[Generation, int]:
         s = episode.sample
         params.setdefault("sampling_seed", request_seed(*seed, *([len(s.response_ids)] if s.response_ids else [])))
-        reply = await generate_one(client, s.prompt.prompt_ids + s.response_ids, params, route_key)
+        ids, images = request_of(s.prompt, s.response_ids)
+        reply = await generate_one(client, ids, params, route_key, **images)
         return reply, reply.weight_version
 
     while not await runner.run(episode, request):

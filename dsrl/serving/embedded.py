@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from aiohttp import web
 from safetensors.torch import load_file
 
+from dsrl import vision
 from dsrl.fp8 import FP8, KV_SCALES, SCALE, dequantize, is_quantized, round_trip_activations
 from dsrl.moe import moe_blocks, split_experts
 from dsrl.serving import shard_loader
@@ -69,6 +70,8 @@ class Request:
     """The LoRA adapter the request named (`lora_path`), fixed when it arrives, as SGLang fixes its lora_id."""
     routed: list[torch.Tensor] | None = None
     """With `return_routed_experts`: the experts each forwarded token was routed to, [tokens, layers, top k]."""
+    pixels: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Its images' pixel values and grids (`image_data`; `input_ids` hold their image tokens)."""
 
     def finish(self, finish_reason: dict, weight_version: str) -> None:
         logprobs = [[logprob, token, None] for logprob, token in zip(self.logprobs, self.output_ids)]
@@ -184,24 +187,25 @@ class Engine:
             start = view.data_ptr() - self.storage.data_ptr()
             self.params.setdefault(name, view)
             self.offsets.setdefault(name, (start, view.numel() * view.element_size()))
+        for name, saved in vision.saved_names(self.model, list(self.offsets)).items():  # (a VL model's, as SGLang's)
+            self.params[saved], self.offsets[saved] = self.params[name], self.offsets[name]
+        self.model.dsrl_params = self.params  # (the shard loader's names)
         self._hook_forward(return_routed_experts)
         self.adapters = Adapters(self.model, *lora) if lora is not None else None
         """--enable-lora: (max rank, target layer names)."""
-        self.context_len = getattr(config, "max_position_embeddings", 1 << 30)
+        self.context_len = getattr(text := config.get_text_config(), "max_position_embeddings", 1 << 30)  # (a VL's LM)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
-        self.eos_ids = _as_set(config.eos_token_id)
+        self.eos_ids = _as_set(text.eos_token_id)
         with contextlib.suppress(OSError):
             self.eos_ids |= _as_set(GenerationConfig.from_pretrained(model_path).eos_token_id)
-        self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
-        self.generator = torch.Generator().manual_seed(seed)
-        self.max_batch_tokens = max_batch_tokens
+        self.pad_id = text.pad_token_id if text.pad_token_id is not None else 0
+        self.generator, self.max_batch_tokens = torch.Generator().manual_seed(seed), max_batch_tokens
         self.decode_delay_s = decode_delay_ms / 1000  # emulate a slower engine (tests, benchmarks)
         self.deterministic = deterministic  # batch-invariant: each request's forward runs alone
         self.crash_marker = crash_marker  # fault injection for tests: see --crash-marker
-        self.failing, self.custom_weight_loaders = False, custom_weight_loaders
-        self.weight_version = "default"
+        self.failing, self.custom_weight_loaders, self.weight_version = False, custom_weight_loaders, "default"
         self.running: list[Request] = []
-        self.paused = False
+        self.paused = self.stopped = False
         self.released: set[str] = set()
         self.groups: dict[str, Any] = {}
         self.cond = threading.Condition()
@@ -210,7 +214,6 @@ class Engine:
         # receive buffers are reused (fresh pages cost more than the copy on small hosts).
         self.recv_lock = threading.Lock()
         self.free_buffers: dict[int, list[torch.Tensor]] = {}
-        self.stopped = False
         if weights and self.fp8:
             self.update_from_disk(model_path)
         self.thread = threading.Thread(target=self._loop, name="embedded-scheduler", daemon=True)
@@ -286,15 +289,14 @@ class Engine:
     def _step(self, batch: list[Request]) -> tuple[list[int], list[float]]:
         if self.adapters is not None:
             self.adapters.active = batch[0].adapter  # one adapter per call (_step_by_adapter)
-        seqs = [req.input_ids + req.output_ids for req in batch]
+        seqs = [req.input_ids + vision.text_only(req.output_ids, self.model.config) for req in batch]
         width = max(map(len, seqs))
         ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
         for i, seq in enumerate(seqs):  # left padding; positions count real tokens only, as the trainer's do
             ids[i, width - len(seq) :] = torch.tensor(seq)
             mask[i, width - len(seq) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float()
+        logits = self._forward(ids, mask, [req.pixels for req in batch])[:, -1].float()
         if self.routing:  # a prefill's tokens, then each decode step's new one, as SGLang captures them
             shape = (self.model.config.num_hidden_layers, self.model.config.num_experts_per_tok)
             routed = torch.zeros(len(seqs), width, *shape, dtype=torch.int32)
@@ -317,6 +319,15 @@ class Engine:
             next_ids.append(tok)
         return next_ids, logprobs
 
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pixels: list) -> torch.Tensor:
+        """The logits of left-padded rows; with images (`pixels`: each row's or None), the model's mrope positions."""
+        given, positions = [p for p in pixels if p is not None], (mask.cumsum(-1) - 1).clamp(min=0)
+        if not given:  # positions count real tokens only, as the trainer's do
+            return self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        image = (ids == self.model.config.image_token_id).int()
+        return self.model(input_ids=ids, attention_mask=mask, pixel_values=torch.cat([p for p, _ in given]),
+                          image_grid_thw=torch.cat([g for _, g in given]), mm_token_type_ids=image).logits  # fmt: skip
+
     def _finish(self, req: Request, finish_reason: dict) -> None:
         self.running.remove(req)
         req.finish(finish_reason, self.weight_version)
@@ -335,12 +346,13 @@ class Engine:
             return self.model.score(hidden.last_hidden_state[:, -1]).float().tolist()
 
     @torch.no_grad()
-    def prompt_logprobs(self, input_ids: list[int], start: int, adapter: Adapter | None = None) -> list[list]:
+    def prompt_logprobs(self, input_ids: list[int], start: int, adapter: Adapter | None = None, pixels=None) -> list:
         """SGLang's input_token_logprobs: unscaled logprob of each prompt token given the ones before it."""
         with self.model_lock:
             if self.adapters is not None:
                 self.adapters.active = adapter
-            logits = self.model(input_ids=torch.tensor([input_ids])).logits[0, :-1].float()
+            ids = torch.tensor([input_ids])
+            logits = self._forward(ids, torch.ones_like(ids), [pixels])[0, :-1].float()
         logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(input_ids[1:])[:, None])[:, 0].tolist()
         rows = [[None, input_ids[0], None]] + [[lp, tok, None] for lp, tok in zip(logprobs, input_ids[1:])]
         return rows[start:]
@@ -359,10 +371,16 @@ class Engine:
             raise BadRequest("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
         return self.adapters
 
-    def make_request(
-        self, input_ids: list[int], params: dict, rid: str, loop, lora: str | None = None, routed: bool = False
-    ) -> Request:
+    def make_request(self, input_ids: list[int], params: dict, rid: str, loop, lora: str | None = None,
+                     routed: bool = False, image_data: list[str] | None = None) -> Request:  # fmt: skip
         adapter = self.lora_adapters().named(lora) if lora is not None else None
+        pixels = None
+        if image_data:  # each image's placeholder expanded, as SGLang's processor does
+            if not vision.is_vision(self.model.config):
+                raise BadRequest(f"image_data: the model at {self.model_path} is not a vision-language model")
+            input_ids, pixels = vision.request_inputs(image_data, input_ids, self.model_path)
+        elif getattr(self.model.config, "image_token_id", -1) in input_ids:  # (a batch's forward would count them)
+            raise BadRequest("input_ids hold an image placeholder but the request has no image_data")
         unknown = set(params) - SAMPLING_KEYS
         if unknown:
             raise BadRequest(f"unknown sampling_params {sorted(unknown)}; allowed: {sorted(SAMPLING_KEYS)}")
@@ -403,6 +421,7 @@ class Engine:
             loop=loop,
             adapter=adapter,
             routed=[] if routed and self.return_routed_experts else None,  # (SGLang's, without its flag: none)
+            pixels=pixels,
         )
 
     # -- control ------------------------------------------------------------------------------
@@ -754,7 +773,10 @@ class Api:
         loras = loras if isinstance(loras, list) else [loras] * len(batch)
         rids = request_ids(body, len(batch))
         routed = bool(body.get("return_routed_experts"))
-        reqs = [engine.make_request(*args, loop, lora, routed) for *args, lora in zip(batch, params, rids, loras)]
+        images = body.get("image_data")  # (a list of images a prompt, or for a batch a list of those)
+        images = images if batched else [[images] if isinstance(images, str) else images]
+        reqs = [engine.make_request(*args, loop, lora, routed, image)
+                for *args, lora, image in zip(batch, params, rids, loras, images or [None] * len(batch))]  # fmt: skip
         for req in reqs:
             req.priority = int(body.get("priority") or 0)
             engine.submit(req)
@@ -764,13 +786,13 @@ class Api:
             for req in reqs:
                 engine.abort(req.rid)
             raise
-        for res, ids, req in zip(results, batch, reqs):
+        for res, req in zip(results, reqs):
             if not body.get("return_logprob"):
                 res["meta_info"].pop("output_token_logprobs")
             elif body.get("logprob_start_len", -1) not in (None, -1):
                 start, prompt_logprobs = int(body["logprob_start_len"]), engine.prompt_logprobs
                 res["meta_info"]["input_token_logprobs"] = await asyncio.to_thread(
-                    prompt_logprobs, ids, start, req.adapter
+                    prompt_logprobs, req.input_ids, start, req.adapter, req.pixels
                 )
         return web.json_response(results if batched else results[0])
 

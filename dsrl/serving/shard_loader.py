@@ -68,9 +68,11 @@ def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) 
     if missing := [name for name in header["groups"] if name not in by_name]:
         raise RuntimeError(f"no weight-update group {', '.join(missing)}: call /init_weights_update_group first")
     device, hf = next(model.parameters()).device, not hasattr(model, "load_weights")  # hf: the embedded engine
+    params = getattr(model, "dsrl_params", {})  # (the embedded engine's names: a VL model's saved ones too)
+    param_of = lambda name: params[name] if name in params else model.get_parameter(name)  # noqa: E731
     tensors, loads = [], []  # the words land in `tensors`; `loads` go into the model after
     for name, dtype, shape, _ in header["tensors"]:
-        param = model.get_parameter(name).data if hf else None
+        param = param_of(name).data if hf else None
         if param is not None and param.dtype == getattr(torch, dtype) and list(param.shape) == shape:
             tensors.append(param)
             continue
@@ -86,7 +88,7 @@ def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) 
         if not hf:
             model.load_weights(list(split_experts(loads)))
         for name, t in loads if hf else []:
-            model.get_parameter(name).copy_(t)
+            param_of(name).copy_(t)
     if header["report"]:
         _report(by_name[header["groups"][0]], device, header, due)
 

@@ -10,6 +10,7 @@ import torch
 
 from dsrl.serving.client import RolloutClient, ServerError
 from dsrl.sync.base import SyncError
+from dsrl.vision import vision_tokens
 from dsrl.zero.buckets import gathered_buckets
 
 
@@ -54,8 +55,10 @@ def probe_ids(vocab_size: int, sequences: int = 4, length: int = 32, seed: int =
 
 @torch.no_grad()
 def probe_reference(engine, vocab_size: int) -> tuple[list[list[int]], torch.Tensor]:
-    """The probe token ids and the trainer's logprobs of them (call on every rank: a ZeRO-3 forward)."""
-    ids = probe_ids(vocab_size)
+    """The probe token ids and the trainer's logprobs of them (call on every rank: a ZeRO-3 forward); a vision-language
+    model's image tokens are left out (`dsrl.vision.image_probe` probes an image)."""
+    special = vision_tokens(getattr(engine, "module", engine).config)
+    ids = [[0 if t in special else t for t in seq] for seq in probe_ids(vocab_size)]
     tokens = torch.tensor(ids, device=engine.device)
     logits = engine(input_ids=tokens).logits[:, :-1].float()
     return ids, torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0].cpu()
@@ -68,10 +71,13 @@ async def probe_servers(
     tolerance: float,
     flush: bool = True,
     fp8: bool = False,
+    image: tuple[dict, torch.Tensor] | None = None,
 ) -> float:
     """Compare each server's logprobs of the probe tokens with the trainer's; return the worst mean |diff|. On the
     client's loop: the trainer may go on while it runs (`client.submit`). `fp8`: the servers run FP8 layers, and
-    `tolerance` allows their rounding.
+    `tolerance` allows their rounding. `image`: a vision-language model's probe of its vision tower too
+    (`dsrl.vision.image_probe`): the logprobs of the text after an image, the last of the request's prompt logprobs
+    (its image's positions are the server's to count).
 
     Prompt logprobs come from /generate with logprob_start_len=0, after /flush_cache. SGLang matches
     no cached prefix past logprob_start_len anyway (`Req._compute_max_prefix_len`), so `flush` False
@@ -87,11 +93,21 @@ async def probe_servers(
         "logprob_start_len": 0,
         **({"lora_path": client.adapter.name} if client.adapter is not None else {}),  # (the policy's, as served)
     }
-    worst = 0.0
-    urls = client.live_urls()
+    worst, checks = 0.0, [(payload, reference, 1)]
+    if image is not None:  # (one more request: the image's, alone)
+        checks.append(({**payload, **image[0]}, image[1][None], -len(image[1])))
+    for body, want, first in checks:
+        worst = max(worst, await _probe(client, body, want, first, tolerance, fp8))
+    return worst
+
+
+async def _probe(client: RolloutClient, payload: dict, reference, first: int, tolerance: float, fp8: bool) -> float:
+    """One probe request to every live server: its prompt logprobs from `first` on against the trainer's."""
+    worst, urls = 0.0, client.live_urls()
     replies = await client.all_servers("/generate", payload, urls=urls)  # those that answered, in order
     for url, outs in zip([u for u in urls if u not in client.down], replies):
-        got = torch.tensor([[lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs])
+        outs = outs if isinstance(outs, list) else [outs]
+        got = torch.tensor([[lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][first:]] for o in outs])
         diff = (got - reference).abs()
         if diff.mean() > tolerance:
             allows = ", which allows FP8's rounding (--rollout.precision fp8)" if fp8 else ""

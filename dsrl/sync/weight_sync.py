@@ -39,6 +39,7 @@ from dsrl.serving.servers import ExternalFleet, ServerFleet, ServersLost
 from dsrl.sync.adapter import AdapterServing
 from dsrl.sync.base import SERVER_ERRORS, SyncError, Transport
 from dsrl.sync.verify import probe_reference, probe_servers, verify_weights
+from dsrl.vision import image_probe
 from dsrl.zero.lora import is_lora
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,8 @@ class WeightSync:
                 )
         if verify == "probe":  # the trainer's side now, while its params are still on the GPU
             with timer("verify"):
-                reference = probe_reference(self.actor, self.actor.module.config.vocab_size)
+                vocab = self.actor.module.config.get_text_config().vocab_size
+                reference = (*probe_reference(self.actor, vocab), image_probe(self.actor))
         if self.gpu.colocated:
             with timer("offload"):  # the KV cache needs the memory the transport's buffers held
                 self.transport.release()
@@ -245,7 +247,7 @@ class WeightSync:
         if stale:
             raise SyncError(f"after the update to weight version {version}: {', '.join(stale)}")
 
-    def _probe(self, ids: list[list[int]], reference) -> None:
+    def _probe(self, ids: list[list[int]], reference, image: tuple | None) -> None:
         """The servers' half of the probe, in the background: behind a busy server's queue it took 0.1 s per
         step on an H200, and 45 ms of a toy step colocated. No cache flush: the rollout's requests run
         meanwhile and SGLang refuses to flush then (seen: HTTP 400 under load); a probe matches no cached
@@ -253,7 +255,7 @@ class WeightSync:
         their memory (SGLang dies generating asleep); disaggregated, the next update does."""
         if self.rank0:
             tolerance = self.cfg.sync.probe_tolerance
-            probe = probe_servers(self.client, ids, reference, tolerance, flush=False, fp8=self.transport.fp8)
+            probe = probe_servers(self.client, ids, reference, tolerance, False, self.transport.fp8, image)
             self.probe = self.client.submit(_timed(probe))
 
 

@@ -19,6 +19,7 @@ from dsrl.config import Config
 from dsrl.correction import correct, with_ess
 from dsrl.data import Sample, TokenField
 from dsrl.moe import replay_inputs
+from dsrl.vision import pixel_inputs
 from dsrl.zero.batches import MicroBatch, largest_micro_batch, micro_batches
 
 
@@ -99,7 +100,8 @@ def forward_logprobs(
     """Response-aligned [samples, longest response] logprobs of the sampled tokens and entropies. The model
     computes the logits of the response columns only (`logits_to_keep`), in its own dtype; their log-softmax
     runs on them as they are (a flat view), and only the per-position results are gathered."""
-    logits = engine(**mb.model_inputs(), **replay_inputs(engine, mb), logits_to_keep=mb.columns).logits
+    inputs = mb.model_inputs() | replay_inputs(engine, mb) | pixel_inputs(engine, mb)  # (a mixture of experts', a VL's)
+    logits = engine(**inputs, logits_to_keep=mb.columns).logits
     flat = logits.reshape(-1, logits.shape[-1])
     where = mb.keep_in_columns()
     targets = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)

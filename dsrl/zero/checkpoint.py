@@ -37,6 +37,7 @@ from dsrl.rundir import (
     staging_dir,
     write_error,
 )
+from dsrl.vision import copy_processor
 from dsrl.zero.buckets import gathered_buckets
 from dsrl.zero.lora import ADAPTER, is_lora, merged
 
@@ -299,6 +300,7 @@ class ShardWriter:
         with contextlib.suppress(OSError):
             GenerationConfig.from_pretrained(model_dir).save_pretrained(self.tmp)
         AutoTokenizer.from_pretrained(model_dir).save_pretrained(self.tmp)
+        copy_processor(model_dir, self.tmp)  # (a vision-language model's image processor)
         publish_export(self.tmp, self.out, self.source, self.overwrite)
 
     def __enter__(self) -> "ShardWriter":

@@ -17,7 +17,7 @@ from torch.utils.cpp_extension import _get_build_directory
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
-from dsrl import moe
+from dsrl import moe, vision
 from dsrl.auto import bf16, device_memory, packs, replicated_base, use_cuda, weight_bytes
 from dsrl.config import Config, ModelConfig, critic_on_actor_base
 from dsrl.nodes import choose_gloo_interface
@@ -99,6 +99,7 @@ def prepare_model_dir(cfg: Config, run_dir: Path) -> str:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.save_pretrained(out)
         AutoTokenizer.from_pretrained(cfg.model.path).save_pretrained(out)
+        vision.copy_processor(cfg.model.path, out)  # (a vision-language model's image processor)
         log.info("random initial weights from %s/config.json written to %s", cfg.model.path, out)
     dist.barrier()
     return str(out)
@@ -134,6 +135,7 @@ def load_engine(
             model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     model.config.use_cache = False
     moe.prepare(model, cfg)  # (a mixture of experts: its blocks ZeRO-3 leaves, routing replay)
+    vision.prepare(model, train and not critic and cfg.model.freeze_vision_tower)
     choice = cfg.model.gradient_checkpointing
     auto = train and choice == "auto"  # decided per update (`AutoCheckpointing`)
     checkpointing = train and (choice is True or auto)

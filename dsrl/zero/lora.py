@@ -24,6 +24,7 @@ import torch
 
 from dsrl.config import ModelConfig
 from dsrl.moe import is_moe
+from dsrl.vision import is_vision, language_targets, saved_names
 
 ADAPTER = "default"
 
@@ -45,7 +46,9 @@ def lora_config(m: ModelConfig, model: torch.nn.Module | None = None):
     from peft import LoraConfig
 
     targets = m.lora_target_modules
-    if targets == "all-linear" and model is not None and is_moe(model.config):
+    if model is not None and is_vision(model.config):  # the language model's layers: not the vision tower's
+        targets = language_targets(model, targets)
+    elif targets == "all-linear" and model is not None and is_moe(model.config):
         head = model.get_output_embeddings()
         targets = sorted({name.rsplit(".", 1)[-1] for name, layer in model.named_modules()
                           if isinstance(layer, torch.nn.Linear) and layer is not head})  # fmt: skip
@@ -103,6 +106,7 @@ class ServedWeights:
     def __init__(self, module: torch.nn.Module, merge: bool = True):
         if not is_lora(module):
             self.named, self.deltas = list(module.named_parameters()), {}
+            self._as_saved(module)
             return
         from peft.tuners.lora import LoraLayer
 
@@ -115,6 +119,14 @@ class ServedWeights:
             if merge and isinstance(layer, LoraLayer) and ADAPTER in layer.lora_A:
                 a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
                 self.deltas[f"{prefix}.weight"] = (a, b, layer.scaling[ADAPTER])
+        self._as_saved(base)
+
+    def _as_saved(self, model: torch.nn.Module) -> None:
+        """A vision-language model's weights under the names it is saved with, which the servers load
+        (`dsrl.vision.saved_names`)."""
+        saved = saved_names(model, [name for name, _ in self.named])
+        self.named = [(saved.get(name, name), p) for name, p in self.named]
+        self.deltas = {saved.get(name, name): d for name, d in self.deltas.items()}
 
     def adapters(self) -> list[torch.nn.Parameter]:
         return [p for a, b, _ in self.deltas.values() for p in (a, b)]

@@ -63,7 +63,7 @@ def activation_bytes(config, tokens: int, checkpointing: bool, width: int = 2, l
     activations, or with checkpointing each layer's input and one layer's activations at a time; the logits (their
     gradient is written over them) and the log-probs' fp32 chunks (about five of LOGPROB_CHUNK positions at once).
     `width`: bytes per value (2 in bf16, 4 in fp32); `liger`: the layers run liger-kernel's fused kernels."""
-    per_width = LIGER_ACTIVATION_BYTES if liger else ACTIVATION_BYTES
+    per_width, config = LIGER_ACTIVATION_BYTES if liger else ACTIVATION_BYTES, config.get_text_config()
     mlp = config.intermediate_size
     if is_moe(config):  # a MoE block keeps each token's copy for every expert it routes
         mlp = config.num_experts_per_tok * (config.moe_intermediate_size + config.hidden_size)  # to (fitted: 1 run)

@@ -12,6 +12,7 @@ from dsrl.collectives import all_ranks
 from dsrl.config import Config, critic_of_its_own
 from dsrl.data import Sample
 from dsrl.metrics import reduce_across_ranks
+from dsrl.vision import check_ranks_agree
 from dsrl.zero.actor import compute_logprobs, update_actor
 from dsrl.zero.checkpoint import export_hf, find_checkpoint, load_checkpoint, save_checkpoint, warn_disk_room
 from dsrl.zero.critic import compute_values, has_values, update_actor_and_critic, update_critic
@@ -75,6 +76,7 @@ class Trainer:
         """Old logprobs (unless the update's forward pass gives them: `old_from_update`), reference logprobs and the
         critic's values; False on every rank when any rank saw a non-finite value."""
         cfg, pad_id = self.cfg, self.pad_id
+        check_ranks_agree(self.actor.module, samples)
         if cfg.algorithm.policy_loss == "bypass_mode":  # (verl's bypass mode: the engine's logprobs are the old ones)
             for s in samples:
                 s.old_logprobs = torch.tensor(s.engine_logprobs, dtype=torch.float32)

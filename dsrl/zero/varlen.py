@@ -81,8 +81,9 @@ def attention(
         )
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     gqa = key.shape[1] != query.shape[1]
-    if cu_seq_lens_q is None:  # right-padded rows (see the module's docstring)
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
+    causal = getattr(module, "is_causal", True)  # (a vision tower's attention is not; its caller splits the images)
+    if cu_seq_lens_q is None or not causal:  # right-padded rows (see the module's docstring)
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2), None
     if query.shape[0] != 1:
         raise ValueError(f"packed sequences are one row; got {query.shape[0]} rows with cu_seq_lens_q")
