@@ -84,11 +84,9 @@ kept its mismatch flat through 15 updates."""
 
 
 RENAMES_BLOCK_SCALES = frozenset({"llama", "mistral"})
-"""Model types whose SGLang 0.5.17 loader (LlamaForCausalLM's, which Mistral's extends) renames every
-`.weight_scale_inv` to `.weight_scale`, ModelOpt's per-tensor name, before it looks it up, in both of its loaders. Its
-block-wise FP8 layers hold `weight_scale_inv`, so no scale ever loads: the GPU toy served as Llama logged "Parameter
-model.layers.0.self_attn.qkv_proj.weight_scale not found in params_dict" at start-up and at the first update, then
-sampled from NaN ("probability tensor contains either `inf`, `nan` or element < 0") and its server died."""
+"""Model types whose SGLang 0.5.17 loader (LlamaForCausalLM's, which Mistral's extends) renames `.weight_scale_inv`
+to ModelOpt's per-tensor `.weight_scale`, which block-wise FP8 layers lack: no scale loads ("Parameter ...weight_scale
+not found in params_dict", at start-up and every update), and the GPU toy served as Llama sampled NaN and died."""
 
 
 def check_servers_load_fp8(cfg: "Config", engine: str) -> None:

@@ -16,7 +16,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -230,7 +229,7 @@ class ServersLost(RuntimeError):
     """No rollout server is left, and none can come back (their replacements did not start)."""
 
 
-class Fleet(ABC):
+class Fleet:
     """The rollout servers of one run, held by trainer rank 0.
 
     Membership changes in one place, `heal`, which the weight update calls before it sends: a server
@@ -296,9 +295,8 @@ class Fleet(ABC):
     def stop_server(self, url: str) -> None:
         """Stop a server that left (a no-op for servers dsrl did not start)."""
 
-    @abstractmethod
     def stop(self) -> None:
-        """Stop every server this fleet started, with no orphans."""
+        """Stop every server this fleet started, with no orphans (none: servers the user runs)."""
 
     def __post_init__(self) -> None:
         self.requests: list[dict] = []
@@ -558,9 +556,6 @@ class ExternalFleet(Fleet):
         wait_healthy(url, self.startup_timeout_s)
         self.urls.append(url)
         return [url]
-
-    def stop(self) -> None:
-        pass
 
 
 def rejoin_when_answering(fleet: Fleet, url: str, every_s: float = 2.0) -> None:

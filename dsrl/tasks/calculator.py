@@ -128,22 +128,11 @@ def build_model_config(tokenizer, **shape):
     """A Qwen2 config for `tokenizer`'s vocabulary; `shape` overrides the tiny CPU default (e.g. the 0.5B's)."""
     from transformers import Qwen2Config
 
-    return Qwen2Config(
-        **{
-            "vocab_size": len(tokenizer),
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 2048,
-            "tie_word_embeddings": True,
-            **shape,
-            "bos_token_id": None,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-        }
-    )
+    tiny = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+            "tie_word_embeddings": True}  # fmt: skip
+    ids = {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    return Qwen2Config(**tiny | shape | ids)
 
 
 def write_example(root: Path) -> None:
