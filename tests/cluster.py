@@ -276,7 +276,8 @@ class Cluster:
             f"mkdir {SHARED} && mount --bind {shared} {SHARED}",
             f"mount --bind {self.dir / 'etc-ssh'} /etc/ssh",
             f"mount --bind {node.dir / 'hosts'} /etc/hosts",
-            f"mount --bind {node.dir / 'tmp'} /tmp",  # last: the paths above are under the box's /tmp
+            *self._keep_under_tmp(node),
+            f"mount --rbind {node.dir / 'tmp'} /tmp",  # last: the paths above are under the box's /tmp
             "ip link set lo up",
         ]
         sh(*node.enter("-n -u -m"), "sh", "-ec", "; ".join(setup))
@@ -284,6 +285,15 @@ class Cluster:
         sh(*self.switch_enter(), "ip", "link", "add", port, "type", "veth", "peer", "eth0", "netns", str(node.pid))
         sh(*self.switch_enter(), "ip", "link", "set", port, "master", "br0", "up")
         sh(*node.enter("-n"), "sh", "-ec", f"ip addr add {node.address}/15 dev eth0; ip link set eth0 up")
+
+    @staticmethod
+    def _keep_under_tmp(node: Node) -> list[str]:
+        """A checkout or venv under the box's /tmp (a clone in /tmp/x) stays at its path on the node, bound into the
+        node's own /tmp before that replaces the box's."""
+        tmp = Path("/tmp").resolve()
+        keep = {p for p in (Path(__file__).resolve().parents[1], Path(sys.prefix).resolve()) if p.is_relative_to(tmp)}
+        return [f"mkdir -p {node.dir / 'tmp' / p.relative_to(tmp)} && mount --bind {p} "
+                f"{node.dir / 'tmp' / p.relative_to(tmp)}" for p in sorted(keep)]  # fmt: skip
 
     def start_slurm(self) -> dict[str, str]:
         """Debian's Slurm on the nodes (slurmctld, slurmd, munge): munged on each (the box's key), slurmctld on
