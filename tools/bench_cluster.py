@@ -82,6 +82,7 @@ def sync_nodes(args) -> None:
         trainers[0].run(f"{bench} --prepare --models {' '.join(args.models)}", env=ENV, timeout=1200, cwd=ROOT)
         urls = " ".join(f"http://{node.address}:30000" for node in servers)
         print("model | link | mode | changed words | MB a sync | seconds | carried on the busiest link | fraction")
+        parts = []
         for model in args.models:
             started = serve(servers, f"{work}/{model} {loader}")
             for rate in args.rates:
@@ -98,8 +99,10 @@ def sync_nodes(args) -> None:
                     link = gbit(None if rate == "none" else rate)
                     print(f"{model} | {rate} | {r['mode']} | {r['changed']:.4f} | {r['mb']:.3g} | {r['seconds']:.3f} | "
                           f"{carried:.3g} Gbit/s | {f'{carried / link:.3g}' if link else '-'}", flush=True)  # fmt: skip
+                    parts.append(f"{model} | {rate} | {r['mode']} | seconds in the median sync (rank 0): {r['parts']}")
             for node, proc in zip(servers, started):
                 node.end(proc)
+    print("\n".join(parts))
 
 
 def main() -> None:
