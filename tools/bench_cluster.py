@@ -9,6 +9,13 @@ host), as `tools/bench_fleet.py` measures it.
 
     python tools/bench_cluster.py                          # unshaped, 1, 10 and 100 Gbit/s
     python tools/bench_cluster.py --rates 10gbit --repeats 5
+
+`--sync-nodes` runs, instead, `tools/bench_sync_nodes.py` across four nodes: node1 and node2 a trainer rank each
+(a DeepSpeed hostfile), node3 and node4 a server each (`dsrl serve` with the shard loader), for each link rate and
+model: rank 0 sends everything, every rank its partition, every rank only the changed words. "Carried" is what the
+busiest link carried: a trainer node's, which sends its bytes to each server (rank 0 alone: all of them twice).
+
+    python tools/bench_cluster.py --sync-nodes --rates 10gbit 100gbit --models toy 0.5b
 """
 
 import argparse
@@ -56,12 +63,46 @@ def rollout_tokens_per_s(node, name: str, fleet: str, steps: int) -> float:
     return statistics.median(n * 32 * 8 / s for n, s in zip(lengths, seconds))  # toy_cpu.yaml: 32 prompts x 8
 
 
-def serve(nodes, model: str) -> list:
+def serve(nodes, model: str, flags: str = "") -> list:
     """`dsrl serve` of `model` on port 30000 of each of `nodes`, answering."""
-    started = [node.popen(f"exec dsrl serve --model-path {model} --port 30000 --host {node.address}") for node in nodes]
+    cmd = f"exec dsrl serve --model-path {model} --port 30000 {flags}"
+    started = [node.popen(f"{cmd} --host {node.address}") for node in nodes]
     for node in nodes:
         node.wait_port(30000, timeout=300)
     return started
+
+
+def sync_nodes(args) -> None:
+    """rank0, all and delta (`tools/bench_sync_nodes.py`) from 2 trainer nodes to 2 server nodes, each rate, model."""
+    work, loader = f"{SHARED}/sync_nodes", "--dtype bfloat16 --custom-weight-loader dsrl.serving.shard_loader.load"
+    bench = f"python tools/bench_sync_nodes.py --workdir {work} --repeats {args.repeats} --changed {args.changed}"
+    with up(4) as cluster:
+        trainers, servers = cluster.nodes[:2], cluster.nodes[2:]
+        (cluster.dir / "shared" / "hostfile").write_text(cluster.hostfile(trainers))
+        trainers[0].run(f"{bench} --prepare --models {' '.join(args.models)}", env=ENV, timeout=1200, cwd=ROOT)
+        urls = " ".join(f"http://{node.address}:30000" for node in servers)
+        print("model | link | mode | changed words | MB a sync | seconds | carried on the busiest link | fraction")
+        parts = []
+        for model in args.models:
+            started = serve(servers, f"{work}/{model} {loader}")
+            for rate in args.rates:
+                cluster.shape(None if rate == "none" else rate)
+                cmd = f"{bench} --models {model} --hostfile {SHARED}/hostfile --ranks 1 --servers {urls}"
+                out = trainers[0].run(cmd, env=ENV, timeout=3600, cwd=ROOT)
+                results = cluster.dir / "shared/sync_nodes/results.jsonl"
+                if not results.is_file():
+                    raise SystemExit(f"bench_sync_nodes.py gave no results:\n{out.stdout[-4000:]}{out.stderr[-4000:]}")
+                for line in results.read_text().splitlines():
+                    r = json.loads(line)
+                    senders = 1 if r["mode"] == "rank0" else len(trainers)
+                    carried = r["mb"] * 8e-3 * len(servers) / senders / r["seconds"]  # Gbit/s of one trainer node
+                    link = gbit(None if rate == "none" else rate)
+                    print(f"{model} | {rate} | {r['mode']} | {r['changed']:.4f} | {r['mb']:.3g} | {r['seconds']:.3f} | "
+                          f"{carried:.3g} Gbit/s | {f'{carried / link:.3g}' if link else '-'}", flush=True)  # fmt: skip
+                    parts.append(f"{model} | {rate} | {r['mode']} | seconds in the median sync (rank 0): {r['parts']}")
+            for node, proc in zip(servers, started):
+                node.end(proc)
+    print("\n".join(parts))
 
 
 def main() -> None:
@@ -70,9 +111,14 @@ def main() -> None:
     p.add_argument("--rates", nargs="*", default=rates, help="tc's words; none: unshaped")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="steps of each rollout run")
+    p.add_argument("--sync-nodes", action="store_true", help="rank0/all/delta from 2 trainer nodes to 2 server nodes")
+    p.add_argument("--models", nargs="+", default=["toy", "0.5b"], help="with --sync-nodes")
+    p.add_argument("--changed", type=float, default=0.01, help="with --sync-nodes: fraction changed between syncs")
     args = p.parse_args()
     if why := missing():
         raise SystemExit(f"bench_cluster: {why}")
+    if args.sync_nodes:
+        return sync_nodes(args)
     from tools.bench_sync import make_cpu_model
 
     with up(3) as cluster:

@@ -166,6 +166,10 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "results.jsonl").unlink(missing_ok=True)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    if args.hostfile:  # what the ranks of other nodes need of it (DeepSpeed's pdsh launch passes only PYTHON*)
+        from dsrl.nodes import env_file
+
+        env["DS_ENV_FILE"] = str(env_file(workdir, env))
     for name in args.models:
         model_dir = make_model(workdir / name, name)
         if args.prepare:
