@@ -515,7 +515,7 @@ def test_bypass_mode_and_the_token_baseline_keep_their_old_logprobs_pass_apart(w
     sample = Sample(Prompt(0, [1], "p", None), [3, 4], [-0.5, -1.5], "stop", 0)
     trainer = Trainer.__new__(Trainer)  # (no engines: the bypass runs no pass)
     trainer.cfg, trainer.pad_id, trainer.ref, trainer.critic = cfg, 0, None, None
-    trainer.actor = SimpleNamespace(module=None)
+    trainer.actor = SimpleNamespace(module=SimpleNamespace(config=SimpleNamespace()))  # (a text model)
     assert trainer.logprobs([sample], 0)
     assert sample.old_logprobs.tolist() == [-0.5, -1.5]
 
