@@ -76,6 +76,17 @@ def run_and_kill(cmd: list[str], at_step: int, total: int, on_line: Callable[[st
     return log
 
 
+def run_watching(cmd: list[str], on_line: Callable[[str], None]) -> tuple[int, list[str]]:
+    """Run to its end, `on_line` seeing each line of its log as it comes (to kill a server at a step); returns its
+    exit code and the lines it wrote."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    log = []
+    for line in proc.stderr:
+        log.append(line)
+        on_line(line)
+    return proc.wait(600), log
+
+
 def scalars(run_dir: Path) -> dict[str, dict[int, float]]:
     """tag -> step -> value; for steps logged twice (before a kill and after the resume), the later one."""
     events = EventAccumulator(str(run_dir / "tensorboard"))
@@ -166,16 +177,13 @@ def test_crash_of_a_rollout_server_in_async_mode_loses_nothing(tmp_path):
     args = ["--trainer.total_steps", "6", "--logging.save_every", "6", "--rollout.num_servers", "2"]
     args += ["--rollout.interrupt", "pause"]
     args += ["--rollout.server_args", json.dumps({"decode_delay_ms": 10})]  # requests in flight at the kill
-    proc = subprocess.Popen(
-        train_cmd("toy_cpu_async.yaml", run_dir, *args), cwd=ROOT, stderr=subprocess.PIPE, text=True
-    )
-    log = []
-    for line in proc.stderr:
-        log.append(line)
+
+    def kill_server_1(line: str) -> None:
         if "step 2/6 |" in line:
-            server_log = (run_dir / "logs" / "server_1.log").read_text()
-            os.kill(int(re.search(r"\(pid (\d+)\)", server_log).group(1)), signal.SIGKILL)
-    assert proc.wait(600) == 0, "".join(log[-60:])
+            os.kill(server_pid(run_dir, 1), signal.SIGKILL)
+
+    code, log = run_watching(train_cmd("toy_cpu_async.yaml", run_dir, *args), kill_server_1)
+    assert code == 0, "".join(log[-60:])
     assert_run_went_on_without_waiting(log)
     assert [r["step"] for r in trace(run_dir)] == list(range(6))
     assert_every_prompt_accounted_for(run_dir, "step_6")
@@ -275,10 +283,8 @@ def test_a_lone_server_killed_mid_generate_and_mid_sync_three_times_the_run_fini
     args = ["--data.train_path", str(data), "--rollout.prompts_per_step", str(per_step), "--trainer.total_steps"]
     args += [str(steps), "--trainer.micro_batch_size", "64", "--sync.verify", "weights", "--sync.timeout_s", "60"]
     args += ["--rollout.server_args", json.dumps({"decode_delay_ms": 20, "crash_marker": str(marker)})]
-    proc = subprocess.Popen(train_cmd("toy_cpu.yaml", run_dir, *args), cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    log = []
-    for line in proc.stderr:
-        log.append(line)
+
+    def kill(line: str) -> None:
         if f"step 2/{steps} |" in line or f"step 7/{steps} |" in line:  # the next step's rollout is under way
             time.sleep(0.1)
             os.kill(server_pid(run_dir), signal.SIGKILL)
@@ -286,7 +292,9 @@ def test_a_lone_server_killed_mid_generate_and_mid_sync_three_times_the_run_fini
             written = marker.with_suffix(".new")
             written.write_text("")
             written.rename(marker)
-    assert proc.wait(600) == 0, "".join(log[-60:])
+
+    code, log = run_watching(train_cmd("toy_cpu.yaml", run_dir, *args), kill)
+    assert code == 0, "".join(log[-60:])
     text = "".join(log)
     assert not marker.exists(), "no server took the crash marker"
     assert text.count("the rollout waits for a replacement") >= 2, text[-6000:]
@@ -303,15 +311,13 @@ def test_a_lone_server_killed_in_async_mode_loses_nothing(tmp_path):
     run_dir = tmp_path / "lone_async"
     args = ["--trainer.total_steps", "6", "--logging.save_every", "6"]
     args += ["--rollout.server_args", json.dumps({"decode_delay_ms": 10})]  # requests in flight at the kill
-    proc = subprocess.Popen(
-        train_cmd("toy_cpu_async.yaml", run_dir, *args), cwd=ROOT, stderr=subprocess.PIPE, text=True
-    )
-    log = []
-    for line in proc.stderr:
-        log.append(line)
+
+    def kill(line: str) -> None:
         if "step 2/6 |" in line:
             os.kill(server_pid(run_dir), signal.SIGKILL)
-    assert proc.wait(600) == 0, "".join(log[-60:])
+
+    code, log = run_watching(train_cmd("toy_cpu_async.yaml", run_dir, *args), kill)
+    assert code == 0, "".join(log[-60:])
     assert "the rollout waits for a replacement" in "".join(log)
     assert [r["step"] for r in trace(run_dir)] == list(range(6))
     assert_every_prompt_accounted_for(run_dir, "step_6")
@@ -324,14 +330,14 @@ def test_a_lone_server_that_cannot_start_again_stops_the_run_with_a_checkpoint(t
     run_dir = tmp_path / "lost"
     args = ["--trainer.total_steps", "8", "--rollout.prompts_per_step", "16", "--rollout.max_restarts", "2"]
     args += ["--rollout.server_args", json.dumps({"decode_delay_ms": 20}), "--eval.path", "null"]
-    proc = subprocess.Popen(train_cmd("toy_cpu.yaml", run_dir, *args), cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    log = []
-    for line in proc.stderr:
-        log.append(line)
+
+    def kill(line: str) -> None:
         if "step 2/8 |" in line:
             shutil.rmtree(run_dir / "init_model")  # what the servers load
             os.kill(server_pid(run_dir), signal.SIGKILL)
-    assert proc.wait(600) == 1, "".join(log[-60:])
+
+    code, log = run_watching(train_cmd("toy_cpu.yaml", run_dir, *args), kill)
+    assert code == 1, "".join(log[-60:])
     error = [line for line in log if "error:" in line]
     assert len(error) == 1 and "no rollout server left: rollout server 0 did not start in 2 tries" in error[0], log
     assert "exited with code 1 while starting; end of" in error[0] and "server_0.log: OSError" in error[0]
