@@ -11,6 +11,7 @@ image beside the image (`image_data`), which SGLang expands the same way, as the
 import base64
 import functools
 import io
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +54,10 @@ def image_processor(model_dir: str):
     """The model's image processor and config; None where the model has none."""
     from transformers import AutoConfig, AutoImageProcessor
 
-    if not (Path(model_dir) / "preprocessor_config.json").is_file():
+    nested = Path(model_dir) / "processor_config.json"  # (transformers 5 saves a processor's image processor in it)
+    if not (Path(model_dir) / "preprocessor_config.json").is_file() and not (
+        nested.is_file() and "image_processor" in json.loads(nested.read_text())
+    ):
         return None
     return AutoImageProcessor.from_pretrained(model_dir), AutoConfig.from_pretrained(model_dir)
 
@@ -172,7 +176,7 @@ def prompt_images(ids: list[int], files: list[bytes], model_dir: str, where: str
     found = image_processor(model_dir)
     if found is None:
         raise DatasetError(f"{where}: a row with images, but the model at {model_dir} has no image processor "
-                           "(preprocessor_config.json)")  # fmt: skip
+                           "(preprocessor_config.json, or processor_config.json's image_processor)")  # fmt: skip
     processor, config = found
     sizes = [Image.open(io.BytesIO(f)).size for f in files]
     counts = [processor.get_number_of_image_patches(h, w, {}) // processor.merge_size**2 for w, h in sizes]

@@ -122,6 +122,12 @@ def test_bad_rows_are_named_with_their_file(tmp_path):
     tokenizer.save_pretrained(tmp_path / "text_only")  # (no image processor beside it)
     with pytest.raises(DatasetError, match=r"row 0: a row with images, but the model at .* has no image processor"):
         PromptDataset(DataConfig(one), AutoTokenizer.from_pretrained(tmp_path / "text_only"))
+    nested = tmp_path / "nested"  # (transformers 5's processor file: the image processor inside processor_config.json)
+    tokenizer.save_pretrained(nested)
+    (nested / "config.json").write_bytes((VL_MODEL / "config.json").read_bytes())
+    image_processor = json.loads((VL_MODEL / "preprocessor_config.json").read_text())
+    (nested / "processor_config.json").write_text(json.dumps({"image_processor": image_processor}))
+    assert PromptDataset(DataConfig(one), AutoTokenizer.from_pretrained(nested)).prompts[0].images is not None
     ok = PromptDataset(DataConfig(one), tokenizer).prompts[0]
     assert ok.images.request_ids == tokenizer("<|vision_start|><|image_pad|><|vision_end|>colour?=")["input_ids"]
     assert ok.prompt_ids.count(tokenizer.convert_tokens_to_ids("<|image_pad|>")) == 4  # (56 px: 4 x 4 patches, merged)

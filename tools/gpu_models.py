@@ -116,6 +116,7 @@ def build_vl(out: Path, vocab: int) -> Path:
 
         Qwen2_5_VLProcessor(Qwen2VLImageProcessor(), tokenizer, Qwen2VLVideoProcessor(), chat_template=colours.TEMPLATE
                             ).save_pretrained(out)  # fmt: skip
+        Qwen2VLImageProcessor().save_pretrained(out)  # (transformers 5's processor file nests it: dsrl reads this one)
     except (ImportError, TypeError, AttributeError):  # (no torchvision)
         Qwen2VLImageProcessorPil().save_pretrained(out)
     return out

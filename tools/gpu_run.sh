@@ -610,20 +610,42 @@ json.dump(c, open('/tmp/models/toy128/config.json', 'w'))"
       # of 224-448 px each (MODELS: vl-data; 64-256 image tokens a prompt), 10 steps, every sync probe-checked (its probe
       # has an image too); then (VL_RUNS) its text-only twin, the 3B language model (MODELS: 3b) on the same prompts
       # without their pictures. Per run: the steady steps and phases, the sync's bytes and seconds, the probe's diff, the
-      # mismatch and the prompts' mean length (the runs' difference: the image tokens a prompt)
+      # mismatch and the prompts' mean length (the runs' difference: the image tokens a prompt). A cold machine took
+      # 130 s to start the VL server (2026-12-02; the text twin's 80 s): VL_LIMIT 420 for the 10 steps
       TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
       for run in ${VL_RUNS:-vl text}; do
         model=/tmp/models/vl-3b data=/tmp/models/vl-data/train.parquet
         [ $run = text ] && model=/tmp/models/3b data=/tmp/models/vl-data/train.jsonl
+        # (the vision tower's attention: SGLang's default is FA3, whose kernels .gpu's site prunes from sgl_kernel)
+        mm=(--rollout.server_args '{"attention_backend": "triton", "sampling_backend": "pytorch", "mm_attention_backend": "triton_attn"}')
         rm -rf /tmp/runs/vl_$run
         stage vl_$run ${VL_LIMIT:-420} python3 -m dsrl.cli train --config configs/gpu_colocate.yaml --model.path $model \
           --data.train_path $data --trainer.total_steps 10 --sync.verify probe --logging.tensorboard $TB \
-          --logging.export_hf false --logging.run_dir /tmp/runs/vl_$run
+          --logging.export_hf false --logging.run_dir /tmp/runs/vl_$run "${mm[@]}"
         note "vl $run: $(python3 tools/step_report.py --line /tmp/runs/vl_$run 2>/dev/null || grep -a 'Error\|error:' \
           "$OUT/vl_$run.log" | tail -1 | cut -c1-200)"
         grep -a "final metrics" "$OUT/vl_$run.log" | grep -o '"prompt/length_mean": [0-9.e-]*\|"sync/bytes": [0-9.e-]*\|"sync/seconds": [0-9.e-]*\|"sync/probe_logprob_diff": [0-9.e-]*\|"mismatch/logprob_abs_diff": [0-9.e-]*' \
           | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
       done
+      ;;
+    opd)  # 1 GPU (issue 87): on-policy distillation on the GPU toy, the reverse KL to a teacher alone as the advantage;
+      # the teacher (.teacher/hf, carried: the CPU toy trained by `dsrl train --config configs/toy_cpu.yaml`, its hf/)
+      # on an SGLang server of its own beside the rollout's, asleep with it. Held-out reward before, at 20 and at 40
+      TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
+      rm -rf /tmp/runs/opd
+      stage opd ${OPD_LIMIT:-240} python3 -m dsrl.cli train --config configs/toy_gpu.yaml --distill.teacher_path .teacher/hf \
+        --distill.server_args '{"attention_backend": "triton", "sampling_backend": "pytorch", "disable_cuda_graph": true}' \
+        --trainer.total_steps ${OPD_STEPS:-40} --eval.path examples/toy/test.jsonl --eval.every 20 --eval.before_train true \
+        --logging.run_dir /tmp/runs/opd --logging.export_hf false --logging.tensorboard $TB
+      grep -a "eval at step\|Error" "$OUT/opd.log" | sed 's/.*\[dsrl\] //' | tail -6 | tee -a "$SUMMARY"
+      grep -a "final metrics" "$OUT/opd.log" | grep -o '"distill/reverse_kl": [0-9.e-]*\|"distill/teacher_seconds": [0-9.e-]*\|"reward/mean": [0-9.e-]*\|"timing/step": [0-9.e-]*' \
+        | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
+      ;;
+    delta)  # 1 GPU (issue 86): the bf16 words an AdamW step changes and --sync.delta's encode on the GPU, per model
+      # (DELTA_MODELS, random init, tools/gpu_delta.py); one summary line a model
+      stage delta ${DELTA_LIMIT:-300} python3 tools/gpu_delta.py --model ${DELTA_MODELS:-1.5b 7b} --steps ${DELTA_STEPS:-10} \
+        --out "$OUT/delta.json"
+      grep -a "^summary\|out of GPU memory\|Error" "$OUT/delta.log" | tee -a "$SUMMARY"
       ;;
     *) note "unknown stage $s" ;;
   esac
