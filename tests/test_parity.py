@@ -162,6 +162,8 @@ def test_the_gate_holds_its_baselines_runs_and_names_a_step_15_percent_slower_an
     assert code == 1 and "timing/step 6.352 against 5.476 (more than 15% slower)" in flagged, out
     assert "memory/update_peak_gb 83.53 against 82.62 (more than 1% higher)" in flagged
     assert "sync/gb_per_s" in flagged and "mismatch/logprob_abs_diff" in flagged and "timing/update" not in flagged
+    code, out = gate("check", baseline, ROOT / "docs/gpu_runs/gpu_dec02/gate_peers.json")  # cut after 3 of 11 steps
+    assert code == 1 and "dsrl-auto 1.5b: ended rc=timeout after 3 steps" in out.split("FLAGGED: ")[1], out
     code, out = gate("check", baseline, ROOT / "docs/gpu_runs/moe_nov27/soak.json")  # no run of the gate's
     assert code == 1 and "nothing was checked" in out
 

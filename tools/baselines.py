@@ -14,7 +14,8 @@ the runs it stands for (`run`: a regex on the record's run names) and its figure
             records (NeMo-RL gates its nightly recipes on the mismatch)
 
 `check` prints each figure of each entry the record has a run for beside its baseline, then names the flagged ones;
-it exits 1 when one is, or when the record has no run of any entry (a stage that did not run passes nothing). `make`
+it exits 1 when one is, when a run checked for time did not end well (its rc: a failure, or its limit), or when the
+record has no run of any entry (a stage that did not run passes nothing). `make`
 keeps the file's entries and rules and sets each value (the runs' median; for a bound, the margin over their
 largest) and `seen` (every run's figure, by record) from the records given.
 """
@@ -53,6 +54,14 @@ def runs(path: Path) -> dict[str, dict[str, float]]:
     return out
 
 
+def unfinished(path: Path) -> dict[str, str]:
+    """The runs of a peers.json that did not end well (rc not 0: a failure, its limit), each with what it did."""
+    data = json.loads(Path(path).read_text())
+    runs_ = data["runs"].items() if isinstance(data, dict) else []
+    return {name: f"ended rc={run['rc']} after {len(run.get('steps') or [])} steps"
+            for name, run in runs_ if run.get("rc") not in (0, None)}  # fmt: skip
+
+
 def verdict(rule: str, base: float, now: float) -> tuple[bool, str]:
     """(flagged, why) for `now` against `base` under `rule`."""
     if rule == "time":
@@ -68,10 +77,15 @@ def verdict(rule: str, base: float, now: float) -> tuple[bool, str]:
 
 def check(baseline: Path, record: Path) -> int:
     entries, found = json.loads(Path(baseline).read_text())["entries"], runs(record)
-    flagged, shown = [], 0
+    flagged, shown, cut = [], 0, unfinished(record)
     for entry_name, entry in entries.items():
         for run_name in [n for n in found if re.fullmatch(entry["run"], n)]:
             print(f"{baseline.name} [{entry_name}], run {run_name!r} of {record}:")
+            timed = any(spec["rule"] == "time" for spec in entry["figures"].values())
+            if run_name in cut and timed:  # (a speed gate: its figures shown, over the steps taken, but not held; a
+                # bound holds over any steps: the fp8 stage's runs end at their limits)
+                flagged.append(f"{run_name}: {cut[run_name]}")
+                print(f"  the run {cut[run_name]}: FLAG")
             for figure, spec in entry["figures"].items():
                 now, base = found[run_name].get(figure), spec["value"]
                 if now is None:

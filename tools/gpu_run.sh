@@ -527,6 +527,7 @@ print('verl stack: verl', verl.__version__, 'sglang', sglang.__version__, 'trans
       # baseline: a step or phase more than 15% slower, the update's peak more than 1% higher, the sync's GB/s more than
       # 15% slower, the mismatch over its bound are named, and the stage fails (tools/baselines.py). GATE_SEED: 0 (the
       # baseline's repeats ran seeds 0-2, the same prompts a step)
+      # (a cold machine's start-up took ~270 s of GATE_LIMIT=360 on 2026-12-02: 3 of 11 steps; carry the jitcache)
       rm -rf /tmp/gate
       stage gate_run ${GATE_LIMIT:-420} python3 tools/peers/peers.py --model /tmp/models/1.5b --workload tail \
         --runs dsrl-auto --steps 11 --seeds ${GATE_SEED:-0} --limits $((${GATE_LIMIT:-420} - 40)) --out /tmp/gate \
@@ -633,7 +634,7 @@ json.dump(c, open('/tmp/models/toy128/config.json', 'w'))"
       # on an SGLang server of its own beside the rollout's, asleep with it. Held-out reward before, at 20 and at 40
       TB=$(python3 -c "from torch.utils.tensorboard import SummaryWriter" 2>/dev/null && echo true || echo false)
       rm -rf /tmp/runs/opd
-      stage opd ${OPD_LIMIT:-240} python3 -m dsrl.cli train --config configs/toy_gpu.yaml --distill.teacher_path .teacher/hf \
+      stage opd ${OPD_LIMIT:-300} python3 -m dsrl.cli train --config configs/toy_gpu.yaml --distill.teacher_path .teacher/hf \
         --distill.server_args '{"attention_backend": "triton", "sampling_backend": "pytorch", "disable_cuda_graph": true}' \
         --trainer.total_steps ${OPD_STEPS:-40} --eval.path examples/toy/test.jsonl --eval.every 20 --eval.before_train true \
         --logging.run_dir /tmp/runs/opd --logging.export_hf false --logging.tensorboard $TB
