@@ -179,10 +179,11 @@ class OwnerWatch:
     """A rank's watch on what it lives for: `dsrl train` (its pid on the host it launched from; on other hosts, the
     port it listens on there) and trainer rank 0 (its TCP store's address, on ranks above 0). When either is gone --
     killed by any signal, SIGKILL included, or its node lost -- the rank kills the processes it started and itself,
-    so nothing of the run outlives its owner. `stop()` before the ranks close: rank 0 may exit first then."""
+    so nothing of the run outlives its owner. `closing()` before the ranks close: rank 0 may exit first then, but
+    `dsrl train` outlives every rank, so a close that hangs still ends with it."""
 
     def __init__(self, holder: tuple[int, str], ports: list[tuple[str, tuple[str, int]]], interval_s: float = 1.0):
-        self.holder, self.ports, self.interval_s, self.stopped = holder, ports, interval_s, threading.Event()
+        self.holder, self.ports, self.interval_s = holder, ports, interval_s
         """`holder`: `dsrl train`'s (pid, host), which holds the run directory's lock for the ranks."""
         self.owner = None
         if holder[1] == socket.gethostname():
@@ -212,10 +213,11 @@ class OwnerWatch:
 
     def _watch(self) -> None:
         misses: dict[str, int | None] = {who: None for who, _ in self.ports}  # watched once it has answered (rank 0's
-        while not self.stopped.wait(self.interval_s):  # store starts with rank 0's world)
+        while True:  # store starts with rank 0's world)
+            time.sleep(self.interval_s)
             if self.owner is not None and not self.owner.is_running():
                 self._end(f"dsrl train (pid {self.owner.pid})")
-            for who, address in self.ports:
+            for who, address in list(self.ports):
                 try:
                     socket.create_connection(address, timeout=2).close()
                     misses[who] = 0
@@ -227,8 +229,9 @@ class OwnerWatch:
     def _end(self, who: str) -> None:
         end_process(f"the run's owner, {who}, is gone")
 
-    def stop(self) -> None:
-        self.stopped.set()
+    def closing(self) -> None:
+        """The ranks close on their own now: rank 0's store is no longer watched (it may exit first)."""
+        self.ports = [(who, address) for who, address in self.ports if not who.startswith("trainer rank 0")]
 
 
 def end_process(why: str) -> None:

@@ -146,7 +146,7 @@ class Run:
 
     def close(self) -> None:
         if self.watch is not None:
-            self.watch.stop()  # the ranks close on their own now: rank 0 may well exit first
+            self.watch.closing()  # the ranks close on their own now: rank 0 may well exit first
         self.rollouts.stop()
         self.rewarder.close()
         self.runner.close()

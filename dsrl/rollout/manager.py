@@ -30,6 +30,7 @@ running) sends its next turn only once the update is over, and goes on from exac
 """
 
 import asyncio
+import io
 import logging
 import time
 import uuid
@@ -54,6 +55,9 @@ from dsrl.rollout.rollouts import (
 from dsrl.serving.client import RolloutClient
 
 log = logging.getLogger(__name__)
+
+STOP_S = 30.0
+"""How long a stop waits for the cancelled rollout tasks (they end at once unless something holds them)."""
 
 
 def schedule(client: RolloutClient, cfg: Config, dataset: PromptDataset, rewarder: Rewarder, rank: int, world: int,
@@ -220,7 +224,14 @@ class RolloutManager(Rollouts):
             self.cond.notify_all()
         for task in list(self.tasks):
             task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if not self.tasks:
+            return
+        _, left = await asyncio.wait(list(self.tasks), timeout=STOP_S)
+        for task in left:  # (the run ends anyway: a close never waits on them for ever)
+            stack = io.StringIO()
+            task.print_stack(file=stack)
+            log.warning("a rollout task did not stop within %.0fs of its cancel; left running: %s", STOP_S,
+                        stack.getvalue().strip())  # fmt: skip
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
