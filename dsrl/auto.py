@@ -15,6 +15,7 @@ from dataclasses import replace
 import psutil
 
 from dsrl.config import PROBE_TOLERANCE, Config, ConfigError, RolloutConfig, SyncConfig, TrainerConfig
+from dsrl.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,16 @@ def resolve(cfg: Config, model_dir: str) -> tuple[Config, list[str]]:
         out = replace(out, model=replace(cfg.model, lora_base="replicated" if replicated else "partitioned"))
         lines.append(why)
     return out, lines
+
+
+def make_plan(cfg: Config, model_dir: str, world: int = 1) -> Plan:
+    """The run's `Plan` from `cfg` and this machine: what the rooms read (a piece built alone gets it here too)."""
+    cuda, (memory, name) = use_cuda(cfg), device_memory(cfg)
+    return Plan(cuda=cuda, bf16=bf16(cfg), packs=packs(cfg), old_from_update=old_from_update(cfg),
+                engine=rollout_engine(cfg, cuda), fleet=fleet_kind(cfg.rollout),
+                colocated=cfg.rollout.placement == "colocate", servers_first=servers_first(cfg, world),
+                params=count_params(cfg, model_dir), device_memory=memory, device_name=name,
+                replicated_base=cfg.model.lora_rank > 0 and replicated_base(cfg, model_dir)[0])  # fmt: skip
 
 
 def log_decisions(lines: list[str]) -> None:
