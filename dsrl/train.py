@@ -171,7 +171,7 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
         check_server_args(cfg.rollout, plan.engine)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     runner = EpisodeRunner(cfg, tokenizer)  # checks the chat template, with an environment
-    context = server_context(cfg, model_dir, cfg.rollout.engine)
+    context = server_context(cfg, model_dir, plan.engine, plan.fleet)
     dataset, held_out = check_datasets(cfg, tokenizer, context, runner.tool_schemas)  # every rank: the same errors
     cfg, graphs = decode_graphs(cfg, world)
     replay = routing_replay(cfg, AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code))
@@ -197,8 +197,8 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
         cfg = lora_servers(cfg, target_modules(trainer.actor.module))
     fleet, client = start_rollout_servers(cfg, servers_dir, run_dir, launched)
     client.return_routed_experts = replay  # (a mixture of experts replays the servers' routing: dsrl.moe)
-    reward_model = start_reward_model(cfg, tokenizer, client, run_dir, rank == 0)
-    teacher = start_teacher(cfg, tokenizer, client, run_dir, rank == 0)
+    reward_model = start_reward_model(cfg, tokenizer, client, run_dir, rank == 0, plan.cuda)
+    teacher = start_teacher(cfg, tokenizer, client, run_dir, rank == 0, plan.cuda)
     rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env), model=reward_model, teacher=teacher)
     rewarder.restore((rank_state or {}).get("rewarder"))
     tenants = [m for m in (reward_model, teacher) if m is not None and rank == 0]
