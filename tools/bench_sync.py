@@ -194,7 +194,7 @@ def rank_main(args) -> None:
     )
     # The update as training runs it (heal, send, version check), without offloading the trainer's states:
     # the figure is the sync's own. Versions count up across bucket sizes.
-    weights = WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor]))
+    weights = WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor], cuda=gpu))
     version = 0
     try:
         for bucket_mb in args.bucket_mb:
