@@ -180,7 +180,7 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     servers_dir = servers_model_dir(cfg, model_dir, run_dir)
     launched = launch_before_trainer(cfg, plan, servers_dir, run_dir, rank)
     try:
-        trainer = Trainer(cfg, model_dir, world, tokenizer)
+        trainer = Trainer(cfg, plan, model_dir, world, tokenizer)
     except BaseException:
         if launched is not None:
             launched.stop()

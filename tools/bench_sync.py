@@ -148,6 +148,7 @@ def rank_main(args) -> None:
     import torch
     import torch.distributed as dist
 
+    from dsrl.auto import make_plan
     from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
     from dsrl.lending import GpuLending
     from dsrl.serving.client import RolloutClient
@@ -182,7 +183,13 @@ def rank_main(args) -> None:
     rank = dist.get_rank()
     # train=True, as the actor in training: with an optimizer DeepSpeed keeps the parameter partitions in
     # one flat buffer, which a single rank sends from without a copy (FlatGatherer)
-    actor = load_engine(cfg, str(model_dir), dist.get_world_size(), train=True)
+    actor = load_engine(
+        cfg,
+        str(model_dir),
+        dist.get_world_size(),
+        train=True,
+        plan=make_plan(cfg, str(model_dir), dist.get_world_size()),
+    )
     engine = "sglang" if gpu else "embedded"
     fleet = start_fleet_for_ranks(cfg.rollout, str(model_dir), workdir / model_dir.name, cfg.seed, engine, False)
     client = RolloutClient(fleet.urls)

@@ -45,6 +45,7 @@ import time
 
 import torch
 
+from dsrl.auto import make_plan
 from dsrl.config import Config, DataConfig, ModelConfig
 from dsrl.data import Prompt, Sample
 from dsrl.zero import actor, varlen
@@ -176,7 +177,7 @@ def main() -> None:
     cfg = engine_config(args, int(rank), gather)
     cfg.model.lora_base = "partitioned" if "zero3" in options else "auto"
     with deepspeed_linear("deepspeed" in options), adapters_as("peft" in options):
-        engine = load_engine(cfg, args.model, 1, train=True)
+        engine = load_engine(cfg, args.model, 1, train=True, plan=make_plan(cfg, args.model, 1))
     name = f"{f'LoRA {rank}' if int(rank) else 'full'} per {gather}" + "".join(f", {o}" for o in options)
     row = run_engine(args, cfg, engine, name, budget, before)
     print("ROW " + json.dumps({"name": name, **(row or {})}))
