@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -24,7 +24,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from dsrl import rundir
-from dsrl.auto import decode_graphs, log_decisions, lora_servers, make_plan, resolve
+from dsrl.auto import decode_graphs, log_decisions, lora_servers, make_plan, resolve, trainer_on_cuda
 from dsrl.collectives import agreed, all_ranks
 from dsrl.config import Config, parse_config, validate
 from dsrl.data import DatasetError, check_datasets, server_context
@@ -157,7 +157,7 @@ class Run:
 
 def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     configure_logging(cfg.logging.log_level)
-    init_distributed(cfg)
+    init_distributed(trainer_on_cuda(cfg.trainer, torch.cuda.is_available))  # (the plan, after it, says the same)
     rank, world = dist.get_rank(), dist.get_world_size()
     validate(cfg, world)
     run_dir = Path(cfg.logging.run_dir)
@@ -221,7 +221,7 @@ def decide_plan(cfg: Config, model_dir: str, run_dir: Path, rank: int, world: in
     plans = [make_plan(cfg, model_dir, world) if rank == 0 else None]
     dist.broadcast_object_list(plans, src=0)
     if rank == 0:
-        (run_dir / "plan.json").write_text(plans[0].dumps())
+        (run_dir / "plan.json").write_text(json.dumps(asdict(plans[0]), indent=1))
     return plans[0]
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_grad, safe_set_full_fp32_param
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from dsrl.auto import make_plan
+from dsrl.auto import make_plan, use_cuda
 from dsrl.config import AlgorithmConfig, Config, DataConfig, ModelConfig, RolloutConfig
 from dsrl.data import Prompt, Sample
 from dsrl.metrics import reduce_across_ranks
@@ -145,7 +145,7 @@ def update_once(trainer: Trainer, rank: int, world: int) -> dict:
 
 
 def main(model_dir: str, out: str) -> None:
-    init_distributed(config(model_dir, False, "grpo", False))
+    init_distributed(use_cuda(config(model_dir, False, "grpo", False)))
     rank, world = dist.get_rank(), dist.get_world_size()
     tokenizer = build_tokenizer()
     results = {}

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from dsrl.auto import make_plan
+from dsrl.auto import make_plan, use_cuda
 from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
 from dsrl.fp8 import KV_SCALES, SCALE, dequantize, is_quantized, quantize, servers_model_dir
 from dsrl.lending import GpuLending
@@ -219,7 +219,7 @@ def main(model_dir: str, moe_dir: str, out: str) -> None:
         data=DataConfig(train_path="unused"),
         rollout=RolloutConfig(prompts_per_step=2, n_samples=2, num_servers=1, placement="disaggregate"),
     )
-    init_distributed(cfg)
+    init_distributed(use_cuda(cfg))
     run_dir, results = Path(out).parent, {"world": dist.get_world_size()}
     dense_cases(cfg, model_dir, run_dir / "dense", results)
     fp8_case(cfg, model_dir, run_dir / "fp8", results)

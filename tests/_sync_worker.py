@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from dsrl.auto import make_plan
+from dsrl.auto import make_plan, use_cuda
 from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
 from dsrl.lending import GpuLending
 from dsrl.serving.client import RolloutClient
@@ -38,7 +38,7 @@ def main(model_dir: str, train_path: str, out: str) -> None:
         ),
     )
     cfg.trainer.micro_batch_size = 2
-    init_distributed(cfg)
+    init_distributed(use_cuda(cfg))
     rank = dist.get_rank()
     actor = load_engine(
         cfg, model_dir, dist.get_world_size(), train=True, plan=make_plan(cfg, model_dir, dist.get_world_size())

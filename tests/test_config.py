@@ -2,6 +2,7 @@
 
 import base64
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -362,4 +363,4 @@ def test_the_plan_is_decided_once_from_the_config_and_round_trips():
     assert (plan.engine, plan.fleet, plan.colocated, plan.servers_first) == ("embedded", "local", True, False)
     assert plan.params > 0 and plan.device_memory > 0 and not plan.replicated_base
     assert make_plan(resolve(cfg, cfg.model.path)[0], cfg.model.path) == plan
-    assert Plan.loads(plan.dumps()) == plan
+    assert Plan(**json.loads(json.dumps(asdict(plan)))) == plan

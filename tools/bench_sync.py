@@ -148,7 +148,7 @@ def rank_main(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from dsrl.auto import make_plan
+    from dsrl.auto import make_plan, use_cuda
     from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
     from dsrl.lending import GpuLending
     from dsrl.serving.client import RolloutClient
@@ -179,7 +179,7 @@ def rank_main(args) -> None:
     cfg.rollout = rollout
     cfg.trainer.micro_batch_size = 2
     cfg.trainer.device = "cuda" if gpu else "cpu"
-    init_distributed(cfg)
+    init_distributed(use_cuda(cfg))
     rank = dist.get_rank()
     # train=True, as the actor in training: with an optimizer DeepSpeed keeps the parameter partitions in
     # one flat buffer, which a single rank sends from without a copy (FlatGatherer)

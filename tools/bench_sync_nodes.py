@@ -91,7 +91,7 @@ def rank_main(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from dsrl.auto import make_plan
+    from dsrl.auto import make_plan, use_cuda
     from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
     from dsrl.lending import GpuLending
     from dsrl.serving.client import RolloutClient
@@ -108,7 +108,7 @@ def rank_main(args) -> None:
     cfg = Config(model=ModelConfig(path=str(model_dir)),
                  data=DataConfig(train_path=str(ROOT / "examples/toy/train.jsonl")), rollout=rollout)  # fmt: skip
     cfg.trainer.micro_batch_size, cfg.trainer.precision = 2, args.precision
-    init_distributed(cfg)
+    init_distributed(use_cuda(cfg))
     rank = dist.get_rank()
     actor = load_engine(
         cfg,

@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from dsrl.auto import make_plan
+from dsrl.auto import make_plan, use_cuda
 from dsrl.config import Config, DataConfig, ModelConfig
 from dsrl.data import Prompt, Sample
 from dsrl.zero import actor, varlen
@@ -171,7 +171,7 @@ def main() -> None:
         return each_in_its_own_process(specs)
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
-    init_distributed(Config(model=ModelConfig(path=args.model), data=DataConfig(train_path="unused.jsonl")))
+    init_distributed(use_cuda(Config(model=ModelConfig(path=args.model), data=DataConfig(train_path="unused.jsonl"))))
     rank, gather, *options = specs[0].split(":")
     options = options[0].split(",") if options else []
     cfg = engine_config(args, int(rank), gather)

@@ -14,7 +14,7 @@ from collections import Counter
 
 import torch
 
-from dsrl.auto import make_plan
+from dsrl.auto import make_plan, use_cuda
 from dsrl.config import Config, DataConfig, ModelConfig
 from dsrl.zero.actor import trainer_micro_batches, update_actor
 from dsrl.zero.engine import init_distributed, load_engine
@@ -44,7 +44,7 @@ def main() -> None:
     cfg = Config(model=ModelConfig(path=args.model), data=DataConfig(train_path="unused.jsonl"))
     cfg.trainer.max_tokens_per_micro_batch, cfg.trainer.lr = args.budget, 1e-6
     cfg.rollout.max_new_tokens, cfg.rollout.n_samples = args.max_len, 1
-    init_distributed(cfg)
+    init_distributed(use_cuda(cfg))
     engine = load_engine(cfg, args.model, 1, train=True, plan=make_plan(cfg, args.model, 1))
     vocab = engine.module.config.vocab_size
     steps = []

@@ -18,7 +18,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from transformers.integrations import HfDeepSpeedConfig
 
 from dsrl import moe, vision
-from dsrl.auto import use_cuda
 from dsrl.config import Config, ModelConfig, critic_on_actor_base
 from dsrl.nodes import choose_gloo_interface
 from dsrl.plan import Plan
@@ -248,9 +247,10 @@ def add_lora(model: torch.nn.Module, m: ModelConfig, critic: bool, checkpointing
     return model
 
 
-def init_distributed(cfg: Config) -> None:
+def init_distributed(cuda: bool) -> None:
+    """The trainer ranks' process group: NCCL where the trainer runs on CUDA (`cuda`), else gloo."""
     build = None
-    if use_cuda(cfg):
+    if cuda:
         # SGLang's processes run NCCL with cuMem off; a trainer with it on breaks the weight-update
         # group ("Cuda failure 'invalid argument'" on the server, the trainer's broadcast hangs).
         os.environ["NCCL_CUMEM_ENABLE"] = "0"
@@ -265,9 +265,9 @@ def init_distributed(cfg: Config) -> None:
     choose_gloo_interface(os.environ.get("MASTER_ADDR", "127.0.0.1"))  # (gloo's groups: its address toward rank 0)
     # (DeepSpeed prints "... built successfully" at every load of it)
     with report_writes(build, "the comm op's build"), redirect_stdout(StringIO()) as printed:
-        deepspeed.init_distributed(dist_backend="nccl" if use_cuda(cfg) else "gloo")
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     sys.stdout.write("".join(line for line in printed.getvalue().splitlines(True) if "built successfully" not in line))
-    if not use_cuda(cfg):
+    if not cuda:
         unlink_shm_workspace()
 
 
