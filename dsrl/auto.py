@@ -8,13 +8,13 @@ logging.resume (the latest checkpoint). Imports no torch: the CLI asks it before
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import replace
 
 import psutil
 
 from dsrl.config import PROBE_TOLERANCE, Config, ConfigError, RolloutConfig, SyncConfig, TrainerConfig
+from dsrl.nodes import local_ranks
 from dsrl.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -139,12 +139,6 @@ def _count_params(model_dir: str, trust_remote_code: bool) -> int:
     with init_empty_weights():
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
         return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-
-
-def local_ranks(default: int = 1) -> int:
-    """The trainer ranks on this node: DeepSpeed's launcher says so in LOCAL_SIZE (it sets no LOCAL_WORLD_SIZE),
-    torchrun in LOCAL_WORLD_SIZE; `default` outside a launcher."""
-    return int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or default)
 
 
 def device_memory(cfg: Config) -> tuple[int, str]:

@@ -21,9 +21,10 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from dsrl.auto import count_params, device_memory, local_ranks, use_cuda, weight_bytes
+from dsrl.auto import count_params, device_memory, use_cuda, weight_bytes
 from dsrl.config import Config, beside_rollouts, critic_of_its_own
 from dsrl.moe import is_moe
+from dsrl.nodes import local_ranks
 from dsrl.zero.actor import LOGPROB_CHUNK
 from dsrl.zero.batches import largest_micro_batch
 
