@@ -1,8 +1,8 @@
 """Every "auto" setting, decided here: its rule, what it measures, and the pass that decides them all once at a run's
-start (`resolve`), logged as one block (`log_decisions`); a piece built alone (a tool, a test, `dsrl eval`) gets the
-same answers. Decided elsewhere, where what they depend on first exists: trainer.offload_states (the memory plan, once
-the trainers exist: `zero.memory.plan_memory`), model.gradient_checkpointing (each update:
-`zero.memory.AutoCheckpointing`), trainer.max_tokens_per_micro_batch (each
+start (`resolve`), logged as one block (`log_decisions`), and the `Plan` the rooms read (`make_plan`); a piece built
+alone (a tool, a test, `dsrl eval`) gets the same answers. Decided elsewhere, where what they depend on first exists:
+trainer.offload_states (the memory plan, once the trainers exist: `zero.memory.plan_memory`),
+model.gradient_checkpointing (each update: `zero.memory.AutoCheckpointing`), trainer.max_tokens_per_micro_batch (each
 batch: `zero.batches.micro_batches`), reward_model.input (its tokenizer: `rewards.models.sends_token_ids`),
 logging.resume (the latest checkpoint). Imports no torch: the CLI asks it before the launcher starts."""
 

@@ -205,7 +205,7 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     gpu = GpuLending(cfg, client, trainer.engines, memory, tenants, fleet, plan.cuda)
     backend, fp8 = "nccl" if plan.cuda else "gloo", cfg.rollout.precision == "fp8"
     transport = make_transport(cfg.sync, client, run_dir, backend, cfg.rollout.tp_size, fp8)
-    rollouts = schedule(client, cfg, dataset, rewarder, rank, world, runner, rank_state, start_step)
+    rollouts = schedule(client, cfg, dataset, rewarder, rank, world, runner, plan.colocated, rank_state, start_step)
     return Run(
         cfg=cfg, plan=plan, rank=rank, world=world, run_dir=run_dir, tokenizer=tokenizer, trainer=trainer, fleet=fleet,
         client=client, weights=WeightSync(cfg, trainer.actor, fleet, client, transport, gpu), gpu=gpu,
