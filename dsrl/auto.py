@@ -1,20 +1,21 @@
 """Every "auto" setting, decided here: its rule, what it measures, and the pass that decides them all once at a run's
-start (`resolve`), logged as one block (`log_decisions`); a piece built alone (a tool, a test, `dsrl eval`) gets the
-same answers. Decided elsewhere, where what they depend on first exists: trainer.offload_states (the memory plan, once
-the trainers exist: `zero.memory.plan_memory`), model.gradient_checkpointing (each update:
-`zero.memory.AutoCheckpointing`), trainer.max_tokens_per_micro_batch (each
+start (`resolve`), logged as one block (`log_decisions`), and the `Plan` the rooms read (`make_plan`); a piece built
+alone (a tool, a test, `dsrl eval`) gets the same answers. Decided elsewhere, where what they depend on first exists:
+trainer.offload_states (the memory plan, once the trainers exist: `zero.memory.plan_memory`),
+model.gradient_checkpointing (each update: `zero.memory.AutoCheckpointing`), trainer.max_tokens_per_micro_batch (each
 batch: `zero.batches.micro_batches`), reward_model.input (its tokenizer: `rewards.models.sends_token_ids`),
 logging.resume (the latest checkpoint). Imports no torch: the CLI asks it before the launcher starts."""
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import replace
 
 import psutil
 
 from dsrl.config import PROBE_TOLERANCE, Config, ConfigError, RolloutConfig, SyncConfig, TrainerConfig
+from dsrl.nodes import local_ranks
+from dsrl.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +47,6 @@ def fleet_kind(r: RolloutConfig) -> str:
     return r.fleet
 
 
-def servers_first(cfg: Config, world: int) -> bool:
-    """Whether the rollout servers start before the trainer loads (`train.launch_before_trainer`): disaggregated on
-    GPUs of their own, started here (not Ray's or external ones), and not serving LoRA adapters (they are told the
-    trainer's module names). Colocated they start after it, in the memory its plan leaves."""
-    r = cfg.rollout
-    shared = use_cuda(cfg) and r.first_gpu < local_ranks(default=world)  # (a GPU the trainers' too)
-    local = fleet_kind(r) == "local" and not cfg.trainer.hostfile  # (with one, each node starts its own: node_fleet.py)
-    return r.placement == "disaggregate" and local and cfg.sync.lora != "adapter" and not shared
-
-
 def bf16(cfg: Config) -> bool:
     """trainer.precision: auto = bf16 on GPU, fp32 on CPU."""
     return cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and use_cuda(cfg))
@@ -66,15 +57,8 @@ def weight_bytes(cfg: Config) -> int:
     return 2 if bf16(cfg) else 4
 
 
-def packs(cfg: Config) -> bool:
-    """trainer.pack_sequences: auto packs where the trainer runs on CUDA, rows on CPU."""
-    p = cfg.trainer.pack_sequences
-    return p if isinstance(p, bool) else use_cuda(cfg)
-
-
 def old_from_update(cfg: Config) -> bool:
-    """trainer.old_logprobs: whether the update's own forward pass gives the old logprobs (auto, where the batch gets
-    one optimizer step); then no pass computes them before it."""
+    """trainer.old_logprobs: `Plan.old_from_update`."""
     t, a = cfg.trainer, cfg.algorithm
     # (not with bypass_mode, whose old logprobs are the engine's, nor with optimal_token_baseline, which reads them)
     its_own = a.policy_loss != "bypass_mode" and a.advantage != "optimal_token_baseline"
@@ -157,12 +141,6 @@ def _count_params(model_dir: str, trust_remote_code: bool) -> int:
         return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
 
 
-def local_ranks(default: int = 1) -> int:
-    """The trainer ranks on this node: DeepSpeed's launcher says so in LOCAL_SIZE (it sets no LOCAL_WORLD_SIZE),
-    torchrun in LOCAL_WORLD_SIZE; `default` outside a launcher."""
-    return int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or default)
-
-
 def device_memory(cfg: Config) -> tuple[int, str]:
     """The memory a trainer rank's states and activations live in, and its name: its GPU's, or on CPU its share of
     the host's."""
@@ -191,10 +169,10 @@ def replicated_base(cfg: Config, model_dir: str) -> tuple[bool, str]:
 def resolve(cfg: Config, model_dir: str) -> tuple[Config, list[str]]:
     """The config with every auto that start-up decides decided (all but trainer.offload_states, which needs the
     trainers: `zero.memory.plan_memory`), and a line per decision for `log_decisions`."""
-    t, r, cuda = cfg.trainer, cfg.rollout, use_cuda(cfg)
-    trainer = replace(t, device="cuda" if cuda else "cpu", precision="bf16" if bf16(cfg) else "fp32",
-                      pack_sequences=packs(cfg))  # fmt: skip
-    rollout = replace(r, engine=rollout_engine(cfg, cuda), fleet=fleet_kind(r))
+    t, r, p = cfg.trainer, cfg.rollout, make_plan(cfg, model_dir)
+    trainer = replace(t, device="cuda" if p.cuda else "cpu", precision="bf16" if p.bf16 else "fp32",
+                      pack_sequences=p.packs)  # fmt: skip
+    rollout = replace(r, engine=p.engine, fleet=p.fleet)
     out = replace(cfg, trainer=trainer, rollout=rollout, sync=resolve_sync(cfg))
     lines = [f"{flag} {new}" for flag, old, new in (
         ("trainer.device", t.device, trainer.device), ("trainer.precision", t.precision, trainer.precision),
@@ -209,8 +187,8 @@ def resolve(cfg: Config, model_dir: str) -> tuple[Config, list[str]]:
     if cfg.sync.bucket_bytes is None:
         lines.append(f"sync.bucket_bytes {out.sync.bucket_bytes >> 20} MiB")
     if t.old_logprobs == "auto":
-        own = "from the update's own forward pass" if old_from_update(cfg) else "recomputed before the update"
-        lines.append(f"trainer.old_logprobs {own} (one optimizer step a batch: {old_from_update(cfg)})")
+        own = "from the update's own forward pass" if p.old_from_update else "recomputed before the update"
+        lines.append(f"trainer.old_logprobs {own} (one optimizer step a batch: {p.old_from_update})")
     a, fp8 = cfg.algorithm, r.precision == "fp8"
     if a.off_policy == "auto":  # FP8 rollouts are off-policy by construction; the correction weights PPO's loss
         tis = fp8 and a.policy_loss == "ppo" and not a.rollout_correction.enabled()  # (which replaces it)
@@ -224,6 +202,20 @@ def resolve(cfg: Config, model_dir: str) -> tuple[Config, list[str]]:
         out = replace(out, model=replace(cfg.model, lora_base="replicated" if replicated else "partitioned"))
         lines.append(why)
     return out, lines
+
+
+def make_plan(cfg: Config, model_dir: str, world: int = 1) -> Plan:
+    """The run's `Plan` from `cfg` and this machine: what the rooms read (a piece built alone gets it here too); its
+    fields' docstrings say each rule. `train` makes it from the config `resolve` returns (sync.lora decided)."""
+    t, r, cuda, (memory, name) = cfg.trainer, cfg.rollout, use_cuda(cfg), device_memory(cfg)
+    packs = t.pack_sequences if isinstance(t.pack_sequences, bool) else cuda
+    shared = cuda and r.first_gpu < local_ranks(default=world)  # (a GPU the trainers' too)
+    local = fleet_kind(r) == "local" and not t.hostfile  # (with a hostfile each node starts its own: node_fleet.py)
+    first = r.placement == "disaggregate" and local and cfg.sync.lora != "adapter" and not shared
+    return Plan(cuda=cuda, bf16=bf16(cfg), packs=packs, old_from_update=old_from_update(cfg),
+                engine=rollout_engine(cfg, cuda), fleet=fleet_kind(r), colocated=r.placement == "colocate",
+                servers_first=first, params=count_params(cfg, model_dir), device_memory=memory, device_name=name,
+                replicated_base=cfg.model.lora_rank > 0 and replicated_base(cfg, model_dir)[0])  # fmt: skip
 
 
 def log_decisions(lines: list[str]) -> None:

@@ -111,7 +111,7 @@ def check_data(cfg, engine: str) -> None:
     if cfg.rollout.env:
         tools = tool_schemas(load_function(cfg.rollout.env, "rollout.env"))
         check_rendering(Renderer(tokenizer, tools, cfg.data.apply_chat_template))
-    check_datasets(cfg, tokenizer, server_context(cfg, cfg.model.path, engine), tools)
+    check_datasets(cfg, tokenizer, server_context(cfg, cfg.model.path, engine, fleet_kind(cfg.rollout)), tools)
 
 
 def check_reward_model(cfg) -> None:

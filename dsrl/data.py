@@ -12,7 +12,6 @@ if TYPE_CHECKING:
 
     from dsrl.vision import Images
 
-from dsrl.auto import fleet_kind
 from dsrl.config import Config, DataConfig, DatasetError, RolloutConfig, eval_rollout
 
 log = logging.getLogger(__name__)
@@ -320,9 +319,9 @@ def check_datasets(
     return train, held_out
 
 
-def server_context(cfg: Config, model_dir: str, engine: str) -> int | None:
+def server_context(cfg: Config, model_dir: str, engine: str, fleet: str) -> int | None:
     """The context SGLang enforces on a request, where requests must fit it (SGLang, external servers)."""
-    if fleet_kind(cfg.rollout) != "external" and engine != "sglang":
+    if fleet != "external" and engine != "sglang":
         return None
     from transformers import AutoConfig
 

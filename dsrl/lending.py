@@ -23,7 +23,6 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from dsrl.auto import use_cuda
 from dsrl.collectives import agreed
 from dsrl.config import Config
 from dsrl.metrics import Timer
@@ -73,11 +72,11 @@ def kv_tokens(client: RolloutClient) -> int:
 class GpuLending:
     def __init__(
         self, cfg: Config, client: RolloutClient, trainers: list, plan: MemoryPlan | None = None, tenants=(),
-        fleet=None,
+        fleet=None, cuda: bool = False,
     ):  # fmt: skip
         """`trainers`: the engines with states (actor, critic); `plan`: the memory plan's decisions; `tenants` (rank 0):
         the reward model's and the teacher's servers; `fleet` (rank 0): the rollout servers' (a replacement or a new
-        server joins asleep, as the others are)."""
+        server joins asleep, as the others are); `cuda`: the trainers on GPUs (the run's `Plan.cuda`)."""
         plan = plan or MemoryPlan()
         self.trainers, self.offload, self.moments_share = trainers, plan.offload, plan.share
         self.colocated = cfg.rollout.placement == "colocate"
@@ -92,7 +91,7 @@ class GpuLending:
         """The tenants, in the order they go to sleep (they wake the other way round)."""
         self.fleet = fleet if self.colocated and dist.get_rank() == 0 else None
         self.startup_timeout_s = cfg.rollout.startup_timeout_s
-        self.measured = self.colocated and use_cuda(cfg)
+        self.measured = self.colocated and cuda
         """Colocated on GPUs: every rank measures what the servers on its GPU release, and checks a wake has room."""
         self.weight_bytes = server_weight_bytes(cfg, trainers[0].module) if self.measured else 0.0
         self.total = torch.cuda.mem_get_info()[1] if self.measured else 0

@@ -19,6 +19,12 @@ from pathlib import Path
 import psutil
 
 
+def local_ranks(default: int = 1) -> int:
+    """The trainer ranks on this node: DeepSpeed's launcher says so in LOCAL_SIZE (it sets no LOCAL_WORLD_SIZE),
+    torchrun in LOCAL_WORLD_SIZE; `default` outside a launcher."""
+    return int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or default)
+
+
 def address_toward(peer: str) -> str | None:
     """This node's address on the route to `peer` (a UDP socket's connect sends no packet); None without a route."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -24,16 +24,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from dsrl import rundir
-from dsrl.auto import (
-    decode_graphs,
-    fleet_kind,
-    log_decisions,
-    lora_servers,
-    resolve,
-    rollout_engine,
-    servers_first,
-    use_cuda,
-)
+from dsrl.auto import decode_graphs, log_decisions, lora_servers, make_plan, resolve, trainer_on_cuda
 from dsrl.collectives import agreed, all_ranks
 from dsrl.config import Config, parse_config, validate
 from dsrl.data import DatasetError, check_datasets, server_context
@@ -42,6 +33,7 @@ from dsrl.fp8 import servers_model_dir
 from dsrl.lending import GpuLending
 from dsrl.metrics import MetricsWriter, Timer, configure_logging, gather_lists, reduce_across_ranks, summary_line
 from dsrl.moe import routing_replay, with_routed_experts
+from dsrl.plan import Plan
 from dsrl.rewards.models import start_reward_model
 from dsrl.rewards.rewarder import Rewarder
 from dsrl.rewards.teacher import start_teacher
@@ -119,6 +111,8 @@ class Run:
 
     cfg: Config
     """The run's config, its "auto" settings decided (`dsrl.auto.resolve`)."""
+    plan: Plan
+    """What start-up decided from the config and the machine (`dsrl.auto.make_plan`): rank 0's, on every rank."""
     rank: int
     world: int
     run_dir: Path
@@ -163,29 +157,30 @@ class Run:
 
 def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     configure_logging(cfg.logging.log_level)
-    init_distributed(cfg)
+    init_distributed(trainer_on_cuda(cfg.trainer, torch.cuda.is_available))  # (the plan, after it, says the same)
     rank, world = dist.get_rank(), dist.get_world_size()
     validate(cfg, world)
-    if fleet_kind(cfg.rollout) != "external":
-        check_server_args(cfg.rollout, rollout_engine(cfg, use_cuda(cfg)))
     run_dir = Path(cfg.logging.run_dir)
     lock = take_run_dir(cfg, run_dir, rank, watch.holder if watch else None)
     stop = StopRequests(run_dir, watch_file=rank == 0).install()
     torch.manual_seed(cfg.seed + rank)
     model_dir = prepare_model_dir(cfg, run_dir)
     given, (cfg, decided) = cfg, resolve(cfg, model_dir)  # every "auto" the start-up decides, once
+    plan = decide_plan(cfg, model_dir, run_dir, rank, world)
+    if plan.fleet != "external":
+        check_server_args(cfg.rollout, plan.engine)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     runner = EpisodeRunner(cfg, tokenizer)  # checks the chat template, with an environment
-    context = server_context(cfg, model_dir, cfg.rollout.engine)
+    context = server_context(cfg, model_dir, plan.engine, plan.fleet)
     dataset, held_out = check_datasets(cfg, tokenizer, context, runner.tool_schemas)  # every rank: the same errors
     cfg, graphs = decode_graphs(cfg, world)
     replay = routing_replay(cfg, AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code))
-    if replay and fleet_kind(cfg.rollout) != "external":
+    if replay and plan.fleet != "external":
         cfg = with_routed_experts(cfg)  # (the servers this run starts return each request's routing)
     servers_dir = servers_model_dir(cfg, model_dir, run_dir)
-    launched = launch_before_trainer(cfg, servers_dir, run_dir, rank)
+    launched = launch_before_trainer(cfg, plan, servers_dir, run_dir, rank)
     try:
-        trainer = Trainer(cfg, model_dir, world, tokenizer)
+        trainer = Trainer(cfg, plan, model_dir, world, tokenizer)
     except BaseException:
         if launched is not None:
             launched.stop()
@@ -193,26 +188,26 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     start_step, rank_state = trainer.resume(run_dir)
     if rank == 0:
         rundir.trim_trace(run_dir / "trained_prompts.jsonl", start_step)
-    plan = plan_memory(cfg, trainer.engines, start_step > 0)  # do they lend the GPU to the servers?
-    log_decisions(decided + graphs + ([plan.line] if plan.line else []))
-    for engine in trainer.engines if plan.offload else []:  # before any server starts: it sizes its KV cache from
-        offload_states(engine, plan.offload, params=False)  # the memory it finds free (Adam's moments exist here
-        # only after a resume, Adam makes them at its first step: then all of them move, later plan.share)
+    memory = plan_memory(cfg, trainer.engines, start_step > 0)  # do they lend the GPU to the servers?
+    log_decisions(decided + graphs + ([memory.line] if memory.line else []))
+    for engine in trainer.engines if memory.offload else []:  # before any server starts: it sizes its KV cache from
+        offload_states(engine, memory.offload, params=False)  # the memory it finds free (Adam's moments exist here
+        # only after a resume, Adam makes them at its first step: then all of them move, later memory.share)
     if cfg.sync.lora == "adapter":
         cfg = lora_servers(cfg, target_modules(trainer.actor.module))
     fleet, client = start_rollout_servers(cfg, servers_dir, run_dir, launched)
     client.return_routed_experts = replay  # (a mixture of experts replays the servers' routing: dsrl.moe)
-    reward_model = start_reward_model(cfg, tokenizer, client, run_dir, rank == 0)
-    teacher = start_teacher(cfg, tokenizer, client, run_dir, rank == 0)
+    reward_model = start_reward_model(cfg, tokenizer, client, run_dir, rank == 0, plan.cuda)
+    teacher = start_teacher(cfg, tokenizer, client, run_dir, rank == 0, plan.cuda)
     rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env), model=reward_model, teacher=teacher)
     rewarder.restore((rank_state or {}).get("rewarder"))
     tenants = [m for m in (reward_model, teacher) if m is not None and rank == 0]
-    gpu = GpuLending(cfg, client, trainer.engines, plan, tenants, fleet)
-    backend, fp8 = "nccl" if use_cuda(cfg) else "gloo", cfg.rollout.precision == "fp8"
+    gpu = GpuLending(cfg, client, trainer.engines, memory, tenants, fleet, plan.cuda)
+    backend, fp8 = "nccl" if plan.cuda else "gloo", cfg.rollout.precision == "fp8"
     transport = make_transport(cfg.sync, client, run_dir, backend, cfg.rollout.tp_size, fp8)
-    rollouts = schedule(client, cfg, dataset, rewarder, rank, world, runner, rank_state, start_step)
+    rollouts = schedule(client, cfg, dataset, rewarder, rank, world, runner, plan.colocated, rank_state, start_step)
     return Run(
-        cfg=cfg, rank=rank, world=world, run_dir=run_dir, tokenizer=tokenizer, trainer=trainer, fleet=fleet,
+        cfg=cfg, plan=plan, rank=rank, world=world, run_dir=run_dir, tokenizer=tokenizer, trainer=trainer, fleet=fleet,
         client=client, weights=WeightSync(cfg, trainer.actor, fleet, client, transport, gpu), gpu=gpu,
         rewarder=rewarder, runner=runner, rollouts=rollouts, start_step=start_step, stop=stop, lock=lock, watch=watch,
         evaluator=Evaluator(cfg, tokenizer, rewarder.frozen(), run_dir, held_out, runner) if held_out else None,
@@ -221,11 +216,20 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     )  # fmt: skip
 
 
-def launch_before_trainer(cfg: Config, servers_dir: str, run_dir: Path, rank: int) -> ServerFleet | None:
+def decide_plan(cfg: Config, model_dir: str, run_dir: Path, rank: int, world: int) -> Plan:
+    """Rank 0's plan, held by every rank (one decision for the run, not one a rank), saved beside config.yaml."""
+    plans = [make_plan(cfg, model_dir, world) if rank == 0 else None]
+    dist.broadcast_object_list(plans, src=0)
+    if rank == 0:
+        (run_dir / "plan.json").write_text(json.dumps(asdict(plans[0]), indent=1))
+    return plans[0]
+
+
+def launch_before_trainer(cfg: Config, plan: Plan, servers_dir: str, run_dir: Path, rank: int) -> ServerFleet | None:
     """Where `servers_first` (disaggregated, on GPUs of their own), rank 0 starts the rollout servers before the
     trainer loads, and `start_rollout_servers` waits for them after: a large model's trainer takes minutes
     (Qwen3-30B-A3B on 2 x H200: 8, and its TP-2 server 2 more after it)."""
-    if not servers_first(cfg, dist.get_world_size()) or rank != 0:
+    if not plan.servers_first or rank != 0:
         return None
     r = cfg.rollout
     return launch_fleet(r, servers_dir, run_dir, cfg.seed, r.engine, multi_node=bool(cfg.trainer.hostfile))

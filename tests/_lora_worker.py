@@ -14,6 +14,7 @@ from deepspeed.utils import get_z3_leaf_modules, safe_get_full_grad
 from transformers import AutoModelForCausalLM
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+from dsrl.auto import make_plan, use_cuda
 from dsrl.config import AlgorithmConfig, Config, DataConfig, ModelConfig
 from dsrl.zero.engine import add_lora, init_distributed, load_engine
 from dsrl.zero.lora import reference_off
@@ -36,7 +37,7 @@ def run_case(base: str, critic: bool, lora_base: str) -> dict:
     if not critic:
         cfg.algorithm.advantage = "grpo"
     world, rank = dist.get_world_size(), dist.get_rank()
-    engine = load_engine(cfg, base, world, train=True)
+    engine = load_engine(cfg, base, world, train=True, plan=make_plan(cfg, base, world))
     named = dict(engine.module.named_parameters())
     with deepspeed.zero.GatheredParameters(list(named.values()), modifier_rank=0):
         torch.manual_seed(1)  # PEFT starts B at 0 (no gradient reaches A): give it values
@@ -80,7 +81,7 @@ def run_case(base: str, critic: bool, lora_base: str) -> dict:
 
 
 def main(base: str, out: str) -> None:
-    init_distributed(Config(model=ModelConfig(path=base), data=DataConfig(train_path="unused")))
+    init_distributed(use_cuda(Config(model=ModelConfig(path=base), data=DataConfig(train_path="unused"))))
     results = {"world": dist.get_world_size()}
     for lora_base in ("partitioned", "replicated"):
         results[f"actor_{lora_base}"] = run_case(base, critic=False, lora_base=lora_base)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_grad, safe_set_full_fp32_param
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from dsrl.auto import make_plan, use_cuda
 from dsrl.config import AlgorithmConfig, Config, DataConfig, ModelConfig, RolloutConfig
 from dsrl.data import Prompt, Sample
 from dsrl.metrics import reduce_across_ranks
@@ -144,7 +145,7 @@ def update_once(trainer: Trainer, rank: int, world: int) -> dict:
 
 
 def main(model_dir: str, out: str) -> None:
-    init_distributed(config(model_dir, False, "grpo", False))
+    init_distributed(use_cuda(config(model_dir, False, "grpo", False)))
     rank, world = dist.get_rank(), dist.get_world_size()
     tokenizer = build_tokenizer()
     results = {}
@@ -152,7 +153,7 @@ def main(model_dir: str, out: str) -> None:
         if world == 4 and packed != (advantage == "grpo"):  # (4 ranks on 2 cores are slow: one trainer, one update)
             continue
         cfg = config(model_dir, lora, advantage, packed)
-        trainer = Trainer(cfg, model_dir, world, tokenizer)
+        trainer = Trainer(cfg, make_plan(cfg, model_dir, world), model_dir, world, tokenizer)
         restore = [Restorer(e) for e in trainer.engines]
         for budget, checkpointing in LAYOUTS[-1:] if world == 4 else LAYOUTS:
             for r in restore:

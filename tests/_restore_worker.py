@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from dsrl.auto import make_plan, use_cuda
 from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
 from dsrl.fp8 import KV_SCALES, SCALE, dequantize, is_quantized, quantize, servers_model_dir
 from dsrl.lending import GpuLending
@@ -111,12 +112,12 @@ def dense_cases(cfg: Config, model_dir: str, run_dir: Path, out: dict) -> None:
     """Broadcast and disk, the full model; LoRA merged, then served as an adapter."""
     world = dist.get_world_size()
     lora_cfg = replace(cfg, model=replace(cfg.model, lora_rank=4))
-    lora = load_engine(lora_cfg, model_dir, world, train=True)
+    lora = load_engine(lora_cfg, model_dir, world, train=True, plan=make_plan(lora_cfg, model_dir, world))
     servers = {"enable_lora": True, "max_lora_rank": 4, "lora_target_modules": target_modules(lora.module)}
     cfg = replace(cfg, rollout=replace(cfg.rollout, server_args=servers))
     fleet = start_fleet_for_ranks(cfg.rollout, model_dir, run_dir, cfg.seed, "embedded", multi_node=False)
     client = RolloutClient(fleet.urls)
-    actor = load_engine(cfg, model_dir, world, train=True)
+    actor = load_engine(cfg, model_dir, world, train=True, plan=make_plan(cfg, model_dir, world))
     held = checkpoint(model_dir)
     try:
         for version, (name, engine, sync_cfg) in enumerate([
@@ -183,7 +184,7 @@ def fp8_case(cfg: Config, model_dir: str, run_dir: Path, out: dict) -> None:
     fp8_dir = servers_model_dir(cfg, model_dir, run_dir)
     fleet = start_fleet_for_ranks(cfg.rollout, fp8_dir, run_dir, cfg.seed, "embedded", multi_node=False)
     client = RolloutClient(fleet.urls)
-    actor = load_engine(cfg, model_dir, world, train=True)
+    actor = load_engine(cfg, model_dir, world, train=True, plan=make_plan(cfg, model_dir, world))
     held = checkpoint(fp8_dir)
     try:
         for version, kind in enumerate(("broadcast", "disk"), start=20):
@@ -202,7 +203,7 @@ def moe_case(cfg: Config, moe_dir: str, run_dir: Path, out: dict) -> None:
     cfg = replace(cfg, model=replace(cfg.model, path=moe_dir))
     fleet = start_fleet_for_ranks(cfg.rollout, moe_dir, run_dir / "moe", cfg.seed, "embedded", multi_node=False)
     client = RolloutClient(fleet.urls)
-    actor = load_engine(cfg, moe_dir, world, train=True)
+    actor = load_engine(cfg, moe_dir, world, train=True, plan=make_plan(cfg, moe_dir, world))
     try:
         sync_cfg = SyncConfig(type="broadcast", verify="weights", bucket_bytes=256 << 10)
         out["moe"] = restore(replace(cfg, sync=sync_cfg), actor, fleet, client, run_dir, 30, checkpoint(moe_dir))
@@ -218,7 +219,7 @@ def main(model_dir: str, moe_dir: str, out: str) -> None:
         data=DataConfig(train_path="unused"),
         rollout=RolloutConfig(prompts_per_step=2, n_samples=2, num_servers=1, placement="disaggregate"),
     )
-    init_distributed(cfg)
+    init_distributed(use_cuda(cfg))
     run_dir, results = Path(out).parent, {"world": dist.get_world_size()}
     dense_cases(cfg, model_dir, run_dir / "dense", results)
     fp8_case(cfg, model_dir, run_dir / "fp8", results)

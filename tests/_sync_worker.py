@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from dsrl.auto import make_plan, use_cuda
 from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
 from dsrl.lending import GpuLending
 from dsrl.serving.client import RolloutClient
@@ -37,9 +38,11 @@ def main(model_dir: str, train_path: str, out: str) -> None:
         ),
     )
     cfg.trainer.micro_batch_size = 2
-    init_distributed(cfg)
+    init_distributed(use_cuda(cfg))
     rank = dist.get_rank()
-    actor = load_engine(cfg, model_dir, dist.get_world_size(), train=True)
+    actor = load_engine(
+        cfg, model_dir, dist.get_world_size(), train=True, plan=make_plan(cfg, model_dir, dist.get_world_size())
+    )
     run_dir = Path(out).parent
     fleet = start_fleet_for_ranks(cfg.rollout, model_dir, run_dir, cfg.seed, "embedded", multi_node=False)
     client = RecordingClient(fleet.urls)
@@ -109,7 +112,13 @@ def main(model_dir: str, train_path: str, out: str) -> None:
         results["non_finite_update"] = non_finite_update(cfg, actor)
         results["gradient_fused"] = gradient_against_one_rank(cfg, actor)  # (after the skipped step: nothing left)
         checkpointed = replace(cfg, model=replace(cfg.model, gradient_checkpointing=True))
-        engine = load_engine(checkpointed, model_dir, dist.get_world_size(), train=True)
+        engine = load_engine(
+            checkpointed,
+            model_dir,
+            dist.get_world_size(),
+            train=True,
+            plan=make_plan(checkpointed, model_dir, dist.get_world_size()),
+        )
         results["gradient_checkpointed"] = gradient_against_one_rank(checkpointed, engine)
     finally:
         client.close()
@@ -266,14 +275,14 @@ def gradient_against_one_rank(cfg: Config, actor) -> dict:
     if cfg.trainer.old_logprobs == "recompute":  # ratio 1 either way: the loss's gradient is -A grad(logp) / N
         compute_logprobs(actor, mine, "old_logprobs", cfg, pad_id=0)
     num_tokens, num_seqs = global_denominators(mine)
-    chunks = trainer_micro_batches(mine, cfg)
+    chunks = trainer_micro_batches(actor, mine, cfg)
     forwards = []
     hook = actor.module.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: forwards.append(1))
     actor.train()
     for i, chunk in enumerate(chunks):
         actor.set_gradient_accumulation_boundary(i == len(chunks) - 1)
         mb = MicroBatch.build(chunk, 0, actor.device, packed=True)
-        loss, _, _ = micro_batch_loss(actor, mb, cfg, num_tokens, num_seqs, kl_coef=0.0)
+        loss, _, _ = micro_batch_loss(actor, mb, cfg, num_tokens, num_seqs, 0.0, actor.plan.old_from_update)
         actor.backward(loss, scale_wrt_gas=False)
         if i + 1 < len(chunks):
             actor.step()  # not at the boundary: counts the micro-step; the optimizer runs at the last one
@@ -344,7 +353,9 @@ def gather_to_all_padded(cfg: Config, run_dir: Path) -> dict:
         AutoModelForCausalLM.from_config(config).save_pretrained(odd)
         build_tokenizer().save_pretrained(odd)
     dist.barrier()
-    actor = load_engine(cfg, str(odd), dist.get_world_size(), train=False)
+    actor = load_engine(
+        cfg, str(odd), dist.get_world_size(), train=False, plan=make_plan(cfg, str(odd), dist.get_world_size())
+    )
     named = list(actor.module.named_parameters())
     padded = sum(p.ds_tensor.numel() * dist.get_world_size() != p.ds_numel for _, p in named)
     out = {"padded_tensors": padded}

@@ -2,6 +2,7 @@
 
 import base64
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -347,3 +348,19 @@ def test_liger_kernel_is_checked_before_anything_loads(monkeypatch):
         validate(cfg, world=2)
     assert "--model.liger_kernel=True: liger-kernel is not installed" in str(info.value)
     assert "--model.liger_kernel=True: its kernels run on CUDA (--trainer.device cpu)" in str(info.value)
+
+
+def test_the_plan_is_decided_once_from_the_config_and_round_trips():
+    """`dsrl.auto.make_plan`: the start-up's decisions the rooms read, the same from the config as resolved (each
+    auto decided) as from the user's; plan.json, written beside config.yaml, reads back as the same plan."""
+    from dsrl.auto import make_plan, resolve
+    from dsrl.plan import Plan
+
+    parser = build_parser()
+    cfg = to_config(parser, parser.parse_args([*TOY, "--trainer.device", "cpu"]))
+    plan = make_plan(cfg, cfg.model.path)
+    assert not plan.cuda and not plan.bf16 and plan.weight_bytes == 4 and not plan.packs and plan.old_from_update
+    assert (plan.engine, plan.fleet, plan.colocated, plan.servers_first) == ("embedded", "local", True, False)
+    assert plan.params > 0 and plan.device_memory > 0 and not plan.replicated_base
+    assert make_plan(resolve(cfg, cfg.model.path)[0], cfg.model.path) == plan
+    assert Plan(**json.loads(json.dumps(asdict(plan)))) == plan

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dsrl.algorithms import importance_weights
+from dsrl.auto import old_from_update
 from dsrl.config import Config, DataConfig, ModelConfig, RolloutCorrectionConfig, parse_config
 from dsrl.correction import correct, with_ess
 from dsrl.data import Prompt, Sample
@@ -166,7 +167,7 @@ def loss_and_grad(model, samples, cfg, kept=None):
     model.zero_grad()
     num_tokens, num_seqs = global_denominators(kept or samples)
     mb = MicroBatch.build(samples, 0, torch.device("cpu"))
-    loss, stats, _ = micro_batch_loss(model, mb, cfg, num_tokens, num_seqs, kl_coef=0.0)
+    loss, stats, _ = micro_batch_loss(model, mb, cfg, num_tokens, num_seqs, 0.0, old_from_update(cfg))
     loss.backward()
     return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()]), stats
 

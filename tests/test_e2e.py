@@ -118,6 +118,7 @@ def test_exported_model_loads_and_generates(toy_run):
     assert out.shape[1] > ids.shape[1]
     assert torch.isfinite(model(ids).logits).all()
     assert (run_dir / "config.yaml").is_file()
+    assert '"engine": "embedded"' in (run_dir / "plan.json").read_text()  # the start-up's decisions, beside it
 
 
 def test_servers_stay_up_through_sleep_and_wake(toy_run):

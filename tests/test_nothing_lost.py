@@ -403,7 +403,7 @@ def test_an_export_the_disk_cannot_hold_is_refused_before_the_gather(tmp_path, w
 def test_a_run_its_disk_cannot_hold_is_warned_of_at_start_up(tmp_path, world_of_one, caplog):
     """What a run will write to its run directory, its checkpoints and final export, counted at start-up against the
     disk's free space: Qwen2-72B's shape (counted from its config, never allocated) fits no disk here, the toy does."""
-    from dsrl.auto import count_params, weight_bytes
+    from dsrl.auto import make_plan
     from dsrl.config import Config, DataConfig, ModelConfig
     from dsrl.zero.checkpoint import warn_disk_room
 
@@ -418,13 +418,16 @@ def test_a_run_its_disk_cannot_hold_is_warned_of_at_start_up(tmp_path, world_of_
         cfg.logging.run_dir, cfg.logging.save_every, cfg.trainer.total_steps = str(tmp_path / "run"), 10, 100
         caplog.clear()
         with caplog.at_level(logging.WARNING):
-            warn_disk_room(cfg, str(model))
+            warn_disk_room(cfg, make_plan(cfg, str(model)))
         if model == TOY_MODEL:
             assert not caplog.records
             continue
-        params = count_params(cfg, str(model))
-        assert 72e9 < params < 73e9
-        checkpoint, export = 12.6 * params / 1e9, params * weight_bytes(cfg) / 1e9  # (keep_last 2 and the next)
+        plan = make_plan(cfg, str(model))
+        assert 72e9 < plan.params < 73e9
+        checkpoint, export = (
+            12.6 * plan.params / 1e9,
+            plan.params * plan.weight_bytes / 1e9,
+        )  # (keep_last 2 and the next)
         assert (f"GB free, and this run writes about {3 * checkpoint + export:.1f} GB there: 3 checkpoint(s) of "
                 f"{checkpoint:.1f} GB on it at once (logging.save_every, logging.keep_last) and the final export, "
                 f"{export:.1f} GB") in caplog.text, caplog.text  # fmt: skip

@@ -148,6 +148,7 @@ def rank_main(args) -> None:
     import torch
     import torch.distributed as dist
 
+    from dsrl.auto import make_plan, use_cuda
     from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
     from dsrl.lending import GpuLending
     from dsrl.serving.client import RolloutClient
@@ -178,11 +179,17 @@ def rank_main(args) -> None:
     cfg.rollout = rollout
     cfg.trainer.micro_batch_size = 2
     cfg.trainer.device = "cuda" if gpu else "cpu"
-    init_distributed(cfg)
+    init_distributed(use_cuda(cfg))
     rank = dist.get_rank()
     # train=True, as the actor in training: with an optimizer DeepSpeed keeps the parameter partitions in
     # one flat buffer, which a single rank sends from without a copy (FlatGatherer)
-    actor = load_engine(cfg, str(model_dir), dist.get_world_size(), train=True)
+    actor = load_engine(
+        cfg,
+        str(model_dir),
+        dist.get_world_size(),
+        train=True,
+        plan=make_plan(cfg, str(model_dir), dist.get_world_size()),
+    )
     engine = "sglang" if gpu else "embedded"
     fleet = start_fleet_for_ranks(cfg.rollout, str(model_dir), workdir / model_dir.name, cfg.seed, engine, False)
     client = RolloutClient(fleet.urls)
@@ -194,7 +201,7 @@ def rank_main(args) -> None:
     )
     # The update as training runs it (heal, send, version check), without offloading the trainer's states:
     # the figure is the sync's own. Versions count up across bucket sizes.
-    weights = WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor]))
+    weights = WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor], cuda=gpu))
     version = 0
     try:
         for bucket_mb in args.bucket_mb:

@@ -91,6 +91,7 @@ def rank_main(args) -> None:
     import torch
     import torch.distributed as dist
 
+    from dsrl.auto import make_plan, use_cuda
     from dsrl.config import Config, DataConfig, ModelConfig, RolloutConfig, SyncConfig
     from dsrl.lending import GpuLending
     from dsrl.serving.client import RolloutClient
@@ -107,9 +108,15 @@ def rank_main(args) -> None:
     cfg = Config(model=ModelConfig(path=str(model_dir)),
                  data=DataConfig(train_path=str(ROOT / "examples/toy/train.jsonl")), rollout=rollout)  # fmt: skip
     cfg.trainer.micro_batch_size, cfg.trainer.precision = 2, args.precision
-    init_distributed(cfg)
+    init_distributed(use_cuda(cfg))
     rank = dist.get_rank()
-    actor = load_engine(cfg, str(model_dir), dist.get_world_size(), train=False)
+    actor = load_engine(
+        cfg,
+        str(model_dir),
+        dist.get_world_size(),
+        train=False,
+        plan=make_plan(cfg, str(model_dir), dist.get_world_size()),
+    )
     named = list(actor.module.named_parameters())
     fleet = start_fleet_for_ranks(cfg.rollout, str(model_dir), workdir / model_dir.name, cfg.seed, "embedded",
                                   bool(args.hostfile))  # fmt: skip

@@ -45,6 +45,7 @@ import time
 
 import torch
 
+from dsrl.auto import make_plan, use_cuda
 from dsrl.config import Config, DataConfig, ModelConfig
 from dsrl.data import Prompt, Sample
 from dsrl.zero import actor, varlen
@@ -170,13 +171,13 @@ def main() -> None:
         return each_in_its_own_process(specs)
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
-    init_distributed(Config(model=ModelConfig(path=args.model), data=DataConfig(train_path="unused.jsonl")))
+    init_distributed(use_cuda(Config(model=ModelConfig(path=args.model), data=DataConfig(train_path="unused.jsonl"))))
     rank, gather, *options = specs[0].split(":")
     options = options[0].split(",") if options else []
     cfg = engine_config(args, int(rank), gather)
     cfg.model.lora_base = "partitioned" if "zero3" in options else "auto"
     with deepspeed_linear("deepspeed" in options), adapters_as("peft" in options):
-        engine = load_engine(cfg, args.model, 1, train=True)
+        engine = load_engine(cfg, args.model, 1, train=True, plan=make_plan(cfg, args.model, 1))
     name = f"{f'LoRA {rank}' if int(rank) else 'full'} per {gather}" + "".join(f", {o}" for o in options)
     row = run_engine(args, cfg, engine, name, budget, before)
     print("ROW " + json.dumps({"name": name, **(row or {})}))

@@ -15,6 +15,7 @@ import time
 import torch
 from bench_trainer import synthetic  # (tools/ is first on sys.path when run as a script)
 
+from dsrl.auto import make_plan, use_cuda
 from dsrl.config import Config, DataConfig, ModelConfig
 from dsrl.zero.actor import update_actor
 from dsrl.zero.engine import adam_moments, init_distributed, load_engine, offload_states, reload_states
@@ -31,8 +32,8 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29536")
     cfg = Config(model=ModelConfig(path=args.model), data=DataConfig(train_path="unused.jsonl"))
     cfg.trainer.lr, cfg.rollout.max_new_tokens, cfg.rollout.n_samples, cfg.rollout.prompts_per_step = 1e-5, 256, 1, 32
-    init_distributed(cfg)
-    engine = load_engine(cfg, args.model, 1, train=True)
+    init_distributed(use_cuda(cfg))
+    engine = load_engine(cfg, args.model, 1, train=True, plan=make_plan(cfg, args.model, 1))
     vocab = engine.module.config.vocab_size
     update_actor(engine, synthetic(32, "longtail", 256, vocab, 32, seed=0), cfg, pad_id=0, kl_coef=0.0)
     moments = adam_moments(engine)

@@ -14,6 +14,7 @@ from collections import Counter
 
 import torch
 
+from dsrl.auto import make_plan, use_cuda
 from dsrl.config import Config, DataConfig, ModelConfig
 from dsrl.zero.actor import trainer_micro_batches, update_actor
 from dsrl.zero.engine import init_distributed, load_engine
@@ -43,8 +44,8 @@ def main() -> None:
     cfg = Config(model=ModelConfig(path=args.model), data=DataConfig(train_path="unused.jsonl"))
     cfg.trainer.max_tokens_per_micro_batch, cfg.trainer.lr = args.budget, 1e-6
     cfg.rollout.max_new_tokens, cfg.rollout.n_samples = args.max_len, 1
-    init_distributed(cfg)
-    engine = load_engine(cfg, args.model, 1, train=True)
+    init_distributed(use_cuda(cfg))
+    engine = load_engine(cfg, args.model, 1, train=True, plan=make_plan(cfg, args.model, 1))
     vocab = engine.module.config.vocab_size
     steps = []
     original_step = engine.step
@@ -58,7 +59,7 @@ def main() -> None:
     for n in args.samples:
         cfg.rollout.prompts_per_step = n
         samples = synthetic(n, "longtail", args.max_len, vocab, args.prompt_len, seed=n)
-        chunks = trainer_micro_batches(samples, cfg)
+        chunks = trainer_micro_batches(engine, samples, cfg)
         largest = max(sum(len(s.prompt.prompt_ids) + len(s.response_ids) for s in c) for c in chunks)
         steps.clear()
         torch.cuda.synchronize()

@@ -7,7 +7,6 @@ import asyncio
 import threading
 import time
 
-from dsrl.auto import use_cuda
 from dsrl.config import Config, DistillConfig, RewardModelConfig, RolloutConfig, beside_rollouts, side_rollout
 from dsrl.data import Sample
 from dsrl.rewards.rules import load_function
@@ -162,11 +161,14 @@ class RewardModel(ServedModel):
             return None, why
 
 
-def start_reward_model(cfg: Config, tokenizer, client: RolloutClient, run_dir, rank0: bool) -> RewardModel | None:
-    """With --reward_model.path: its servers, started beside the rollouts' (by rank 0; every rank learns their URLs)."""
+def start_reward_model(
+    cfg: Config, tokenizer, client: RolloutClient, run_dir, rank0: bool, cuda: bool
+) -> RewardModel | None:
+    """With --reward_model.path: its servers, started beside the rollouts' (by rank 0; every rank learns their URLs;
+    `cuda`: the trainer's, `Plan.cuda`)."""
     if not cfg.reward_model.path:
         return None
-    servers, multi_node = reward_servers(cfg, use_cuda(cfg)), bool(cfg.trainer.hostfile)
+    servers, multi_node = reward_servers(cfg, cuda), bool(cfg.trainer.hostfile)
     path, engine = cfg.reward_model.path, cfg.rollout.engine
     fleet = start_fleet_for_ranks(servers, path, run_dir, cfg.seed, engine, multi_node, role="reward")
     return RewardModel(cfg, tokenizer, client, fleet, rank0)

@@ -5,7 +5,6 @@ puts to sleep and wakes. `dsrl.advantages` turns them into the per-token reverse
 
 import time
 
-from dsrl.auto import use_cuda
 from dsrl.config import Config
 from dsrl.data import Sample
 from dsrl.rewards.models import ServedModel, side_servers
@@ -52,12 +51,12 @@ def check_vocabulary(path: str, policy, teacher) -> None:
         )
 
 
-def start_teacher(cfg: Config, tokenizer, client: RolloutClient, run_dir, rank0: bool) -> Teacher | None:
-    """With --distill.teacher_path: its servers, started by rank 0 (every rank learns their URLs)."""
+def start_teacher(cfg: Config, tokenizer, client: RolloutClient, run_dir, rank0: bool, cuda: bool) -> Teacher | None:
+    """With --distill.teacher_path: its servers, started by rank 0 (every rank learns their URLs; `cuda`: the plan's)"""
     d = cfg.distill
     if not d.teacher_path:
         return None
-    servers = side_servers(cfg, d, {}, use_cuda(cfg))
+    servers = side_servers(cfg, d, {}, cuda)
     multi_node = bool(cfg.trainer.hostfile)
     fleet = start_fleet_for_ranks(servers, d.teacher_path, run_dir, cfg.seed, cfg.rollout.engine, multi_node, "teacher")
     return Teacher(cfg, tokenizer, client, fleet, rank0)

@@ -61,11 +61,12 @@ STOP_S = 30.0
 
 
 def schedule(client: RolloutClient, cfg: Config, dataset: PromptDataset, rewarder: Rewarder, rank: int, world: int,
-             runner: EpisodeRunner, state: dict | None = None, version: int = 0) -> Rollouts:  # fmt: skip
-    """The run's rollout schedule, as a checkpoint (this rank's `state`, of weight `version`) left it: colocated, each
-    batch generated at its step (`SyncRollouts`); disaggregated, ahead of training by up to max_staleness versions
-    (`RolloutManager`)."""
-    if cfg.rollout.placement == "colocate":
+             runner: EpisodeRunner, colocated: bool, state: dict | None = None, version: int = 0,
+             ) -> Rollouts:  # fmt: skip
+    """The run's rollout schedule, as a checkpoint (this rank's `state`, of weight `version`) left it: `colocated`
+    (`Plan.colocated`), each batch generated at its step (`SyncRollouts`); disaggregated, ahead of training by up to
+    max_staleness versions (`RolloutManager`)."""
+    if colocated:
         rollouts = SyncRollouts(client, cfg, dataset, rewarder, rank, world, runner)
     else:
         stream = PromptStream(dataset, cfg.rollout.prompts_per_step, rank, world)

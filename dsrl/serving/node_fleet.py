@@ -46,8 +46,8 @@ def start_on_every_node(cfg: RolloutConfig, model_path: str, run_dir: Path, seed
     """`cfg.num_servers` servers spread over the trainer nodes, in node order; every rank learns their URLs."""
     import torch.distributed as dist
 
-    from dsrl.auto import local_ranks
     from dsrl.collectives import agreed
+    from dsrl.nodes import local_ranks
     from dsrl.serving.fleet import await_fleet, launch_fleet
 
     rank, world, per_node = dist.get_rank(), dist.get_world_size(), local_ranks()

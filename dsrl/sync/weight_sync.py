@@ -54,7 +54,7 @@ class WeightSync:
         self.rank0 = dist.get_rank() == 0
         """Only trainer rank 0 talks to the servers; the fields below marked (rank 0) are empty elsewhere."""
         r = cfg.rollout
-        self.pause = r.pause_mode if r.placement == "disaggregate" and r.interrupt == "pause" else None
+        self.pause = r.pause_mode if not gpu.colocated and r.interrupt == "pause" else None
         """SGLang's pause mode when requests stay in flight through updates (interrupt pause), else None."""
         self.verified = False  # the first update is always verified
         self.version = -1  # the weight version of the last update that completed

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from dsrl.algorithms import LOG_RATIO_LIMIT, LOSS_KNOBS, POLICY_LOSSES, aggregate, importance_weights, kl_estimate
-from dsrl.auto import old_from_update, packs
 from dsrl.collectives import reduce_device
 from dsrl.config import Config
 from dsrl.correction import correct, with_ess
@@ -110,17 +109,20 @@ def forward_logprobs(
     return mb.response_aligned(logprobs[where]), mb.response_aligned(entropies[where])
 
 
-def trainer_micro_batches(samples: list[Sample], cfg: Config, micro_batch_size: int | None = None) -> list:
+def trainer_micro_batches(engine, samples: list[Sample], cfg: Config, micro_batch_size: int | None = None) -> list:
+    """`samples` in micro-batches, packed as `engine`'s plan says (`load_engine`)."""
     t = cfg.trainer
-    return micro_batches(samples, t.max_tokens_per_micro_batch, micro_batch_size or t.micro_batch_size, packs(cfg))
+    return micro_batches(
+        samples, t.max_tokens_per_micro_batch, micro_batch_size or t.micro_batch_size, engine.plan.packs
+    )
 
 
 @torch.no_grad()
 def compute_logprobs(engine, samples: list[Sample], name: TokenField, cfg: Config, pad_id: int) -> None:
     """Each sample's response-token logprobs as its field `name` (micro-batched by tokens, no grad)."""
     squares = name == "old_logprobs" and cfg.algorithm.advantage == "optimal_token_baseline"
-    for chunk in trainer_micro_batches(samples, cfg):
-        mb = MicroBatch.build(chunk, pad_id, engine.device, packs(cfg))
+    for chunk in trainer_micro_batches(engine, samples, cfg):
+        mb = MicroBatch.build(chunk, pad_id, engine.device, engine.plan.packs)
         logprobs, second = forward_logprobs(engine, mb, cfg.rollout.temperature, "sum_pi_squared" if squares else False)
         keep_per_sample(logprobs, chunk, name)
         if squares:
@@ -144,15 +146,16 @@ def global_denominators(mini: list[Sample]) -> tuple[float, float]:
 
 
 def micro_batch_loss(
-    engine, mb: MicroBatch, cfg: Config, num_tokens: float, num_seqs: float, kl_coef: float
+    engine, mb: MicroBatch, cfg: Config, num_tokens: float, num_seqs: float, kl_coef: float, old_from_update: bool
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """The policy loss of one micro-batch as its share of the mini-batch loss (`global_denominators`),
     its metrics, and its loss mask. Advantages come per token from each sample's `advantages`; the old logprobs from
-    its `old_logprobs`, or (`old_from_update`) from this forward pass, detached and kept there."""
+    its `old_logprobs`, or (`old_from_update`: `Plan.old_from_update`) from this forward pass, detached and kept
+    there."""
     a, mask = cfg.algorithm, mb.mask
     advantages = per_token(mb, "advantages")
     logprobs, entropy = forward_logprobs(engine, mb, cfg.rollout.temperature)
-    if old_from_update(cfg):
+    if old_from_update:
         old = logprobs.detach()
         keep_per_sample(old, mb.samples, "old_logprobs")
     else:
@@ -204,7 +207,7 @@ def update_actor(
     `run_updates`."""
 
     def loss(mb, num_tokens, num_seqs):
-        return micro_batch_loss(engine, mb, cfg, num_tokens, num_seqs, kl_coef)
+        return micro_batch_loss(engine, mb, cfg, num_tokens, num_seqs, kl_coef, engine.plan.old_from_update)
 
     stats = run_updates(engine, samples, cfg, cfg.trainer.micro_batch_size, loss, pad_id, beside)
     return {f"actor/{k}": v for k, v in stats.items()}
@@ -234,9 +237,9 @@ def run_updates(
             mini = samples[m : m + mini_size]
             num_tokens, num_seqs = global_denominators(mini)
             shares += num_tokens
-            chunks = trainer_micro_batches(mini, cfg, micro_batch_size)
+            chunks = trainer_micro_batches(engine, mini, cfg, micro_batch_size)
             for i, chunk in enumerate(chunks):
-                mb = MicroBatch.build(chunk, pad_id, engine.device, packs(cfg))
+                mb = MicroBatch.build(chunk, pad_id, engine.device, engine.plan.packs)
                 ran += mb.input_ids.numel()
                 real += sum(len(s.prompt.prompt_ids) + len(s.response_ids) for s in chunk)
                 boundary = i == len(chunks) - 1

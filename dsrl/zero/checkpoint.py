@@ -24,10 +24,10 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from dsrl.auto import count_params, weight_bytes
 from dsrl.collectives import reduce_device
 from dsrl.config import Config, critic_of_its_own
 from dsrl.moe import split_experts
+from dsrl.plan import Plan
 from dsrl.rundir import (
     WriteError,
     check_export_target,
@@ -113,17 +113,17 @@ def check_room(path: Path, mine: float, what: str) -> None:
         )
 
 
-def warn_disk_room(cfg: Config, model_dir: str) -> None:
+def warn_disk_room(cfg: Config, plan: Plan) -> None:
     """At start-up (rank 0): a warning when the run directory's disk cannot hold what the run will write there, its
     checkpoints (`check_space`'s count; `keep_last` of them, and the next while it is written) and the final export,
     so that a full disk is known before the training, not at its end (a 7B run's export met one after its last step)."""
     if dist.get_rank() != 0:
         return
-    logs, steps, params = cfg.logging, cfg.trainer.total_steps, count_params(cfg, model_dir)
+    logs, steps, params = cfg.logging, cfg.trainer.total_steps, plan.params
     trained = 0 if cfg.model.lora_rank > 0 else params * (2 if critic_of_its_own(cfg) else 1)  # (LoRA: adapters)
     saved = steps // logs.save_every if logs.save_every else 0
     at_once = min(saved, logs.keep_last + 1) if logs.keep_last else saved
-    checkpoint, export = 12 * trained * 1.05, params * weight_bytes(cfg) if logs.export_hf else 0
+    checkpoint, export = 12 * trained * 1.05, params * plan.weight_bytes if logs.export_hf else 0
     need, free = at_once * checkpoint + export, free_bytes(Path(logs.run_dir))
     if free is None or need <= free:
         return

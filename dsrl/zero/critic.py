@@ -20,7 +20,6 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers.modeling_outputs import TokenClassifierOutput
 
 from dsrl.algorithms import value_loss
-from dsrl.auto import packs
 from dsrl.config import Config
 from dsrl.data import Sample
 from dsrl.moe import replay_inputs
@@ -119,8 +118,8 @@ def forward_values(engine, mb: MicroBatch) -> torch.Tensor:
 @torch.no_grad()
 def compute_values(engine, samples: list[Sample], cfg: Config, pad_id: int) -> None:
     """Each sample's values of its response positions, as its `values`."""
-    for chunk in trainer_micro_batches(samples, cfg, cfg.critic.micro_batch_size):
-        mb = MicroBatch.build(chunk, pad_id, engine.device, packs(cfg))
+    for chunk in trainer_micro_batches(engine, samples, cfg, cfg.critic.micro_batch_size):
+        mb = MicroBatch.build(chunk, pad_id, engine.device, engine.plan.packs)
         keep_per_sample(forward_values(engine, mb), chunk, "values")
 
 
@@ -169,7 +168,9 @@ def update_actor_and_critic(
             engine.set_gradient_accumulation_boundary(False)
             engine.backward(total, scale_wrt_gas=False)
             engine.set_gradient_accumulation_boundary(boundary)
-            total, actor_stats, _ = micro_batch_loss(engine, mb, cfg, num_tokens, num_seqs, kl_coef)
+            total, actor_stats, _ = micro_batch_loss(
+                engine, mb, cfg, num_tokens, num_seqs, kl_coef, engine.plan.old_from_update
+            )
             stats |= {f"actor/{k}": v for k, v in actor_stats.items()}
         return total, stats, mask
 

@@ -18,9 +18,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from transformers.integrations import HfDeepSpeedConfig
 
 from dsrl import moe, vision
-from dsrl.auto import bf16, device_memory, packs, replicated_base, use_cuda, weight_bytes
 from dsrl.config import Config, ModelConfig, critic_on_actor_base
 from dsrl.nodes import choose_gloo_interface
+from dsrl.plan import Plan
 from dsrl.rundir import report_writes, reporting
 from dsrl.zero import varlen
 from dsrl.zero.critic import PolicyAndValue
@@ -30,15 +30,10 @@ from dsrl.zero.memory import AutoCheckpointing, awake_server_bytes, trainers_sta
 log = logging.getLogger(__name__)
 
 
-def param_dtype(cfg: Config) -> torch.dtype:
-    return torch.bfloat16 if bf16(cfg) else torch.float32
-
-
-def ds_config(
-    cfg: Config, world: int, train: bool, lr: float | None = None, micro_batch_size: int | None = None, stage: int = 3
-) -> dict:
+def ds_config(cfg: Config, plan: Plan, world: int, train: bool, lr: float | None = None,
+              micro_batch_size: int | None = None, stage: int = 3) -> dict:  # fmt: skip
     """DeepSpeed's config for an engine: the actor's (trainer.*), or with `lr` and `micro_batch_size` the critic's.
-    `stage` 2: a LoRA actor on a replicated base (`dsrl.auto.replicated_base`), ZeRO-2 for the adapters alone."""
+    `stage` 2: a LoRA actor on a replicated base (`Plan.replicated_base`), ZeRO-2 for the adapters alone."""
     t = cfg.trainer
     micro_batch_size = micro_batch_size or t.micro_batch_size
     # With micro-batches by tokens their number varies: the trainer marks each mini-batch's last one as the
@@ -51,12 +46,12 @@ def ds_config(
     if stage == 2:  # (a smaller gradient bucket than DeepSpeed's 500M elements: the adapters are a few million)
         zero = {"stage": 2, "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000}
     if train and t.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": use_cuda(cfg), "ratio": t.offload_optimizer_ratio}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": plan.cuda, "ratio": t.offload_optimizer_ratio}
     conf = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": accumulation,
         "zero_optimization": zero,
-        "bf16": {"enabled": param_dtype(cfg) == torch.bfloat16},
+        "bf16": {"enabled": plan.bf16},
         "gradient_clipping": t.grad_clip,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
@@ -66,7 +61,7 @@ def ds_config(
         # needs it, so it is used there). On GPU FusedAdam: DeepSpeed can only move its states off the
         # GPU between phases (colocated runs) for FusedAdam; it JIT-compiles once (~1 min, cached).
         params = {"lr": lr or t.lr, "betas": list(t.betas), "eps": 1e-8, "weight_decay": t.weight_decay}
-        torch_adam = not (use_cuda(cfg) or t.offload_optimizer)
+        torch_adam = not (plan.cuda or t.offload_optimizer)
         conf["optimizer"] = {"type": "AdamW", "params": {**params, "torch_adam": torch_adam}}
     return conf
 
@@ -105,27 +100,25 @@ def prepare_model_dir(cfg: Config, run_dir: Path) -> str:
     return str(out)
 
 
-def load_engine(
-    cfg: Config, model_dir: str, world: int, train: bool, critic: bool = False
-) -> deepspeed.DeepSpeedEngine:
-    """The actor (train), the reference model, or the critic: the policy's architecture with a scalar head
-    (`AutoModelForTokenClassification`, num_labels 1, as verl), from `critic.path` or the policy's weights."""
+def load_engine(cfg: Config, model_dir: str, world: int, train: bool, critic: bool = False, *, plan: Plan):
+    """The actor (train), the reference model, or the critic (`AutoModelForTokenClassification`, num_labels 1, as
+    verl; from `critic.path` or the policy's weights): a DeepSpeed engine holding `plan` (its micro-batches read it)."""
     c = cfg.critic
     lora = train and not critic and cfg.model.lora_rank > 0
-    replicated = lora and replicated_base(cfg, model_dir)[0]
+    replicated = lora and plan.replicated_base
     if critic:
-        conf = ds_config(cfg, world, train, c.lr, c.micro_batch_size)
+        conf = ds_config(cfg, plan, world, train, c.lr, c.micro_batch_size)
     else:
-        conf = ds_config(cfg, world, train, stage=2 if replicated else 3)
+        conf = ds_config(cfg, plan, world, train, stage=2 if replicated else 3)
     # While this object lives, from_pretrained builds the model under zero.Init: each rank only
     # ever holds its partition, and HF's own weight init still runs.
     hf_ds = HfDeepSpeedConfig(conf)  # noqa: F841
     if cfg.model.liger_kernel:
         apply_liger(AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code).model_type)
-    kwargs = {"dtype": param_dtype(cfg), "trust_remote_code": cfg.model.trust_remote_code}
-    if packs(cfg):  # packed rows: attention within each sequence, no mask (`dsrl/zero/varlen.py`)
+    kwargs = {"dtype": torch.bfloat16 if plan.bf16 else torch.float32, "trust_remote_code": cfg.model.trust_remote_code}
+    if plan.packs:  # packed rows: attention within each sequence, no mask (`dsrl/zero/varlen.py`)
         kwargs["attn_implementation"] = varlen.NAME
-        log.info("packed micro-batches, no padding: attention by %s", varlen.describe(kwargs["dtype"], use_cuda(cfg)))
+        log.info("packed micro-batches, no padding: attention by %s", varlen.describe(kwargs["dtype"], plan.cuda))
     with said_while("loading the weights into ZeRO-3's partitions"):  # (Qwen3-30B-A3B: 5 silent minutes)
         if critic:
             config = AutoConfig.from_pretrained(c.path or model_dir, trust_remote_code=cfg.model.trust_remote_code)
@@ -140,9 +133,9 @@ def load_engine(
     auto = train and choice == "auto"  # decided per update (`AutoCheckpointing`)
     checkpointing = train and (choice is True or auto)
     if auto:
-        width = weight_bytes(cfg)
-        states = trainers_state_bytes(cfg, model, critic) + awake_server_bytes(cfg, model)
-        budget = AutoCheckpointing(model.config, states, *device_memory(cfg), width, cfg.model.liger_kernel)
+        states = trainers_state_bytes(cfg, model, critic) + awake_server_bytes(cfg, plan, model)
+        memory = plan.device_memory, plan.device_name
+        budget = AutoCheckpointing(model.config, states, *memory, plan.weight_bytes, cfg.model.liger_kernel)
     if checkpointing:
         checkpoint_layers(model)
     if lora:  # new adapter parameters: deepspeed.initialize partitions them with the rest (or, replicated, alone)
@@ -164,6 +157,7 @@ def load_engine(
     if auto:  # off until an update decides (`run_updates`)
         budget.switch(engine.module, False)
         engine.auto_checkpointing = budget
+    engine.plan = plan
     return engine
 
 
@@ -253,9 +247,10 @@ def add_lora(model: torch.nn.Module, m: ModelConfig, critic: bool, checkpointing
     return model
 
 
-def init_distributed(cfg: Config) -> None:
+def init_distributed(cuda: bool) -> None:
+    """The trainer ranks' process group: NCCL where the trainer runs on CUDA (`cuda`), else gloo."""
     build = None
-    if use_cuda(cfg):
+    if cuda:
         # SGLang's processes run NCCL with cuMem off; a trainer with it on breaks the weight-update
         # group ("Cuda failure 'invalid argument'" on the server, the trainer's broadcast hangs).
         os.environ["NCCL_CUMEM_ENABLE"] = "0"
@@ -270,9 +265,9 @@ def init_distributed(cfg: Config) -> None:
     choose_gloo_interface(os.environ.get("MASTER_ADDR", "127.0.0.1"))  # (gloo's groups: its address toward rank 0)
     # (DeepSpeed prints "... built successfully" at every load of it)
     with report_writes(build, "the comm op's build"), redirect_stdout(StringIO()) as printed:
-        deepspeed.init_distributed(dist_backend="nccl" if use_cuda(cfg) else "gloo")
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     sys.stdout.write("".join(line for line in printed.getvalue().splitlines(True) if "built successfully" not in line))
-    if not use_cuda(cfg):
+    if not cuda:
         unlink_shm_workspace()
 
 

@@ -21,9 +21,11 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from dsrl.auto import count_params, device_memory, local_ranks, use_cuda, weight_bytes
+from dsrl.auto import count_params, device_memory, use_cuda, weight_bytes
 from dsrl.config import Config, beside_rollouts, critic_of_its_own
 from dsrl.moe import is_moe
+from dsrl.nodes import local_ranks
+from dsrl.plan import Plan
 from dsrl.zero.actor import LOGPROB_CHUNK
 from dsrl.zero.batches import largest_micro_batch
 
@@ -213,10 +215,10 @@ def server_weight_bytes(cfg: Config, model: torch.nn.Module) -> float:
     return whole_numel(model) * width / cfg.rollout.tp_size
 
 
-def awake_server_bytes(cfg: Config, model: torch.nn.Module) -> float:
+def awake_server_bytes(cfg: Config, plan: Plan, model: torch.nn.Module) -> float:
     """Device bytes the colocated servers keep through an update: their weights, when they generate ahead (one-step-off;
     else they release them)."""
-    if cfg.rollout.placement != "colocate" or cfg.rollout.max_staleness == 0 or not use_cuda(cfg):
+    if not plan.colocated or cfg.rollout.max_staleness == 0 or not plan.cuda:
         return 0.0
     return server_weight_bytes(cfg, model)
 

@@ -7,11 +7,11 @@ from pathlib import Path
 import torch
 
 from dsrl.advantages import KlController, compute_advantages
-from dsrl.auto import old_from_update
 from dsrl.collectives import all_ranks
 from dsrl.config import Config, critic_of_its_own
 from dsrl.data import Sample
 from dsrl.metrics import reduce_across_ranks
+from dsrl.plan import Plan
 from dsrl.vision import check_ranks_agree
 from dsrl.zero.actor import compute_logprobs, update_actor
 from dsrl.zero.checkpoint import export_hf, find_checkpoint, load_checkpoint, save_checkpoint, warn_disk_room
@@ -37,22 +37,24 @@ def mask_truncated(samples: list[Sample]) -> dict[str, float]:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, model_dir: str, world: int, tokenizer):
-        self.cfg, self.model_dir = cfg, model_dir
+    def __init__(self, cfg: Config, plan: Plan, model_dir: str, world: int, tokenizer):
+        self.cfg, self.plan, self.model_dir = cfg, plan, model_dir
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
         check_host_memory(cfg, model_dir, world)  # ZeRO-Offload's states, before DeepSpeed allocates them
         check_device_memory(cfg, model_dir, world)  # and the GPU's share
-        warn_disk_room(cfg, model_dir)  # and the run directory's disk, for what the run will write
-        self.actor = load_engine(cfg, model_dir, world, train=True)
+        warn_disk_room(cfg, plan)  # and the run directory's disk, for what the run will write
+        self.actor = load_engine(cfg, model_dir, world, train=True, plan=plan)
         self.ref = None
         """The reference policy (KL); with LoRA the actor itself, its adapters off (`reference_off`)."""
         if cfg.algorithm.kl_coef > 0:
-            self.ref = self.actor if cfg.model.lora_rank > 0 else load_engine(cfg, model_dir, world, train=False)
+            self.ref = (
+                self.actor if cfg.model.lora_rank > 0 else load_engine(cfg, model_dir, world, train=False, plan=plan)
+            )
         self.critic = None
         """With --algorithm.advantage gae, the critic's own engine; None with LoRA, where the actor is the critic too
         (`PolicyAndValue`: an adapter and a value head on its base)."""
         if critic_of_its_own(cfg):
-            self.critic = load_engine(cfg, model_dir, world, train=True, critic=True)
+            self.critic = load_engine(cfg, model_dir, world, train=True, critic=True, plan=plan)
         self.engines = [e for e in (self.actor, self.critic) if e is not None]
         """The engines with states (colocated, they lend the GPU to the servers: `dsrl.lending`)."""
         self.kl = KlController(cfg)
@@ -80,7 +82,7 @@ class Trainer:
         if cfg.algorithm.policy_loss == "bypass_mode":  # (verl's bypass mode: the engine's logprobs are the old ones)
             for s in samples:
                 s.old_logprobs = torch.tensor(s.engine_logprobs, dtype=torch.float32)
-        elif not (old_from_update(cfg) and self.trains_actor(step)):
+        elif not (self.plan.old_from_update and self.trains_actor(step)):
             compute_logprobs(self.actor, samples, "old_logprobs", cfg, pad_id)
         if self.ref is not None:
             with reference_off(self.ref.module):
