@@ -11,7 +11,6 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -220,13 +219,12 @@ class RolloutClient:
         up to `wait_s` for the fleet to bring one back, with the current weights (`set_urls`, `release_held`)."""
         if self._open() or not self.wait_s:
             return self._pick(route_key)
-        self.starving, due = self.starving + 1, time.monotonic() + self.wait_s
+        self.starving += 1
+        for wake in list(self.wakers):
+            wake.set()
         try:
-            while not self._open():  # (again when the one that came back is gone by the time this request wakes)
-                for wake in list(self.wakers):
-                    wake.set()
-                async with self.changed:
-                    await asyncio.wait_for(self.changed.wait_for(self._open), max(due - time.monotonic(), 0))
+            async with self.changed:
+                await asyncio.wait_for(self.changed.wait_for(self._open), self.wait_s)
         except TimeoutError:
             raise NoServerLeft(f"every rollout server is down ({', '.join(self.down)}), and none came back within "
                                f"{self.wait_s:.0f}s") from None  # fmt: skip
