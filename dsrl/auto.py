@@ -169,10 +169,10 @@ def replicated_base(cfg: Config, model_dir: str) -> tuple[bool, str]:
 def resolve(cfg: Config, model_dir: str) -> tuple[Config, list[str]]:
     """The config with every auto that start-up decides decided (all but trainer.offload_states, which needs the
     trainers: `zero.memory.plan_memory`), and a line per decision for `log_decisions`."""
-    t, r, p = cfg.trainer, cfg.rollout, make_plan(cfg, model_dir)
-    trainer = replace(t, device="cuda" if p.cuda else "cpu", precision="bf16" if p.bf16 else "fp32",
-                      pack_sequences=p.packs)  # fmt: skip
-    rollout = replace(r, engine=p.engine, fleet=p.fleet)
+    t, r, (cuda, in_bf16, packs, engine, fleet) = cfg.trainer, cfg.rollout, _decided(cfg)
+    trainer = replace(t, device="cuda" if cuda else "cpu", precision="bf16" if in_bf16 else "fp32",
+                      pack_sequences=packs)  # fmt: skip
+    rollout = replace(r, engine=engine, fleet=fleet)
     out = replace(cfg, trainer=trainer, rollout=rollout, sync=resolve_sync(cfg))
     lines = [f"{flag} {new}" for flag, old, new in (
         ("trainer.device", t.device, trainer.device), ("trainer.precision", t.precision, trainer.precision),
@@ -187,8 +187,8 @@ def resolve(cfg: Config, model_dir: str) -> tuple[Config, list[str]]:
     if cfg.sync.bucket_bytes is None:
         lines.append(f"sync.bucket_bytes {out.sync.bucket_bytes >> 20} MiB")
     if t.old_logprobs == "auto":
-        own = "from the update's own forward pass" if p.old_from_update else "recomputed before the update"
-        lines.append(f"trainer.old_logprobs {own} (one optimizer step a batch: {p.old_from_update})")
+        own = "from the update's own forward pass" if old_from_update(cfg) else "recomputed before the update"
+        lines.append(f"trainer.old_logprobs {own} (one optimizer step a batch: {old_from_update(cfg)})")
     a, fp8 = cfg.algorithm, r.precision == "fp8"
     if a.off_policy == "auto":  # FP8 rollouts are off-policy by construction; the correction weights PPO's loss
         tis = fp8 and a.policy_loss == "ppo" and not a.rollout_correction.enabled()  # (which replaces it)
@@ -204,16 +204,23 @@ def resolve(cfg: Config, model_dir: str) -> tuple[Config, list[str]]:
     return out, lines
 
 
+def _decided(cfg: Config) -> tuple[bool, bool, bool, str, str]:
+    """The plan's fields that `resolve` writes into the config: cuda, bf16, packs, engine, fleet (none of the costly
+    ones: the parameter count, the device's memory)."""
+    cuda = use_cuda(cfg)
+    packs = p if isinstance(p := cfg.trainer.pack_sequences, bool) else cuda
+    return cuda, bf16(cfg), packs, rollout_engine(cfg, cuda), fleet_kind(cfg.rollout)
+
+
 def make_plan(cfg: Config, model_dir: str, world: int = 1) -> Plan:
     """The run's `Plan` from `cfg` and this machine: what the rooms read (a piece built alone gets it here too); its
     fields' docstrings say each rule. `train` makes it from the config `resolve` returns (sync.lora decided)."""
-    t, r, cuda, (memory, name) = cfg.trainer, cfg.rollout, use_cuda(cfg), device_memory(cfg)
-    packs = t.pack_sequences if isinstance(t.pack_sequences, bool) else cuda
+    r, (cuda, in_bf16, packs, engine, fleet), (memory, name) = cfg.rollout, _decided(cfg), device_memory(cfg)
     shared = cuda and r.first_gpu < local_ranks(default=world)  # (a GPU the trainers' too)
-    local = fleet_kind(r) == "local" and not t.hostfile  # (with a hostfile each node starts its own: node_fleet.py)
+    local = fleet == "local" and not cfg.trainer.hostfile  # (with a hostfile each node starts its own: node_fleet.py)
     first = r.placement == "disaggregate" and local and cfg.sync.lora != "adapter" and not shared
-    return Plan(cuda=cuda, bf16=bf16(cfg), packs=packs, old_from_update=old_from_update(cfg),
-                engine=rollout_engine(cfg, cuda), fleet=fleet_kind(r), colocated=r.placement == "colocate",
+    return Plan(cuda=cuda, bf16=in_bf16, packs=packs, old_from_update=old_from_update(cfg),
+                engine=engine, fleet=fleet, colocated=r.placement == "colocate",
                 servers_first=first, params=count_params(cfg, model_dir), device_memory=memory, device_name=name,
                 replicated_base=cfg.model.lora_rank > 0 and replicated_base(cfg, model_dir)[0])  # fmt: skip
 
