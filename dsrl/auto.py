@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import psutil
 
-from dsrl.config import PROBE_TOLERANCE, Config, ConfigError, RolloutConfig, SyncConfig, TrainerConfig
+from dsrl.config import PROBE_TOLERANCE, Config, ConfigError, SyncConfig, TrainerConfig
 from dsrl.nodes import local_ranks
 from dsrl.plan import Plan
 
@@ -38,13 +38,6 @@ def use_cuda(cfg: Config) -> bool:
 def rollout_engine(cfg: Config, cuda: bool) -> str:
     """rollout.engine: auto = SGLang where the trainer runs on CUDA (`cuda`), the embedded engine elsewhere."""
     return cfg.rollout.engine if cfg.rollout.engine != "auto" else ("sglang" if cuda else "embedded")
-
-
-def fleet_kind(r: RolloutConfig) -> str:
-    """rollout.fleet: auto is external with server_urls, else local."""
-    if r.fleet == "auto":
-        return "external" if r.server_urls else "local"
-    return r.fleet
 
 
 def bf16(cfg: Config) -> bool:
@@ -84,8 +77,8 @@ def resolve_sync(cfg: Config) -> SyncConfig:
         raise ConfigError([f"--sync.senders all (or --sync.delta) sends over broadcast: not colocated on GPUs "
                            f"(sync.type {s.type})"])  # fmt: skip
     if s.lora == "auto":
-        external = fleet_kind(cfg.rollout) == "external"  # started by someone else: dsrl cannot enable LoRA
-        remote = s.type == "broadcast" and (bool(cfg.trainer.hostfile) or fleet_kind(cfg.rollout) == "ray")
+        external = cfg.rollout.fleet_kind == "external"  # started by someone else: dsrl cannot enable LoRA
+        remote = s.type == "broadcast" and (bool(cfg.trainer.hostfile) or cfg.rollout.fleet_kind == "ray")
         adapter = cfg.model.lora_rank > 0 and s.type != "ipc" and not external and not remote
         adapter = adapter and cfg.rollout.precision != "fp8"
         s = replace(s, lora="adapter" if adapter else "merged")
@@ -209,7 +202,7 @@ def _decided(cfg: Config) -> tuple[bool, bool, bool, str, str]:
     ones: the parameter count, the device's memory)."""
     cuda = use_cuda(cfg)
     packs = p if isinstance(p := cfg.trainer.pack_sequences, bool) else cuda
-    return cuda, bf16(cfg), packs, rollout_engine(cfg, cuda), fleet_kind(cfg.rollout)
+    return cuda, bf16(cfg), packs, rollout_engine(cfg, cuda), cfg.rollout.fleet_kind
 
 
 def make_plan(cfg: Config, model_dir: str, world: int = 1) -> Plan:

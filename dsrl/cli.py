@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from dsrl.auto import fleet_kind, rollout_engine, trainer_on_cuda
+from dsrl.auto import rollout_engine, trainer_on_cuda
 from dsrl.config import ConfigError, build_parser, dump_config, reward_rollout, side_rollout, to_config, validate
 from dsrl.rundir import (
     LOCK_FILE,
@@ -70,7 +70,7 @@ def train(argv: list[str]) -> int:
         if not cuda:  # DeepSpeed (imported by PEFT here) would warn that it found no GPU
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         engine = rollout_engine(cfg, cuda)
-        if fleet_kind(cfg.rollout) != "external":
+        if cfg.rollout.fleet_kind != "external":
             check_server_args(cfg.rollout, engine)
         if cfg.reward_model.path and not cfg.reward_model.server_urls:
             check_server_args(reward_rollout(cfg), engine, "--reward_model.server_args")
@@ -111,7 +111,7 @@ def check_data(cfg, engine: str) -> None:
     if cfg.rollout.env:
         tools = tool_schemas(load_function(cfg.rollout.env, "rollout.env"))
         check_rendering(Renderer(tokenizer, tools, cfg.data.apply_chat_template))
-    check_datasets(cfg, tokenizer, server_context(cfg, cfg.model.path, engine, fleet_kind(cfg.rollout)), tools)
+    check_datasets(cfg, tokenizer, server_context(cfg, cfg.model.path, engine, cfg.rollout.fleet_kind), tools)
 
 
 def check_reward_model(cfg) -> None:

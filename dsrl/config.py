@@ -192,6 +192,11 @@ class RolloutConfig:
     """Extra launch arguments for started servers, by field or flag name, e.g. {attention_backend: triton,
     fp8_gemm_backend: deep_gemm}; true adds a bare flag."""
 
+    @property
+    def fleet_kind(self) -> str:
+        """`fleet` decided: auto is external with server_urls, else local."""
+        return ("external" if self.server_urls else "local") if self.fleet == "auto" else self.fleet
+
 
 @dataclass
 class AgentConfig:

@@ -14,8 +14,10 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -235,8 +237,11 @@ class OwnerWatch:
 
 
 def end_process(why: str) -> None:
-    """Log `why`, kill every process this one started, then this one (SIGKILL: no cleanup can hang)."""
-    log.error("%s: this rank and the processes it started exit now", why)
+    """Log `why` and where the main thread was (a rank waiting on a peer that hung: where it waited), kill every
+    process this one started, then this one (SIGKILL: no cleanup can hang)."""
+    main = sys._current_frames().get(threading.main_thread().ident)
+    where = "".join(traceback.format_stack(main)[-6:]) if main is not None else ""
+    log.error("%s: this rank and the processes it started exit now; its main thread was at:\n%s", why, where)
     for handler in logging.getLogger().handlers:
         handler.flush()
     for child in psutil.Process().children(recursive=True):

@@ -188,7 +188,7 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     start_step, rank_state = trainer.resume(run_dir)
     if rank == 0:
         rundir.trim_trace(run_dir / "trained_prompts.jsonl", start_step)
-    memory = plan_memory(cfg, trainer.engines, start_step > 0)  # do they lend the GPU to the servers?
+    memory = plan_memory(cfg, plan, trainer.engines, start_step > 0)  # do they lend the GPU to the servers?
     log_decisions(decided + graphs + ([memory.line] if memory.line else []))
     for engine in trainer.engines if memory.offload else []:  # before any server starts: it sizes its KV cache from
         offload_states(engine, memory.offload, params=False)  # the memory it finds free (Adam's moments exist here

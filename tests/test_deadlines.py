@@ -43,7 +43,7 @@ dist.destroy_process_group()  # every group: gloo's threads left to the exit abo
 
 def test_a_rank_stuck_in_a_collective_ends_with_its_children_at_its_deadline():
     """Rank 0 waits in a gloo all-reduce (in C++, for up to 600 s) that rank 1, its child, never enters: at the
-    2 s deadline it logs one line naming the wait and the flag, and both processes are gone."""
+    2 s deadline it logs one line naming the wait and the flag, then where it waited, and both processes are gone."""
     start = time.monotonic()
     cmd = [sys.executable, str(ROOT / "tests/_stuck_rank.py"), "0", str(free_port())]
     out = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
@@ -53,8 +53,9 @@ def test_a_rank_stuck_in_a_collective_ends_with_its_children_at_its_deadline():
     lines = [line for line in out.stderr.splitlines() if "did not finish" in line]
     assert lines == [
         "the test's all-reduce did not finish within 2s (--test.timeout_s): this rank and the processes it started "
-        "exit now"
+        "exit now; its main thread was at:"
     ]
+    assert "dist.all_reduce(torch.ones(1))" in out.stderr, "where it waited, for a hang's post-mortem"
     assert took < 60  # the gloo wait alone would have taken 600 s
     peer = int(out.stdout.split("peer pid ")[1].split()[0])
     assert not still_running([peer])

@@ -49,7 +49,7 @@ def run_to_end(cmd: list[str]) -> str:
     if proc.returncode != 0:  # the servers' side of a failure is in their logs
         logs = Path(cmd[cmd.index("--logging.run_dir") + 1]) / "logs"
         servers = "".join(f"\n--- {p.name}:\n{log_tail(p)}" for p in sorted(logs.glob("server_*.log")))
-        raise AssertionError(proc.stdout[-3000:] + proc.stderr[-3000:] + servers)
+        raise AssertionError(proc.stdout[-2000:] + proc.stderr[-8000:] + servers)
     return proc.stderr
 
 

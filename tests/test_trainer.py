@@ -17,11 +17,19 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from dsrl.data import Prompt, Sample
+from dsrl.plan import Plan
 from dsrl.tasks import toy
 from dsrl.zero import actor, varlen
 from dsrl.zero.actor import forward_logprobs
 from dsrl.zero.batches import MICRO_BATCH_COST, MicroBatch, micro_batches, plan, plan_rows, split_to
 from tests.conftest import ROOT
+
+
+def gpu_plan(memory: float = 0, params: float = 0, colocated: bool = True, cuda: bool = True) -> Plan:
+    """A run's plan on a GPU of `memory` bytes (fake: there is none here), for a model of `params` parameters."""
+    return Plan(cuda=cuda, bf16=cuda, packs=cuda, old_from_update=False, engine="sglang", fleet="local",
+                colocated=colocated, servers_first=False, params=int(params), device_memory=int(memory),
+                device_name="the GPU's", replicated_base=False)  # fmt: skip
 
 
 def samples(seed: int, n: int = 6) -> list[Sample]:
@@ -181,12 +189,13 @@ def test_zero_offload_preflight_names_the_host_share_that_fits(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     cfg = Config(model=ModelConfig(path=path), data=DataConfig(train_path="unused.jsonl"))
     cfg.trainer.offload_optimizer = True
+    on_cpu = gpu_plan(params=n, cuda=False)
     with pytest.raises(
         MemoryError, match=r"100% of the optimizer states .* Fits: --trainer.offload_optimizer_ratio 0.40"
     ):
-        check_host_memory(cfg, path, world=1)
+        check_host_memory(cfg, on_cpu, world=1)
     cfg.trainer.offload_optimizer_ratio = 0.4
-    check_host_memory(cfg, path, world=1)
+    check_host_memory(cfg, on_cpu, world=1)
 
 
 def test_the_host_check_counts_each_gpu_process_of_the_node(monkeypatch):
@@ -200,20 +209,19 @@ def test_the_host_check_counts_each_gpu_process_of_the_node(monkeypatch):
     from dsrl.zero import memory
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=540.9e9, available=532.7e9))  # fake
-    monkeypatch.setattr(memory, "count_params", lambda cfg, path: 32.76e9)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     cfg = Config(model=ModelConfig(path="unused"), data=DataConfig(train_path="unused.jsonl"))
-    cfg.trainer.device, cfg.trainer.offload_optimizer = "cuda", True
+    cfg.trainer.offload_optimizer, h200s = True, gpu_plan(150.1e9, params=32.76e9)
     cfg.rollout.num_servers, cfg.rollout.tp_size = 2, 2
     for ratio in (0.85, 0.75):
         cfg.trainer.offload_optimizer_ratio = ratio
         refused = r"\+ 65.5 GB of every parameter's grads \+ 94.5 GB margin.* Fits: .*_ratio 0.70"
         with pytest.raises(MemoryError, match=refused):
-            memory.check_host_memory(cfg, "unused", world=4)
+            memory.check_host_memory(cfg, h200s, world=4)
     cfg.trainer.offload_optimizer_ratio = 0.7
-    memory.check_host_memory(cfg, "unused", world=4)
-    cfg.trainer.device, cfg.trainer.offload_optimizer_ratio = "cpu", 0.6  # (CPU processes are small: the old 10%;
-    memory.check_host_memory(cfg, "unused", world=4)  # fp32 grads, 131 GB: 10 GiB a process would refuse it)
+    memory.check_host_memory(cfg, h200s, world=4)
+    cfg.trainer.offload_optimizer_ratio = 0.6  # (CPU processes are small: the old 10%; fp32 grads, 131 GB: 10 GiB
+    memory.check_host_memory(cfg, gpu_plan(params=32.76e9, cuda=False), world=4)  # a process would refuse it)
 
 
 def test_a_model_whose_states_cannot_fit_the_gpu_is_refused_naming_the_offload_that_fits(monkeypatch):
@@ -230,31 +238,28 @@ def test_a_model_whose_states_cannot_fit_the_gpu_is_refused_naming_the_offload_t
     with init_empty_weights():
         n = sum(p.numel() for p in AutoModelForCausalLM.from_config(toy.build_model_config()).parameters())
     cfg = Config(model=ModelConfig(path=path), data=DataConfig(train_path="unused.jsonl"))
-    cfg.trainer.device, cfg.algorithm.kl_coef, cfg.trainer.max_tokens_per_micro_batch = "cuda", 0.0, None
-    cfg.rollout.placement = "disaggregate"  # (the servers on GPUs of their own: the update alone; colocated below)
+    cfg.algorithm.kl_coef, cfg.trainer.max_tokens_per_micro_batch = 0.0, None
 
-    def gpu(room):  # a GPU whose room beside the margin (5% + 4 GiB) is `room` bytes (fake)
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, int((room + (4 << 30)) / 0.95)))
+    def gpu(room):  # a GPU whose room beside the margin (5% + 4 GiB) is `room` bytes (fake); the servers on GPUs
+        return gpu_plan((room + (4 << 30)) / 0.95, params=n, colocated=False)  # of their own: the update alone
 
-    gpu(4 * n + 12 * n * 0.57)  # the states fit with 43% of the optimizer's 12 bytes on the host: 45% offered
+    small = gpu(4 * n + 12 * n * 0.57)  # the states fit with 43% of the optimizer's 12 bytes on the host: 45% offered
     with pytest.raises(MemoryError, match=r"share of the trainers' states is .* Fits: --trainer.offload_optimizer "
                                           r"true --trainer.offload_optimizer_ratio 0.45; or a smaller"):  # fmt: skip
-        check_device_memory(cfg, path, world=1)
+        check_device_memory(cfg, small, path, world=1)
     cfg.trainer.offload_optimizer, cfg.trainer.offload_optimizer_ratio = True, 0.45
-    check_device_memory(cfg, path, world=1)
+    check_device_memory(cfg, small, path, world=1)
     cfg.trainer.offload_optimizer, cfg.trainer.max_tokens_per_micro_batch = False, 16
     cfg.data.max_prompt_tokens = cfg.rollout.max_new_tokens = 8
     acts = activation_bytes(AutoModelForCausalLM.from_config(toy.build_model_config()).config, 16, True, 2)
-    gpu(4 * n + 12 * n * 0.57 + acts)  # room for the micro-batch too: the same share
     budget = r"moments\) and a micro-batch of 16 tokens checkpointed .*_ratio 0.45; or a smaller --trainer.max_tok"
-    with pytest.raises(MemoryError, match=budget):
-        check_device_memory(cfg, path, world=1)
+    with pytest.raises(MemoryError, match=budget):  # room for the micro-batch too: the same share
+        check_device_memory(cfg, gpu(4 * n + 12 * n * 0.57 + acts), path, world=1)
     cfg.trainer.offload_optimizer, cfg.trainer.offload_optimizer_ratio = True, 0.2
-    gpu(3 * n)
     with pytest.raises(MemoryError, match=r"80% of the fp32 master weights .* Fits: more GPUs"):
-        check_device_memory(cfg, path, world=1)
-    cfg.trainer.device = "cpu"  # (CPU runs: the host's share is checked by check_host_memory)
-    check_device_memory(cfg, path, world=1)
+        check_device_memory(cfg, gpu(3 * n), path, world=1)
+    # (CPU runs: the host's share is checked by check_host_memory)
+    check_device_memory(cfg, gpu_plan(params=n, cuda=False), path, world=1)
 
 
 def test_colocated_zero_offload_names_the_share_that_fits_beside_the_servers(monkeypatch):
@@ -265,22 +270,20 @@ def test_colocated_zero_offload_names_the_share_that_fits_beside_the_servers(mon
     from dsrl.config import Config, DataConfig, ModelConfig
     from dsrl.zero import memory
 
-    monkeypatch.setattr(memory, "count_params", lambda cfg, path: 32.76e9)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, int(150.1e9)))  # (a fake H200)
+    colocated = gpu_plan(150.1e9, params=32.76e9)  # (a fake H200)
     cfg = Config(model=ModelConfig(path="unused"), data=DataConfig(train_path="unused.jsonl"))
-    cfg.trainer.device, cfg.algorithm.kl_coef, cfg.trainer.max_tokens_per_micro_batch = "cuda", 0.0, None
+    cfg.algorithm.kl_coef, cfg.trainer.max_tokens_per_micro_batch = 0.0, None
     cfg.rollout.num_servers, cfg.rollout.tp_size, cfg.rollout.mem_fraction_static = 2, 2, 0.4
     cfg.trainer.offload_optimizer, cfg.trainer.offload_optimizer_ratio = True, 0.2
-    cfg.rollout.placement = "disaggregate"
-    memory.check_device_memory(cfg, "unused", world=4)  # the update alone fits at 0.2
-    cfg.rollout.placement = "colocate"
+    disaggregated = gpu_plan(150.1e9, params=32.76e9, colocated=False)
+    memory.check_device_memory(cfg, disaggregated, "unused", world=4)  # the update alone fits at 0.2
     beside = r"beside the servers' 60.0 GB \(rollout.mem_fraction_static.* cannot generate .* Fits: .*_ratio 0.55"
     with pytest.raises(MemoryError, match=beside):
-        memory.check_device_memory(cfg, "unused", world=4)
+        memory.check_device_memory(cfg, colocated, "unused", world=4)
     cfg.trainer.offload_optimizer_ratio = 0.55
-    memory.check_device_memory(cfg, "unused", world=4)
+    memory.check_device_memory(cfg, colocated, "unused", world=4)
     cfg.trainer.offload_optimizer = False  # 131 GB of states fit the update; the plan moves them off to generate
-    memory.check_device_memory(cfg, "unused", world=4)
+    memory.check_device_memory(cfg, colocated, "unused", world=4)
 
 
 def test_gradient_checkpointing_auto_turns_on_for_an_update_whose_micro_batch_would_not_fit(caplog):
@@ -340,11 +343,8 @@ def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_f
         model = AutoModelForCausalLM.from_config(toy.build_model_config()).to(torch.bfloat16)
     states = 16 * sum(p.numel() for p in model.parameters())
     cfg = Config(model=ModelConfig(path="unused"), data=DataConfig(train_path="unused.jsonl"))
-    cfg.rollout.placement, cfg.rollout.mem_fraction_static, cfg.trainer.device = "colocate", 0.5, "cuda"
+    cfg.rollout.mem_fraction_static = 0.5
     engines = [SimpleNamespace(module=model)]
-
-    def gpu(total):  # a GPU of `total` bytes (fake)
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, total))
 
     def host(available):  # a host with `available` bytes free (fake); one rank on it, beside one server's GPU
         monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=available, available=available))
@@ -352,40 +352,40 @@ def test_colocated_planner_moves_the_least_of_the_states_that_lets_the_servers_f
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     host(1e12)
 
-    gpu(int(((4 << 30) + states * 1.01) / 0.45))  # servers 50%, margin 5% + 4 GiB: the states just fit
-    assert plan_memory(cfg, engines).offload is None
-    gpu(int(((4 << 30) + states * 0.9) / 0.45))  # a fifth of the moments (a tenth of the states) off is enough
-    offload, why, _, share = astuple(plan_memory(cfg, engines))
+    on = gpu_plan(int(((4 << 30) + states * 1.01) / 0.45))  # servers 50%, margin 5% + 4 GiB: the states just fit
+    assert plan_memory(cfg, on, engines).offload is None
+    on = gpu_plan(int(((4 << 30) + states * 0.9) / 0.45))  # a fifth of the moments (a tenth of the states) off
+    offload, why, _, share = astuple(plan_memory(cfg, on, engines))
     assert offload == "moments" and share == pytest.approx(0.2, rel=0.01)
     assert f"{states / 10 / 1e9:.1f} of Adam's {states / 2 / 1e9:.1f} GB of moments leave the GPU" in why
     host(GPU_PROCESS_HOST_BYTES + (8 << 30) + states / 2 * 0.5)  # the host holds that fifth, not all the moments,
-    plan_memory(cfg, engines)  # which a resumed run moves at start-up (they exist then: Adam made them)
+    plan_memory(cfg, on, engines)  # which a resumed run moves at start-up (they exist then: Adam made them)
     with pytest.raises(MemoryError, match=r"offload_states moments: the 1 rank\(s\) of this node would move"):
-        plan_memory(cfg, engines, resumed=True)
+        plan_memory(cfg, on, engines, resumed=True)
     host(1e12)
-    gpu(int(((4 << 30) + states * 0.49) / 0.45))  # not even half fits beside the servers
-    offload, why, _, _ = astuple(plan_memory(cfg, engines))
+    on = gpu_plan(int(((4 << 30) + states * 0.49) / 0.45))  # not even half fits beside the servers
+    offload, why, _, _ = astuple(plan_memory(cfg, on, engines))
     assert offload == "all" and f"trainers' states {states / 1e9:.1f} GB" in why and "leave the GPU" in why
     cfg.trainer.offload_states = "moments"  # given: as given, whatever fits (all the moments: they are not enough)
-    assert astuple(plan_memory(cfg, engines))[::3] == ("moments", 1.0)
+    assert astuple(plan_memory(cfg, on, engines))[::3] == ("moments", 1.0)
     host(GPU_PROCESS_HOST_BYTES + (8 << 30) + states / 2 * 0.9)  # the moments: not beside the server
     with pytest.raises(MemoryError, match=r"offload_states moments: the 1 rank\(s\) of this node would move .* host "
                                           r"memory .*--trainer.offload_optimizer true"):  # fmt: skip
-        plan_memory(cfg, engines)
+        plan_memory(cfg, on, engines)
     host(GPU_PROCESS_HOST_BYTES + (8 << 30) + states / 2 * 1.5)  # one rank's moments fit, two ranks' do not
-    plan_memory(cfg, engines)
+    plan_memory(cfg, on, engines)
     monkeypatch.setenv("LOCAL_SIZE", "2")  # (two ranks here, as DeepSpeed's launcher says: it sets no LOCAL_WORLD_SIZE)
     with pytest.raises(MemoryError, match=r"the 2 rank\(s\) of this node would move"):
-        plan_memory(cfg, engines)
+        plan_memory(cfg, on, engines)
     monkeypatch.delenv("LOCAL_SIZE")
     host(1e12)
     cfg.trainer.offload_states = "auto"
     cfg.rollout.max_staleness = 1  # one-step-off: the states cannot leave while the optimizer steps
     with pytest.raises(MemoryError, match=r"--rollout.max_staleness 1 \(colocated\).*lower --rollout.mem_fr"):
-        plan_memory(cfg, engines)
+        plan_memory(cfg, on, engines)
     cfg.rollout.max_staleness = 0
     cfg.trainer.offload_optimizer = True  # 4 of the 16 bytes stay: weights and grads
-    offload, why, _, _ = astuple(plan_memory(cfg, engines))
+    offload, why, _, _ = astuple(plan_memory(cfg, on, engines))
     assert offload is None and f"trainers' states {states / 4 / 1e9:.1f} GB" in why and "ZeRO-Offload" in why
 
 
@@ -446,13 +446,13 @@ def test_a_dead_servers_replacement_starts_beside_the_update_with_its_kv_cache_c
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(toy.build_model_config()).to(torch.bfloat16)
     cfg = Config(model=ModelConfig(path="unused"), data=DataConfig(train_path="unused.jsonl"))
-    cfg.rollout.placement, cfg.rollout.mem_fraction_static, cfg.trainer.device = "colocate", 0.4, "cuda"
+    cfg.rollout.mem_fraction_static = 0.4
     engines = [SimpleNamespace(module=model)]
     total, weights = 150e9, server_weight_bytes(cfg, model)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, int(total)))
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=1e12, available=1e12))  # (a host)
-    plan = plan_memory(cfg, engines)
-    assert plan.peak == update_peak(cfg, engines[0])[0] and "a dead server's replacement starts beside it" in plan.line
+    plan = plan_memory(cfg, gpu_plan(total), engines)
+    peak = update_peak(cfg, gpu_plan(total), engines[0])[0]
+    assert plan.peak == peak and "a dead server's replacement starts beside it" in plan.line
     gpu = GpuLending.__new__(GpuLending)  # (rank 0's sizing alone: no servers to ask, no ranks to reduce over)
     gpu.fleet, gpu.weight_bytes, gpu.total, gpu.share = ServerFleet(urls=[]), weights, total, 0.4 * total
     gpu.kv_tokens = 1_000_000
@@ -468,8 +468,7 @@ def test_a_dead_servers_replacement_starts_beside_the_update_with_its_kv_cache_c
             assert args == {"mem_fraction_static": 0.95, "max_total_tokens": tokens}
             assert held + weights + tokens * cell + margin(total) <= total
             assert 0.95 * (total - held) - weights >= tokens * cell
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, int(5e9)))  # the margin alone leaves 0.5 GB
-    line = plan_memory(cfg, engines).line
+    line = plan_memory(cfg, gpu_plan(5e9), engines).line  # the margin alone leaves 0.5 GB
     assert "replacement would have 0." in line and "the trainers wait for it" in line and "starts beside" not in line
 
 
@@ -487,15 +486,15 @@ def test_the_memory_plans_update_peak_is_set_by_the_micro_batch_not_the_batch():
     engine = SimpleNamespace(module=model)
     cfg = Config(model=ModelConfig(path="unused", gradient_checkpointing=False), data=DataConfig(train_path="u.jsonl"))
     cfg.trainer.max_tokens_per_micro_batch, cfg.rollout.n_samples = 16384, 8
-    peaks = []
+    peaks, on_cpu = [], gpu_plan(cuda=False)  # (fp32)
     for prompts in (32, 128):  # 64 and 256 samples a rank on 4 ranks
         cfg.rollout.prompts_per_step = prompts
-        peaks.append(update_peak(cfg, engine))
-    states = trainers_state_bytes(cfg, model, critic=False)
+        peaks.append(update_peak(cfg, on_cpu, engine))
+    states = trainers_state_bytes(cfg, on_cpu, model, critic=False)
     assert peaks[0] == peaks[1] == (states + activation_bytes(model.config, 16384, False, width=4), 16384, False)
     cfg.trainer.max_tokens_per_micro_batch, cfg.trainer.micro_batch_size = None, 4
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    assert update_peak(cfg, engine)[1] == 4 * longest
+    assert update_peak(cfg, on_cpu, engine)[1] == 4 * longest
     # on several ranks ZeRO-3's gathered layers and reduce bucket too: 3.0 GB at 1.5B in bf16 (measured 2.8-2.9 GB
     # over the estimate without them, on 2 and 4 ranks); one rank gathers nothing; a toy holds itself, twice
     assert zero3_buffer_bytes(1_543_714_304, 2, 2) == zero3_buffer_bytes(1_543_714_304, 2, 4) == 3e9

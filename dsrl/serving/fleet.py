@@ -3,7 +3,6 @@
 import logging
 from pathlib import Path
 
-from dsrl.auto import fleet_kind
 from dsrl.config import Config, RolloutConfig
 from dsrl.serving.client import RolloutClient
 from dsrl.serving.servers import (
@@ -36,7 +35,7 @@ def start_fleet(
     embedded engine, or SGLang on consecutive GPUs from `first_gpu`). The reward model's and the teacher's (`role`
     reward, teacher) log to <role>_server_<i>.log and keep their port when restarted: every trainer rank holds their
     URLs."""
-    kind = fleet_kind(cfg)
+    kind = cfg.fleet_kind
     if kind == "external":
         for url in cfg.server_urls:
             wait_healthy(url.rstrip("/"), cfg.startup_timeout_s)
@@ -101,7 +100,7 @@ def start_fleet_for_ranks(cfg: RolloutConfig, model_path: str, run_dir: Path, se
     their URLs (on the other ranks the fleet is only that list: rank 0 alone changes it)."""
     import torch.distributed as dist  # (this module is imported before the launcher, where torch is not)
 
-    if multi_node and fleet_kind(cfg) == "local" and launched is None:  # each trainer node starts its own
+    if multi_node and cfg.fleet_kind == "local" and launched is None:  # each trainer node starts its own
         from dsrl.serving.node_fleet import start_on_every_node
 
         return start_on_every_node(cfg, model_path, run_dir, seed, engine, role)

@@ -133,7 +133,7 @@ def load_engine(cfg: Config, model_dir: str, world: int, train: bool, critic: bo
     auto = train and choice == "auto"  # decided per update (`AutoCheckpointing`)
     checkpointing = train and (choice is True or auto)
     if auto:
-        states = trainers_state_bytes(cfg, model, critic) + awake_server_bytes(cfg, plan, model)
+        states = trainers_state_bytes(cfg, plan, model, critic) + awake_server_bytes(cfg, plan, model)
         memory = plan.device_memory, plan.device_name
         budget = AutoCheckpointing(model.config, states, *memory, plan.weight_bytes, cfg.model.liger_kernel)
     if checkpointing:

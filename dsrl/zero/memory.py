@@ -21,7 +21,6 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from dsrl.auto import count_params, device_memory, use_cuda, weight_bytes
 from dsrl.config import Config, beside_rollouts, critic_of_its_own
 from dsrl.moe import is_moe
 from dsrl.nodes import local_ranks
@@ -40,10 +39,10 @@ def margin(total: float) -> float:
     return 0.05 * total + (4 << 30)
 
 
-def state_bytes(cfg: Config, weights: int, trained: int) -> float:
+def state_bytes(cfg: Config, plan: Plan, weights: int, trained: int) -> float:
     """Bytes of an engine's states on the device: its weights; the trained ones' grads and, unless ZeRO-Offload keeps
     them on the host, their fp32 master copy and Adam's two moments."""
-    width = weight_bytes(cfg)
+    width = plan.weight_bytes
     on_gpu = 1 - cfg.trainer.offload_optimizer_ratio if cfg.trainer.offload_optimizer else 1
     return weights * width + trained * (width + on_gpu * (4 + 8))
 
@@ -74,13 +73,13 @@ def activation_bytes(config, tokens: int, checkpointing: bool, width: int = 2, l
     return tokens * (kept * width / 2 + config.vocab_size * width) + 5 * LOGPROB_CHUNK * config.vocab_size * 4
 
 
-def trainers_state_bytes(cfg: Config, model: torch.nn.Module, critic: bool) -> float:
+def trainers_state_bytes(cfg: Config, plan: Plan, model: torch.nn.Module, critic: bool) -> float:
     """Device bytes of every trainer engine's states, counted from the one being built: its own, the reference model's
     weights (KL without LoRA), and a critic as large as the actor (gae without LoRA)."""
     weights = sum(getattr(p, "ds_tensor", p).numel() for p in model.parameters())  # (this rank's ZeRO-3 partitions)
-    states = state_bytes(cfg, weights, trained=0 if cfg.model.lora_rank > 0 and not critic else weights)
+    states = state_bytes(cfg, plan, weights, trained=0 if cfg.model.lora_rank > 0 and not critic else weights)
     if cfg.algorithm.kl_coef > 0 and cfg.model.lora_rank == 0:
-        states += state_bytes(cfg, weights, trained=0)
+        states += state_bytes(cfg, plan, weights, trained=0)
     if critic_of_its_own(cfg):
         states *= 2
     return states
@@ -117,13 +116,13 @@ def check_offload_room(cfg: Config, moved: float, offload: str) -> None:
         )
 
 
-def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
+def check_host_memory(cfg: Config, plan: Plan, world: int) -> None:
     """With --trainer.offload_optimizer the optimizer states live in this node's host memory (pinned on GPUs):
     refuse to start, naming the numbers, when they cannot fit, rather than be killed by the kernel minutes in
     (a rank's "return code = -9" said nothing). Counted from the config, before any weight is loaded."""
     if not cfg.trainer.offload_optimizer:
         return
-    params = count_params(cfg, model_dir)
+    params = plan.params
     # the critic is as large, and trained too (with LoRA it is an adapter on the actor's base)
     trainers = 2 if critic_of_its_own(cfg) else 1
     local = local_ranks(default=world)
@@ -132,8 +131,8 @@ def check_host_memory(cfg: Config, model_dir: str, world: int) -> None:
     memory = psutil.virtual_memory()
     # DeepSpeed keeps every parameter's grad partition on the host with ZeRO-Offload (in the weights' dtype), whatever
     # the ratio; the share offloaded has its fp32 grads beside them
-    grads = params * trainers * weight_bytes(cfg) * local / world
-    processes = (local + local_server_gpus(cfg)) * GPU_PROCESS_HOST_BYTES if use_cuda(cfg) else 0
+    grads = params * trainers * plan.weight_bytes * local / world
+    processes = (local + local_server_gpus(cfg)) * GPU_PROCESS_HOST_BYTES if plan.cuda else 0
     spare = max(0.1 * memory.total, processes) + (8 << 30)  # the GPU processes, the servers' host side, page cache
     if whole * ratio + grads + spare > memory.available:
         fits = int(max(0.0, memory.available - grads - spare) / whole * 20) / 20  # rounded down to 0.05
@@ -157,21 +156,21 @@ def servers_bytes(cfg: Config, total: float) -> tuple[float, float]:
     return cfg.rollout.mem_fraction_static * total + side, side
 
 
-def check_device_memory(cfg: Config, model_dir: str, world: int) -> None:
+def check_device_memory(cfg: Config, plan: Plan, model_dir: str, world: int) -> None:
     """On GPUs: refuse to start, naming the numbers and the share of ZeRO-Offload that fits, when this rank's share of
     the trainers' states (`trainers_state_bytes`' count), the margin and, with a token budget, a checkpointed
     micro-batch exceed its GPU: the first update would run out of memory after the servers' start and a generation.
     Colocated with ZeRO-Offload (or a staleness of 1) the states stay on the GPU beside the generating servers too
     (`plan_memory`), so the share named fits beside their mem_fraction_static: 32B on 4 x H200 with two TP-2 servers
     at 0.4 needs 0.55 on the host, where the update alone needs 0.20. Counted from the config, before weights load."""
-    if not use_cuda(cfg) or cfg.model.lora_rank > 0:
+    if not plan.cuda or cfg.model.lora_rank > 0:
         return
-    params, (total, _) = count_params(cfg, model_dir) / world, device_memory(cfg)
+    params, total = plan.params / world, plan.device_memory
     trained = params * (2 if critic_of_its_own(cfg) else 1)
     weights = trained + (params if cfg.algorithm.kl_coef > 0 else 0)  # (the reference model's)
-    width, room = weight_bytes(cfg), total - margin(total)
+    width, room = plan.weight_bytes, total - margin(total)
     ratio = cfg.trainer.offload_optimizer_ratio if cfg.trainer.offload_optimizer else 0.0
-    states = state_bytes(cfg, weights, trained)
+    states = state_bytes(cfg, plan, weights, trained)
     fixed = states - trained * 12 * (1 - ratio)  # all but the fp32 master copy and Adam's moments: weights, grads
     t, acts, tokens = cfg.trainer, 0.0, ""  # with a token budget, a checkpointed micro-batch must fit too
     if isinstance(t.max_tokens_per_micro_batch, int):
@@ -182,7 +181,7 @@ def check_device_memory(cfg: Config, model_dir: str, world: int) -> None:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
         acts = activation_bytes(config, n, True, width)
         tokens = f" and a micro-batch of {n} tokens checkpointed ({acts / GB:.1f} GB)"
-    beside = servers_bytes(cfg, total)[0] if cfg.rollout.placement == "colocate" else 0.0  # (states stay beside it)
+    beside = servers_bytes(cfg, total)[0] if plan.colocated else 0.0  # (states stay beside it)
     stays = beside if cfg.trainer.offload_optimizer or cfg.rollout.max_staleness > 0 else 0.0
     if states + max(acts, stays) <= room:
         return
@@ -227,7 +226,7 @@ def awake_server_bytes(cfg: Config, plan: Plan, model: torch.nn.Module) -> float
 class AutoCheckpointing:
     """--model.gradient_checkpointing auto: before each update, the decoder layers' checkpointing is turned on when
     the trainers' states (with the servers' weights kept awake, `awake_server_bytes`) and the update's largest
-    micro-batch's activations (`activation_bytes`) would not fit the device (`device_memory`) with the `margin`,
+    micro-batch's activations (`activation_bytes`) would not fit the device (`Plan.device_memory`) with the `margin`,
     and off when they fit. Decided per update because only then is the largest micro-batch known (the budget, or
     micro_batch_size x the batch's longest sample): the config's bound, its longest possible prompt and response,
     would checkpoint runs whose prompts are short. Changes are logged."""
@@ -237,7 +236,7 @@ class AutoCheckpointing:
     states: float
     total: float
     where: str
-    """The device's memory and its name (`device_memory`)."""
+    """The device's memory and its name (`Plan.device_memory`, `Plan.device_name`)."""
     width: int = 2
     """Bytes per activation value."""
     liger: bool = False
@@ -284,12 +283,12 @@ def zero3_buffer_bytes(params: int, width: int, world: int) -> float:
     return 0.0 if world == 1 else width * (min(ZERO3_LIVE, params) + min(ZERO3_REDUCE, params))
 
 
-def update_peak(cfg: Config, engine) -> tuple[float, int, bool]:
+def update_peak(cfg: Config, plan: Plan, engine) -> tuple[float, int, bool]:
     """The update's peak for the batch configured: this rank's states, ZeRO-3's buffers and the activations of the
     largest micro-batch its longest prompt and response can make (bytes, its tokens, whether the layers are
     checkpointed for it)."""
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    t, width = cfg.trainer, weight_bytes(cfg)
+    t, width = cfg.trainer, plan.weight_bytes
     tokens = largest_micro_batch(t.max_tokens_per_micro_batch, t.micro_batch_size, longest)
     world = dist.get_world_size() if dist.is_initialized() else 1
     buffers = zero3_buffer_bytes(whole_numel(engine.module), width, world)
@@ -298,7 +297,7 @@ def update_peak(cfg: Config, engine) -> tuple[float, int, bool]:
         on, acts = auto.needs(tokens)
         return auto.states + buffers + acts, tokens, on
     on = cfg.model.gradient_checkpointing is True
-    states = trainers_state_bytes(cfg, engine.module, critic=False)
+    states = trainers_state_bytes(cfg, plan, engine.module, critic=False)
     return states + buffers + activation_bytes(engine.module.config, tokens, on, width), tokens, on
 
 
@@ -339,19 +338,19 @@ def replacement_line(room: float, kv: float) -> str:
     return f"would have {max(room, 0) / GB:.1f} GB beside it, under half a server's KV cache: the trainers wait for it"
 
 
-def plan_memory(cfg: Config, engines: list, resumed: bool = False) -> MemoryPlan:
+def plan_memory(cfg: Config, plan: Plan, engines: list, resumed: bool = False) -> MemoryPlan:
     """trainer.offload_states, colocated on GPUs, and whether a replacement server fits beside the update
     (`MemoryPlan`). auto keeps the states when this rank's (parameters, fp32 master copy, Adam's two moments,
     gradients) plus the servers' share and the margin fit in the GPU's memory; else moves the moments alone when that
     is enough; else all. Moving them costs seconds per step at 7B, so the least that fits moves (a `resumed` run's
     moments all move once, at start-up). The line states the update's peak beside it (`update_peak`)."""
     choice = cfg.trainer.offload_states
-    if cfg.rollout.placement != "colocate" or not use_cuda(cfg):
+    if not plan.colocated or not plan.cuda:
         return MemoryPlan()
     params = [p for engine in engines for p in engine.module.parameters()]
     weights = sum(getattr(p, "ds_tensor", p).numel() for p in params)  # (this rank's ZeRO-3 partitions)
     trained = sum(getattr(p, "ds_tensor", p).numel() for p in params if p.requires_grad)  # (LoRA: the adapters)
-    states, (total, _) = state_bytes(cfg, weights, trained), device_memory(cfg)
+    states, total = state_bytes(cfg, plan, weights, trained), plan.device_memory
     (servers, reward), spare = servers_bytes(cfg, total), margin(total)
     keep = states + servers + spare < total
     if not keep and cfg.rollout.max_staleness > 0:
@@ -362,7 +361,7 @@ def plan_memory(cfg: Config, engines: list, resumed: bool = False) -> MemoryPlan
             f"GPU's {total / GB:.1f} GB: lower --rollout.mem_fraction_static, keep the optimizer on the host "
             "(--trainer.offload_optimizer), or use --rollout.max_staleness 0"
         )
-    peak, tokens, checkpointed = update_peak(cfg, engines[0])
+    peak, tokens, checkpointed = update_peak(cfg, plan, engines[0])
     server_weights = server_weight_bytes(cfg, engines[0].module)
     room = replacement_room(total, PEAK_SLACK * peak, server_weights)
     kv = cfg.rollout.mem_fraction_static * total - server_weights  # (a server's KV cache, as `size_replacements`)
@@ -379,22 +378,21 @@ def plan_memory(cfg: Config, engines: list, resumed: bool = False) -> MemoryPlan
     moved = f"{share * moments / GB:.1f} of Adam's {moments / GB:.1f} GB of moments"
     first = moments if resumed else share * moments  # (the host holds the most at the first move)
 
-    def plan(offload: str | None, line: str) -> MemoryPlan:
+    def decided(offload: str | None, line: str) -> MemoryPlan:
         if offload:  # Adam's moments; or all but the bf16 weights: grads, fp32 master copy, moments
-            check_offload_room(cfg, first if offload == "moments" else states - weights * weight_bytes(cfg),
-                               offload)  # fmt: skip
+            check_offload_room(cfg, first if offload == "moments" else states - weights * plan.weight_bytes, offload)
         return MemoryPlan(offload, f"memory plan: {line}", peak, share if offload == "moments" else 1.0)
 
     if choice != "auto":
         offload = {"always": "all", "moments": "moments", "never": None}[choice]
         given = f"given, {moved}" if offload == "moments" else "given"
-        return plan(offload, f"trainer.offload_states {choice} ({given}); {why}")
+        return decided(offload, f"trainer.offload_states {choice} ({given}); {why}")
     if cfg.trainer.offload_optimizer:  # DeepSpeed moves states between phases for FusedAdam only, not CPU Adam
         hint = "" if keep else ": raise --trainer.offload_optimizer_ratio or lower mem_fraction_static"
-        return plan(None, f"trainer.offload_states never, with ZeRO-Offload ({why}{hint})")
+        return decided(None, f"trainer.offload_states never, with ZeRO-Offload ({why}{hint})")
     if keep:
-        return plan(None, f"trainer.offload_states never, the states stay on the GPU ({why})")
+        return decided(None, f"trainer.offload_states never, the states stay on the GPU ({why})")
     if states - moments + servers + spare < total:
-        return plan("moments", f"trainer.offload_states moments, {moved} leave the GPU while the servers generate, "
+        return decided("moments", f"trainer.offload_states moments, {moved} leave the GPU while the servers generate, "
                                f"the rest stays ({why})")  # fmt: skip
-    return plan("all", f"trainer.offload_states always, the states leave the GPU while the servers generate ({why})")
+    return decided("all", f"trainer.offload_states always, the states leave the GPU while the servers generate ({why})")

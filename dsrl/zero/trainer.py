@@ -40,8 +40,8 @@ class Trainer:
     def __init__(self, cfg: Config, plan: Plan, model_dir: str, world: int, tokenizer):
         self.cfg, self.plan, self.model_dir = cfg, plan, model_dir
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-        check_host_memory(cfg, model_dir, world)  # ZeRO-Offload's states, before DeepSpeed allocates them
-        check_device_memory(cfg, model_dir, world)  # and the GPU's share
+        check_host_memory(cfg, plan, world)  # ZeRO-Offload's states, before DeepSpeed allocates them
+        check_device_memory(cfg, plan, model_dir, world)  # and the GPU's share
         warn_disk_room(cfg, plan)  # and the run directory's disk, for what the run will write
         self.actor = load_engine(cfg, model_dir, world, train=True, plan=plan)
         self.ref = None
