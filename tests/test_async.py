@@ -215,6 +215,38 @@ def test_a_partial_sample_aborted_at_its_last_token_finishes_without_a_request(s
     assert sample.response_ids == [7, 7, 7, 7] and sample.finish_reason == "length" and sample.weight_version == 1
 
 
+def test_a_request_waiting_for_a_server_waits_on_when_the_one_that_came_back_is_gone_again(slow_server):
+    """A lone server's replacement can die before the requests it woke get to it (a crash loop: each replacement
+    killed as it serves). Each such request waits on for the next one instead of failing the rollout with
+    NoServerLeft (seen: rank 1's rollout raised it and the run ended without its line); woken at every point of its
+    wake-up, it is served by the server that comes back after."""
+    url, answers = slow_server.urls[0], []
+    for yields in range(6):
+        client = RolloutClient([url], timeout_s=60, wait_s=30)
+        client.mark_down(url, "died")
+        body = {"input_ids": [5, 11, 6, 12], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        request = client.submit(client.generate(body))
+
+        async def comes_back_and_goes(client: RolloutClient = client, yields: int = yields) -> None:
+            await asyncio.sleep(0.2)  # (the request waits for a server)
+            client.urls, client.down = [url], []
+            async with client.changed:
+                client.changed.notify_all()
+            for _ in range(yields):
+                await asyncio.sleep(0)
+            client.mark_down(url, "gone again")
+            await asyncio.sleep(0.2)
+            client.set_urls([url])
+
+        client.run(comes_back_and_goes())
+        try:
+            answers.append(len(request.result(30)["output_ids"]))
+        except Exception as e:  # noqa: BLE001 -- the assertion names it
+            answers.append(repr(e)[:80])
+        client.close()
+    assert answers == [2] * 6
+
+
 def test_a_stop_names_a_task_that_ignores_its_cancel_and_returns(slow_server, tmp_path, monkeypatch, caplog):
     """A run's close cancels the rollout's tasks and waits for them. One that does not end is named with its stack
     after STOP_S and left behind: the close goes on (seen before: both ranks of a crash-looping async run waited in

@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -217,19 +218,19 @@ class RolloutClient:
     async def _server(self, route_key: object) -> str:
         """A live server for a request (`_pick`). With none (every one down: a lone server died), the request waits
         up to `wait_s` for the fleet to bring one back, with the current weights (`set_urls`, `release_held`)."""
-        if self._open() or not self.wait_s:
-            return self._pick(route_key)
-        self.starving += 1
-        for wake in list(self.wakers):
-            wake.set()
-        try:
-            async with self.changed:
-                await asyncio.wait_for(self.changed.wait_for(self._open), self.wait_s)
-        except TimeoutError:
-            raise NoServerLeft(f"every rollout server is down ({', '.join(self.down)}), and none came back within "
-                               f"{self.wait_s:.0f}s") from None  # fmt: skip
-        finally:
-            self.starving -= 1
+        due = time.monotonic() + self.wait_s
+        while not self._open() and self.wait_s:  # (again when the one that came back died before this request woke)
+            self.starving += 1
+            for wake in list(self.wakers):
+                wake.set()
+            try:
+                async with self.changed:
+                    await asyncio.wait_for(self.changed.wait_for(self._open), max(due - time.monotonic(), 0))
+            except TimeoutError:
+                raise NoServerLeft(f"every rollout server is down ({', '.join(self.down)}), and none came back "
+                                   f"within {self.wait_s:.0f}s") from None  # fmt: skip
+            finally:
+                self.starving -= 1
         return self._pick(route_key)
 
     def _open(self) -> list[str]:

@@ -118,6 +118,8 @@ class WeightSync:
             with timer("offload"):  # the KV cache needs the memory the transport's buffers held
                 self.transport.release()
         self.gpu.to_servers(timer)
+        if self.client.held and dist.get_world_size() > 1:  # (the same on every rank) rank 0 woke them: requests
+            dist.barrier()  # waiting for them on the other ranks (a lone server's replacement) go once it has
         self.client.release_held()  # servers that joined hold this version now, and their KV cache
         if reference is not None:
             self._probe(*reference)
