@@ -180,8 +180,9 @@ def resolve(cfg: Config, model_dir: str) -> tuple[Config, list[str]]:
     if cfg.sync.bucket_bytes is None:
         lines.append(f"sync.bucket_bytes {out.sync.bucket_bytes >> 20} MiB")
     if t.old_logprobs == "auto":
-        own = "from the update's own forward pass" if old_from_update(cfg) else "recomputed before the update"
-        lines.append(f"trainer.old_logprobs {own} (one optimizer step a batch: {old_from_update(cfg)})")
+        one_step = old_from_update(cfg)
+        own = "from the update's own forward pass" if one_step else "recomputed before the update"
+        lines.append(f"trainer.old_logprobs {own} (one optimizer step a batch: {one_step})")
     a, fp8 = cfg.algorithm, r.precision == "fp8"
     if a.off_policy == "auto":  # FP8 rollouts are off-policy by construction; the correction weights PPO's loss
         tis = fp8 and a.policy_loss == "ppo" and not a.rollout_correction.enabled()  # (which replaces it)

@@ -211,7 +211,7 @@ def servers_model_dir(cfg: "Config", model_dir: str, run_dir: Path) -> str:
     its FP8 copy, <run_dir>/fp8_model, written by trainer rank 0 unless a resumed run's is there (call on every rank).
     Its weights only have SGLang build FP8 layers: the first weight update gives the servers the trainer's."""
     r = cfg.rollout
-    if r.precision != "fp8" or r.fleet == "external":
+    if r.precision != "fp8" or r.fleet_kind == "external":
         return model_dir
     out = run_dir / "fp8_model"
     with agreed("writing the servers' FP8 model", (ValueError, OSError)):

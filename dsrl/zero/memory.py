@@ -97,7 +97,7 @@ offloaded, the host's memory in use peaked at 498.1 GB, 366.9 GB of states and 6
 
 def local_server_gpus(cfg: Config) -> int:
     """The GPUs of rollout servers this node's run starts (none where Ray places them or they are the user's)."""
-    return 0 if cfg.rollout.fleet in ("ray", "external") else cfg.rollout.num_servers * cfg.rollout.tp_size
+    return 0 if cfg.rollout.fleet_kind in ("ray", "external") else cfg.rollout.num_servers * cfg.rollout.tp_size
 
 
 def check_offload_room(cfg: Config, moved: float, offload: str) -> None:
@@ -394,5 +394,5 @@ def plan_memory(cfg: Config, plan: Plan, engines: list, resumed: bool = False) -
         return decided(None, f"trainer.offload_states never, the states stay on the GPU ({why})")
     if states - moments + servers + spare < total:
         return decided("moments", f"trainer.offload_states moments, {moved} leave the GPU while the servers generate, "
-                               f"the rest stays ({why})")  # fmt: skip
+                                  f"the rest stays ({why})")  # fmt: skip
     return decided("all", f"trainer.offload_states always, the states leave the GPU while the servers generate ({why})")
