@@ -130,7 +130,7 @@ def env_file(run_dir: Path, env: dict[str, str]) -> Path:
 
 
 CHECK = """
-import json, os, socket, sys
+import contextlib, json, os, random, socket, sys
 a = json.loads(sys.argv[1])
 out = {"host": socket.gethostname(), "missing": [p for p in a["paths"] if not os.path.exists(p)], "lock": None}
 try:
@@ -142,9 +142,12 @@ try:
     out["reached"] = ""
 except OSError as e:
     out["reached"] = str(e)
-with socket.socket() as s:
-    s.bind(("", 0))
-    out["free_port"] = s.getsockname()[1]
+ports = iter(random.SystemRandom().sample(range(20000, 32768), 200))  # below the ephemeral range: see free_port
+while "free_port" not in out:
+    with socket.socket() as s, contextlib.suppress(OSError):
+        port = next(ports)
+        s.bind(("", port))
+        out["free_port"] = port
 print(json.dumps(out))
 """
 """Run on every node of the hostfile by `check_nodes`, with the Python the launcher will run there."""

@@ -8,6 +8,7 @@ import functools
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -35,9 +36,22 @@ DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range: one the kernel hands out (a bind to port 0) it may hand
+    again to any outgoing connection before the process meant to listen on it binds it (in CI a rank's TCPStore
+    found its master port so taken: EADDRINUSE). Above Ray's worker ports (10002-19999)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = 20000 + secrets.randbelow(low - 20000) if low > 21000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free port on {host} in 20000-{low}")
 
 
 PORT_TAKEN = ("address already in use", "EADDRINUSE")  # in a server's log: it could not bind a port
