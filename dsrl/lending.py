@@ -26,6 +26,7 @@ import torch.distributed as dist
 from dsrl.collectives import agreed
 from dsrl.config import Config
 from dsrl.metrics import Timer
+from dsrl.plan import Plan
 from dsrl.serving.client import RolloutClient, ServerError
 from dsrl.zero.engine import free_cached_memory, offload_states, reload_states
 from dsrl.zero.memory import GB, PEAK_SLACK, MemoryPlan, replacement_fits, replacement_room, server_weight_bytes
@@ -71,15 +72,15 @@ def kv_tokens(client: RolloutClient) -> int:
 
 class GpuLending:
     def __init__(
-        self, cfg: Config, client: RolloutClient, trainers: list, plan: MemoryPlan | None = None, tenants=(),
-        fleet=None, cuda: bool = False,
+        self, cfg: Config, client: RolloutClient, trainers: list, run: Plan, memory: MemoryPlan | None = None,
+        tenants=(), fleet=None,
     ):  # fmt: skip
-        """`trainers`: the engines with states (actor, critic); `plan`: the memory plan's decisions; `tenants` (rank 0):
-        the reward model's and the teacher's servers; `fleet` (rank 0): the rollout servers' (a replacement or a new
-        server joins asleep, as the others are); `cuda`: the trainers on GPUs (the run's `Plan.cuda`)."""
-        plan = plan or MemoryPlan()
-        self.trainers, self.offload, self.moments_share = trainers, plan.offload, plan.share
-        self.colocated = cfg.rollout.placement == "colocate"
+        """`trainers`: the engines with states (actor, critic); `run`: the run's plan (colocated, on CUDA); `memory`:
+        the memory plan's decisions; `tenants` (rank 0): the reward model's and the teacher's servers; `fleet` (rank
+        0): the rollout servers' (a replacement or a new server joins asleep, as the others are)."""
+        memory = memory or MemoryPlan()
+        self.trainers, self.offload, self.moments_share = trainers, memory.offload, memory.share
+        self.colocated = run.colocated
         self.ahead = self.colocated and cfg.rollout.max_staleness > 0
         """One-step-off colocated: the servers generate the next batch beside the last optimizer step."""
         adapter = cfg.model.lora_rank > 0 and cfg.sync.lora == "adapter"
@@ -91,12 +92,12 @@ class GpuLending:
         """The tenants, in the order they go to sleep (they wake the other way round)."""
         self.fleet = fleet if self.colocated and dist.get_rank() == 0 else None
         self.startup_timeout_s = cfg.rollout.startup_timeout_s
-        self.measured = self.colocated and cuda
+        self.measured = self.colocated and run.cuda
         """Colocated on GPUs: every rank measures what the servers on its GPU release, and checks a wake has room."""
         self.weight_bytes = server_weight_bytes(cfg, trainers[0].module) if self.measured else 0.0
         self.total = torch.cuda.mem_get_info()[1] if self.measured else 0
         self.share = cfg.rollout.mem_fraction_static * self.total
-        self.peak = PEAK_SLACK * plan.peak
+        self.peak = PEAK_SLACK * memory.peak
         """What a GPU holds at the update's peak, the largest of every rank's and step's: measured at each update's end
         (the allocator keeps its blocks until `to_servers`), the plan's estimate until then (`measured_peak`)."""
         self.measured_peak = False

@@ -202,7 +202,7 @@ def setup(cfg: Config, watch: OwnerWatch | None = None) -> Run:
     rewarder = Rewarder(cfg.algorithm, tokenizer, env=bool(cfg.rollout.env), model=reward_model, teacher=teacher)
     rewarder.restore((rank_state or {}).get("rewarder"))
     tenants = [m for m in (reward_model, teacher) if m is not None and rank == 0]
-    gpu = GpuLending(cfg, client, trainer.engines, memory, tenants, fleet, plan.cuda)
+    gpu = GpuLending(cfg, client, trainer.engines, plan, memory, tenants, fleet)
     backend, fp8 = "nccl" if plan.cuda else "gloo", cfg.rollout.precision == "fp8"
     transport = make_transport(cfg.sync, client, run_dir, backend, cfg.rollout.tp_size, fp8)
     rollouts = schedule(client, cfg, dataset, rewarder, rank, world, runner, plan.colocated, rank_state, start_step)

@@ -102,7 +102,7 @@ def sync(cfg: Config, actor, fleet, client, run_dir: Path, version: int, fp8: bo
     """One `WeightSync.update` under `cfg.sync`; the error it raised, if any."""
     transport = make_transport(cfg.sync, client, run_dir / cfg.sync.type, "gloo", fp8=fp8)
     try:
-        WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor])).update(version)
+        WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor], actor.plan)).update(version)
     except SyncError as e:
         return f"{e}: {e.__cause__ or ''}"
     return None
@@ -139,7 +139,7 @@ def adapter_case(cfg: Config, lora, fleet, client: RolloutClient, run_dir: Path)
     rank0 = dist.get_rank() == 0
     cfg = replace(cfg, sync=SyncConfig(type="broadcast", verify="weights", lora="adapter", bucket_bytes=1 << 20))
     transport = make_transport(cfg.sync, client, run_dir / "adapter", "gloo")
-    weights = WeightSync(cfg, lora, fleet, client, transport, GpuLending(cfg, client, [lora]))
+    weights = WeightSync(cfg, lora, fleet, client, transport, GpuLending(cfg, client, [lora], lora.plan))
     renew(lora, 10)
     weights.update(10)
     base = served(lora, fp8=False, merge=False)

@@ -63,7 +63,9 @@ def main(model_dir: str, train_path: str, out: str) -> None:
                     torch.manual_seed(version)
                     for _, p in named:
                         p.data.normal_()
-            metrics = WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor])).update(version)
+            metrics = WeightSync(
+                cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor], actor.plan)
+            ).update(version)
             if rank == 0:
                 buckets = plan_buckets(named, bucket_bytes)
                 results["cases"].append(
@@ -157,7 +159,8 @@ def update_sequences(cfg: Config, actor, fleet, client: RecordingClient, run_dir
     out = {}
     for version, (mode, fields) in enumerate(modes.items(), start=10):
         cfg.rollout = replace(cfg.rollout, **fields)
-        weights = WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor]))
+        plan = replace(actor.plan, colocated=mode == "colocate")
+        weights = WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor], plan))
         client.take_calls()
         if mode == "colocate":
             weights.await_probe()  # the servers slept while the trainer stepped
@@ -180,7 +183,7 @@ def delta_syncs(cfg: Config, actor, fleet, client: RecordingClient, run_dir: Pat
     cfg.sync = SyncConfig(type="broadcast", bucket_bytes=80 << 10, delta=True, delta_full_every=1000, verify="weights",
                           verify_every=syncs)  # fmt: skip
     weights = WeightSync(cfg, actor, fleet, client, make_transport(cfg.sync, client, run_dir, "gloo"),
-                         GpuLending(cfg, client, [actor]))  # fmt: skip
+                         GpuLending(cfg, client, [actor], actor.plan))  # fmt: skip
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("dsrl.sync.shards").addHandler(handler)
@@ -228,7 +231,7 @@ def failure_on_rank0(cfg: Config, actor, fleet, client: RecordingClient, run_dir
     if dist.get_rank() == 0:
         client.call_all("/release_memory_occupation", {"tags": ["weights"]})
     try:
-        WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor])).update(99)
+        WeightSync(cfg, actor, fleet, client, transport, GpuLending(cfg, client, [actor], actor.plan)).update(99)
         outcome = "no error"
     except SyncError as e:
         outcome = f"SyncError: {e}"

@@ -593,7 +593,7 @@ def fake_gpu_lending(monkeypatch):
     cfg.rollout.placement, cfg.trainer.device = "colocate", "cuda"
 
     def make(plan=None):
-        lending = GpuLending(cfg, client=None, trainers=[SimpleNamespace(module=model)], plan=plan, cuda=True)
+        lending = GpuLending(cfg, None, [SimpleNamespace(module=model)], gpu_plan(141e9), memory=plan)
         lending.servers, lending.weight_bytes = [SleepingServer()], 3e9
         return lending, lending.servers[0], gpu
 
