@@ -41,9 +41,7 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024, arXiv:2402.14740): each sample's reward less the mean of the *other*
     samples of its group, r_i - (sum_j r_j - r_i) / (n - 1). A group of one has baseline 0."""
     grouped = rewards.to(torch.float64).view(-1, group_size)
-    if group_size == 1:
-        return grouped.reshape(-1).float()
-    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    others = (grouped.sum(dim=1, keepdim=True) - grouped) / max(group_size - 1, 1)  # (one: the sum less itself, 0)
     return (grouped - others).reshape(-1).float()
 
 

@@ -45,11 +45,6 @@ def bf16(cfg: Config) -> bool:
     return cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and use_cuda(cfg))
 
 
-def weight_bytes(cfg: Config) -> int:
-    """Bytes of a trainer's weight (and of its grad): 2 in bf16, 4 in fp32."""
-    return 2 if bf16(cfg) else 4
-
-
 def old_from_update(cfg: Config) -> bool:
     """trainer.old_logprobs: `Plan.old_from_update`."""
     t, a = cfg.trainer, cfg.algorithm
@@ -117,13 +112,9 @@ def decode_graphs(cfg: Config, world: int) -> tuple[Config, list[str]]:
     return replace(cfg, rollout=rollout), [line]
 
 
-def count_params(cfg: Config, model_dir: str) -> int:
-    """The model's parameters, counted from its config (nothing is allocated; once a model: seconds at 32B)."""
-    return _count_params(model_dir, cfg.model.trust_remote_code)
-
-
 @functools.cache
-def _count_params(model_dir: str, trust_remote_code: bool) -> int:
+def count_params(model_dir: str, trust_remote_code: bool) -> int:
+    """The model's parameters, counted from its config (nothing is allocated; once a model: seconds at 32B)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -150,7 +141,8 @@ def replicated_base(cfg: Config, model_dir: str) -> tuple[bool, str]:
     base takes at most a third of the device's memory. And why, for the log."""
     replicated, why = cfg.model.lora_base == "replicated", "given"
     if cfg.model.lora_base == "auto":
-        base, (total, name) = count_params(cfg, model_dir) * weight_bytes(cfg), device_memory(cfg)
+        (total, name), width = device_memory(cfg), 2 if bf16(cfg) else 4  # (a weight's bytes)
+        base = count_params(model_dir, cfg.model.trust_remote_code) * width
         replicated = base <= total / 3
         why = f"{base / 1e9:.1f} GB, {'within' if replicated else 'over'} a third of {name} {total / 1e9:.1f} GB"
     where = (
@@ -214,8 +206,8 @@ def make_plan(cfg: Config, model_dir: str, world: int = 1) -> Plan:
     local = fleet == "local" and not cfg.trainer.hostfile  # (with a hostfile each node starts its own: node_fleet.py)
     first = r.placement == "disaggregate" and local and cfg.sync.lora != "adapter" and not shared
     return Plan(cuda=cuda, bf16=in_bf16, packs=packs, old_from_update=old_from_update(cfg),
-                engine=engine, fleet=fleet, colocated=r.placement == "colocate",
-                servers_first=first, params=count_params(cfg, model_dir), device_memory=memory, device_name=name,
+                engine=engine, fleet=fleet, colocated=r.placement == "colocate", servers_first=first,
+                params=count_params(model_dir, cfg.model.trust_remote_code), device_memory=memory, device_name=name,
                 replicated_base=cfg.model.lora_rank > 0 and replicated_base(cfg, model_dir)[0])  # fmt: skip
 
 

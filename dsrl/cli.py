@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from dsrl.auto import rollout_engine, trainer_on_cuda
-from dsrl.config import ConfigError, build_parser, dump_config, reward_rollout, side_rollout, to_config, validate
+from dsrl.config import ConfigError, build_parser, dump_config, side_rollout, to_config, validate
 from dsrl.rundir import (
     LOCK_FILE,
     OWNER_FLAG,
@@ -73,16 +73,14 @@ def train(argv: list[str]) -> int:
         if cfg.rollout.fleet_kind != "external":
             check_server_args(cfg.rollout, engine)
         if cfg.reward_model.path and not cfg.reward_model.server_urls:
-            check_server_args(reward_rollout(cfg), engine, "--reward_model.server_args")
+            check_server_args(side_rollout(cfg, cfg.reward_model), engine, "--reward_model.server_args")
         if cfg.distill.teacher_path and not cfg.distill.server_urls:
-            check_server_args(side_rollout(cfg, cfg.distill, {}), engine, "--distill.server_args")
-        check_data(cfg, engine)
+            check_server_args(side_rollout(cfg, cfg.distill), engine, "--distill.server_args")
+        check_inputs(cfg, engine)
         from dsrl.fp8 import check_servers_load_fp8  # (torch: not imported before the launcher otherwise)
 
         check_servers_load_fp8(cfg, engine)
         check_lora_targets(cfg)
-        check_reward_model(cfg)
-        check_teacher(cfg)
         lock = RunLock(run_dir).acquire("dsrl train")  # before anything is written there
     except (RunDirLocked, ValueError, TypeError) as e:  # a bad config (ConfigError), row, environment, template
         print(f"dsrl train: error: {e}", file=sys.stderr)
@@ -97,50 +95,34 @@ def train(argv: list[str]) -> int:
         lock.release()
 
 
-def check_data(cfg, engine: str) -> None:
-    """The datasets (and an environment: its class, tools and the chat template's rendering of its turns),
-    read and checked here, before the launcher starts (what every rank would find)."""
+def check_inputs(cfg, engine: str) -> None:
+    """The datasets (and an environment: its class, tools and the chat template's rendering of its turns), the reward
+    model's and the teacher's tokenizers against the policy's (their token ids must mean the same tokens) and a
+    judge's parse function: read and checked here, before the launcher starts (what every rank would find)."""
     from transformers import AutoTokenizer
 
     from dsrl.data import check_datasets, server_context
     from dsrl.rewards.rules import load_function
     from dsrl.rollout.episode import Renderer, check_rendering, tool_schemas
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-    tools = None
+    def tokenizer(path: str):
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+
+    policy, tools, m = tokenizer(cfg.model.path), None, cfg.reward_model
     if cfg.rollout.env:
         tools = tool_schemas(load_function(cfg.rollout.env, "rollout.env"))
-        check_rendering(Renderer(tokenizer, tools, cfg.data.apply_chat_template))
-    check_datasets(cfg, tokenizer, server_context(cfg, cfg.model.path, engine, cfg.rollout.fleet_kind), tools)
+        check_rendering(Renderer(policy, tools, cfg.data.apply_chat_template))
+    check_datasets(cfg, policy, server_context(cfg, cfg.model.path, engine, cfg.rollout.fleet_kind), tools)
+    if m.path:
+        from dsrl.rewards.models import sends_token_ids
 
-
-def check_reward_model(cfg) -> None:
-    """The reward model's tokenizer against the policy's (its token ids must mean the same tokens), and a judge's
-    parse function importable, here before any rank starts."""
-    if not cfg.reward_model.path:
-        return
-    from transformers import AutoTokenizer
-
-    from dsrl.rewards.models import sends_token_ids
-    from dsrl.rewards.rules import load_function
-
-    m, remote = cfg.reward_model, cfg.model.trust_remote_code
-    policy = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=remote)
-    sends_token_ids(m, policy, AutoTokenizer.from_pretrained(m.path, trust_remote_code=remote))
-    if m.judge_template:
-        load_function(m.judge_parse_fn, "reward_model.judge_parse_fn")
-
-
-def check_teacher(cfg) -> None:
-    """The teacher's tokenizer against the policy's, here before any rank starts."""
+        sends_token_ids(m, policy, tokenizer(m.path))
+        if m.judge_template:
+            load_function(m.judge_parse_fn, "reward_model.judge_parse_fn")
     if cfg.distill.teacher_path:
-        from transformers import AutoTokenizer
-
         from dsrl.rewards.teacher import check_vocabulary
 
-        load = [AutoTokenizer.from_pretrained(p, trust_remote_code=cfg.model.trust_remote_code)
-                for p in (cfg.model.path, cfg.distill.teacher_path)]  # fmt: skip
-        check_vocabulary(cfg.distill.teacher_path, *load)
+        check_vocabulary(cfg.distill.teacher_path, policy, tokenizer(cfg.distill.teacher_path))
 
 
 def check_lora_targets(cfg) -> None:

@@ -1013,9 +1013,8 @@ def validate_distill(cfg: Config, check, check_paths: bool) -> None:
         check(url.startswith(("http://", "https://")), f"{flag}.server_urls", url, "must start with http://")
     check(d.num_servers >= 1, f"{flag}.num_servers", d.num_servers, "must be >= 1")
     check(d.timeout_s > 0, f"{flag}.timeout_s", d.timeout_s, "must be > 0")
-    used = 0.0
-    if beside_rollouts(cfg, d):
-        used = cfg.rollout.mem_fraction_static + reward_beside_rollouts(cfg) * cfg.reward_model.mem_fraction_static
+    m = cfg.reward_model
+    used = beside_rollouts(cfg, d) * (cfg.rollout.mem_fraction_static + beside_rollouts(cfg, m) * m.mem_fraction_static)
     check(0 < d.mem_fraction_static < 1 - used, f"{flag}.mem_fraction_static", d.mem_fraction_static,
           f"must be in (0, {1 - used:.2f}): beside the rollout servers' (and the reward model's) share")  # fmt: skip
 
@@ -1040,7 +1039,7 @@ def validate_reward_model(cfg: Config, check, check_paths: bool) -> None:
     check(m.timeout_s > 0, "reward_model.timeout_s", m.timeout_s, "must be > 0")
     check(m.max_length is None or m.max_length > 1, "reward_model.max_length", m.max_length, "must be > 1")
     check(m.judge_max_new_tokens >= 1, "reward_model.judge_max_new_tokens", m.judge_max_new_tokens, "must be >= 1")
-    colocated = reward_beside_rollouts(cfg)
+    colocated = beside_rollouts(cfg, m)
     check(0 < m.mem_fraction_static < 1 - (r.mem_fraction_static if colocated else 0),
           "reward_model.mem_fraction_static", m.mem_fraction_static, f"must be in (0, 1 - rollout.mem_fraction_static="
           f"{r.mem_fraction_static}) beside the rollout servers" if colocated else "must be in (0, 1)")  # fmt: skip
@@ -1062,14 +1061,9 @@ def reward_model_kind(path: str) -> tuple[str | None, str]:
     return ("judge" if arch.endswith("ForCausalLM") else None), what
 
 
-def reward_beside_rollouts(cfg: Config) -> bool:
-    """Whether dsrl starts the reward model's servers on the rollout servers' GPUs, colocated with the trainer: they
-    sleep and wake with the rollout servers, and the memory planner counts them."""
-    return beside_rollouts(cfg, cfg.reward_model)
-
-
 def beside_rollouts(cfg: Config, m: "RewardModelConfig | DistillConfig") -> bool:
-    """`reward_beside_rollouts` for the reward model's or the teacher's (`distill`) servers."""
+    """Whether dsrl starts the reward model's (or the teacher's, `distill`) servers on the rollout servers' GPUs,
+    colocated with the trainer: they sleep and wake with the rollout servers, and the memory planner counts them."""
     path = m.path if isinstance(m, RewardModelConfig) else m.teacher_path
     return (
         bool(path)
@@ -1079,18 +1073,13 @@ def beside_rollouts(cfg: Config, m: "RewardModelConfig | DistillConfig") -> bool
     )
 
 
-def reward_rollout(cfg: Config, used: float = 0.0) -> RolloutConfig:
-    """The servers of the reward model, as the rollout servers' config: its own count, GPUs, memory and arguments.
-    Colocated, they keep a copy of the weights on the host to sleep (SGLang drops released weights' contents).
-    `used`: the share of the GPU other tenants hold when they start; SGLang fills a GPU up to its mem_fraction_static,
-    so that is their share plus this."""
-    m = cfg.reward_model
-    return side_rollout(cfg, m, {"is_embedding": not m.judge_template}, used)
-
-
-def side_rollout(cfg: Config, m: "RewardModelConfig | DistillConfig", args: dict, used: float = 0.0) -> RolloutConfig:
-    """`reward_rollout` for the reward model's or the teacher's servers (`args`: their own launch arguments)."""
-    args = args | {"enable_weights_cpu_backup": cfg.rollout.placement == "colocate"}
+def side_rollout(cfg: Config, m: "RewardModelConfig | DistillConfig", used: float = 0.0) -> RolloutConfig:
+    """The servers of the reward model or the teacher, as the rollout servers' config: their own count, GPUs, memory
+    and arguments. Colocated, they keep a copy of the weights on the host to sleep (SGLang drops released weights'
+    contents). `used`: the share of the GPU other tenants hold when they start; SGLang fills a GPU up to its
+    mem_fraction_static, so that is their share plus this."""
+    args = {"is_embedding": not m.judge_template} if isinstance(m, RewardModelConfig) else {}
+    args |= {"enable_weights_cpu_backup": cfg.rollout.placement == "colocate"}
     share = min(0.95, m.mem_fraction_static + used)
     return replace(cfg.rollout, server_urls=m.server_urls, fleet="external" if m.server_urls else "local",
                    num_servers=m.num_servers, first_gpu=m.first_gpu, tp_size=1, interrupt="wait",

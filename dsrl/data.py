@@ -265,11 +265,8 @@ class PromptDataset:
         """This rank's share of step `step`: the same on every call, so a resumed run sees the same data."""
         per_rank = prompts_per_step // world
         start = step * prompts_per_step + rank * per_rank
-        out = []
-        for pos in range(start, start + per_rank):
-            epoch, offset = divmod(pos, len(self.prompts))
-            out.append(self.prompts[self.order(epoch)[offset]])
-        return out
+        places = (divmod(pos, len(self.prompts)) for pos in range(start, start + per_rank))  # (epoch, offset)
+        return [self.prompts[self.order(epoch)[offset]] for epoch, offset in places]
 
 
 def field_at(row: dict, key: str):

@@ -87,7 +87,7 @@ def evaluate_model(cfg: Config, model_dir: str, engine: str) -> dict[str, float]
     <run_dir>/eval/step_0.jsonl."""
     from transformers import AutoTokenizer
 
-    from dsrl.rewards.models import RewardModel, reward_servers
+    from dsrl.rewards.models import RewardModel, side_servers
     from dsrl.serving.fleet import start_fleet
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
@@ -98,7 +98,7 @@ def evaluate_model(cfg: Config, model_dir: str, engine: str) -> dict[str, float]
         stack.callback(client.close)
         model = None
         if cfg.reward_model.path:
-            servers = reward_servers(cfg, engine == "sglang")
+            servers = side_servers(cfg, cfg.reward_model, engine == "sglang")
             path = cfg.reward_model.path
             reward_fleet = stack.enter_context(start_fleet(servers, path, run_dir, cfg.seed, engine, role="reward"))
             model = RewardModel(cfg, tokenizer, client, reward_fleet, rank0=True)

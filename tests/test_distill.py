@@ -65,7 +65,7 @@ def test_the_teacher_scores_every_response_token_and_the_advantage_is_minus_the_
     argv = [*TOY, "--distill.teacher_path", str(toy_weights), "--distill.coef", "0.5", "--rollout.n_samples", "2"]
     cfg = to_config(build_parser(), build_parser().parse_args([*argv, "--logging.run_dir", str(tmp_path)]))
     cfg.algorithm.reward_fn, cfg.algorithm.reward_workers = "dsrl.tasks.toy:reward", 0
-    fleet = start_fleet(side_rollout(cfg, cfg.distill, {}), str(toy_weights), tmp_path, 0, "embedded", role="teacher")
+    fleet = start_fleet(side_rollout(cfg, cfg.distill), str(toy_weights), tmp_path, 0, "embedded", role="teacher")
     client, policy = RolloutClient(fleet.urls), AutoTokenizer.from_pretrained(cfg.model.path)
     rewarder = Rewarder(cfg.algorithm, policy, teacher=Teacher(cfg, policy, client, fleet, rank0=True))
     try:

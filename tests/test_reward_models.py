@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
 from dsrl.cli import main as dsrl_main
-from dsrl.config import build_parser, reward_rollout, to_config
+from dsrl.config import build_parser, side_rollout, to_config
 from dsrl.data import Prompt, Sample
 from dsrl.rewards.models import RewardModel
 from dsrl.rewards.rewarder import Rewarder, RewardError
@@ -88,7 +88,9 @@ def samples_of(responses: list[str]) -> list[Sample]:
 def reward_servers(tmp_path, *argv: str):
     """A config of `argv`, its reward servers (the embedded engine), a client and a rewarder of the model alone."""
     cfg = to_config(build_parser(), build_parser().parse_args([*TOY, *argv, "--logging.run_dir", str(tmp_path)]))
-    fleet = start_fleet(reward_rollout(cfg), cfg.reward_model.path, tmp_path, 0, "embedded", role="reward")
+    fleet = start_fleet(
+        side_rollout(cfg, cfg.reward_model), cfg.reward_model.path, tmp_path, 0, "embedded", role="reward"
+    )
     client, policy = RolloutClient(fleet.urls), AutoTokenizer.from_pretrained(cfg.model.path)  # (as a run loads it)
     rewarder = Rewarder(cfg.algorithm, policy, model=RewardModel(cfg, policy, client, fleet, rank0=True))
     return cfg, fleet, client, rewarder

@@ -168,18 +168,13 @@ def start_reward_model(
     `cuda`: the trainer's, `Plan.cuda`)."""
     if not cfg.reward_model.path:
         return None
-    servers, multi_node = reward_servers(cfg, cuda), bool(cfg.trainer.hostfile)
+    servers, multi_node = side_servers(cfg, cfg.reward_model, cuda), bool(cfg.trainer.hostfile)
     path, engine = cfg.reward_model.path, cfg.rollout.engine
     fleet = start_fleet_for_ranks(servers, path, run_dir, cfg.seed, engine, multi_node, role="reward")
     return RewardModel(cfg, tokenizer, client, fleet, rank0)
 
 
-def reward_servers(cfg: Config, cuda: bool) -> RolloutConfig:
-    """The reward model's servers' config (`side_servers`)."""
-    return side_servers(cfg, cfg.reward_model, {"is_embedding": not cfg.reward_model.judge_template}, cuda)
-
-
-def side_servers(cfg: Config, group: RewardModelConfig | DistillConfig, args: dict, cuda: bool) -> RolloutConfig:
+def side_servers(cfg: Config, group: RewardModelConfig | DistillConfig, cuda: bool) -> RolloutConfig:
     """The servers' config of the reward model or the teacher. SGLang fills its GPU up to mem_fraction_static, so
     colocated on a GPU their share counts what the other tenants hold when they start (`side_rollout`)."""
     used = 0.0
@@ -188,7 +183,7 @@ def side_servers(cfg: Config, group: RewardModelConfig | DistillConfig, args: di
 
         free, total = torch.cuda.mem_get_info()
         used = 1 - free / total
-    return side_rollout(cfg, group, args, used)
+    return side_rollout(cfg, group, used)
 
 
 def sends_token_ids(m: RewardModelConfig, policy, own) -> bool:

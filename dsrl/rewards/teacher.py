@@ -56,7 +56,7 @@ def start_teacher(cfg: Config, tokenizer, client: RolloutClient, run_dir, rank0:
     d = cfg.distill
     if not d.teacher_path:
         return None
-    servers = side_servers(cfg, d, {}, cuda)
+    servers = side_servers(cfg, d, cuda)
     multi_node = bool(cfg.trainer.hostfile)
     fleet = start_fleet_for_ranks(servers, d.teacher_path, run_dir, cfg.seed, cfg.rollout.engine, multi_node, "teacher")
     return Teacher(cfg, tokenizer, client, fleet, rank0)

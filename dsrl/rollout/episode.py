@@ -387,13 +387,12 @@ def episode_metrics(samples: list[Sample]) -> dict[str, float]:
     n = len(records)
     tokens = sum(len(s.response_ids) for s in samples)
     out = {
-        "agent/turns_mean": sum(r.turns for r in records) / n,
-        "agent/tool_calls": float(sum(r.tool_calls for r in records)),
-        "agent/tool_errors": float(sum(r.tool_errors for r in records)),
-        "agent/tool_timeouts": float(sum(r.tool_timeouts for r in records)),
-        "agent/env_s_mean": sum(r.env_s for r in records) / n,
-        "agent/tool_s_mean": sum(r.tool_s for r in records) / n,
-        "agent/between_s_mean": sum(r.between_s for r in records) / n,
+        f"agent/{k}": float(sum(getattr(r, k) for r in records)) for k in ("tool_calls", "tool_errors", "tool_timeouts")
+    }
+    out |= {
+        f"agent/{k}_mean": sum(getattr(r, k) for r in records) / n for k in ("turns", "env_s", "tool_s", "between_s")
+    }
+    out |= {
         "agent/between_turns_frac": sum(r.between_s for r in records) / max(sum(r.seconds for r in records), 1e-9),
         "agent/masked_token_frac": sum(len(s.response_ids) - s.model_tokens() for s in samples) / max(tokens, 1),
     }

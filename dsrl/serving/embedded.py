@@ -32,7 +32,7 @@ from aiohttp import web
 from safetensors.torch import load_file
 
 from dsrl import vision
-from dsrl.fp8 import FP8, KV_SCALES, SCALE, dequantize, is_quantized, round_trip_activations
+from dsrl.fp8 import FP8, KV_SCALES, SCALE, dequantize, is_quantized, round_trip_activations, unflatten
 from dsrl.moe import moe_blocks, split_experts
 from dsrl.serving import shard_loader
 from dsrl.serving.embedded_args import parse_args
@@ -251,11 +251,7 @@ class Engine:
                     batch.append(req)
             try:
                 with self.model_lock:
-                    if self.deterministic:
-                        steps = [self._step([req]) for req in batch]
-                        next_ids, logprobs = [s[0][0] for s in steps], [s[1][0] for s in steps]
-                    else:
-                        next_ids, logprobs = self._step_by_adapter(batch)
+                    next_ids, logprobs = self._step_by_adapter(batch)
             except BaseException:  # the server ends, as SGLang's does when its scheduler raises: the fleet sees it
                 log.exception("decode step failed; the server exits")  # gone and restarts it, rather than every
                 logging.shutdown()  # request hanging on a scheduler thread that is no more
@@ -274,10 +270,11 @@ class Engine:
                         self._finish(req, {"type": "length", "length": req.max_new_tokens})
 
     def _step_by_adapter(self, batch: list[Request]) -> tuple[list[int], list[float]]:
-        """One decode step of `batch`: one forward per adapter its requests name (the base's included)."""
+        """One decode step of `batch`: one forward per adapter its requests name (the base's included); deterministic,
+        one per request."""
         groups: dict[int, list[int]] = {}
         for i, req in enumerate(batch):
-            groups.setdefault(id(req.adapter), []).append(i)
+            groups.setdefault(id(req) if self.deterministic else id(req.adapter), []).append(i)
         next_ids, logprobs = [0] * len(batch), [0.0] * len(batch)
         for members in groups.values():
             ids, lps = self._step([batch[i] for i in members])
@@ -290,21 +287,16 @@ class Engine:
         if self.adapters is not None:
             self.adapters.active = batch[0].adapter  # one adapter per call (_step_by_adapter)
         seqs = [req.input_ids + vision.text_only(req.output_ids, self.model.config) for req in batch]
-        width = max(map(len, seqs))
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, seq in enumerate(seqs):  # left padding; positions count real tokens only, as the trainer's do
-            ids[i, width - len(seq) :] = torch.tensor(seq)
-            mask[i, width - len(seq) :] = 1
+        ids, mask = self._left_padded(seqs)  # positions count real tokens only, as the trainer's do
         logits = self._forward(ids, mask, [req.pixels for req in batch])[:, -1].float()
         if self.routing:  # a prefill's tokens, then each decode step's new one, as SGLang captures them
             shape = (self.model.config.num_hidden_layers, self.model.config.num_experts_per_tok)
-            routed = torch.zeros(len(seqs), width, *shape, dtype=torch.int32)
+            routed = torch.zeros(*ids.shape, *shape, dtype=torch.int32)
             for layer, experts in self.routing.items():
-                routed[:, :, layer] = experts.view(len(seqs), width, -1)
+                routed[:, :, layer] = experts.view(*ids.shape, -1)
             for req, seq, row in zip(batch, seqs, routed):
                 if req.routed is not None:
-                    req.routed.append(row[-1:] if req.output_ids else row[width - len(seq) :])
+                    req.routed.append(row[-1:] if req.output_ids else row[ids.shape[1] - len(seq) :])
         next_ids, logprobs = [], []
         for req, row in zip(batch, logits):
             if req.top_k == 1:  # greedy, as SGLang rewrites temperature 0: unscaled logprobs
@@ -332,13 +324,17 @@ class Engine:
         self.running.remove(req)
         req.finish(finish_reason, self.weight_version)
 
+    def _left_padded(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequences' ids, left-padded to the longest, and their attention mask."""
+        width = max(map(len, seqs))
+        ids = torch.tensor([[self.pad_id] * (width - len(seq)) + seq for seq in seqs])
+        return ids, torch.tensor([[0] * (width - len(seq)) + [1] * len(seq) for seq in seqs])
+
     @torch.no_grad()
     def classify(self, batch: list[list[int]]) -> list[list[float]]:
         """A sequence classifier's logits at each sequence's last token, as SGLang's reward models pool (HF's own
         pooling skips trailing pad-id tokens, which a sampled response may end with)."""
-        width = max(map(len, batch))
-        ids = torch.tensor([[self.pad_id] * (width - len(seq)) + seq for seq in batch])
-        mask = torch.tensor([[0] * (width - len(seq)) + [1] * len(seq) for seq in batch])
+        ids, mask = self._left_padded(batch)
         with self.model_lock:
             hidden = self.model.base_model(
                 input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)
@@ -535,11 +531,7 @@ class Engine:
             flat = free.pop() if free else torch.empty(sum(sizes), dtype=torch.uint8)
             self._receive([flat], name, group)  # (a buffer an abandoned receive may still write to is not reused)
         try:
-            tensors, offset = [], 0
-            for size, shape, dtype in zip(sizes, shapes, dtypes):
-                tensors.append(flat[offset : offset + size].view(dtype).view(shape))
-                offset += size
-            self.load_weights(list(zip(names, tensors)))
+            self.load_weights(list(zip(names, unflatten(flat, zip(names, dtypes, shapes)))))
         finally:
             with self.recv_lock:
                 self.free_buffers[sum(sizes)].append(flat)

@@ -99,12 +99,10 @@ def check_room(path: Path, mine: float, what: str) -> None:
     """Fail on every rank, before anything is written, when the disk under `path` cannot hold `what`, the sum of
     every rank's `mine` bytes: one rank failing mid-write would leave the others waiting in a collective. Every rank
     raises the same message, with rank 0's view of the disk."""
-    need = torch.tensor([float(mine)], dtype=torch.float64, device=reduce_device())
-    dist.all_reduce(need)
-    free = free_bytes(path) if dist.get_rank() == 0 else 0
-    free = torch.tensor([float(free or 0)], dtype=torch.float64, device=reduce_device())
-    dist.broadcast(free, src=0)
-    need, free = need.item() * 1.05 + (1 << 20), free.item()
+    free = (free_bytes(path) or 0) if dist.get_rank() == 0 else 0  # (the sum over ranks: rank 0's)
+    sums = torch.tensor([float(mine), float(free)], dtype=torch.float64, device=reduce_device())
+    dist.all_reduce(sums)
+    need, free = sums[0].item() * 1.05 + (1 << 20), sums[1].item()
     if free < need:
         raise WriteError(
             f"cannot write {path}: no space left on the device ({free / 1e6:.1f} MB free, {what} needs "
