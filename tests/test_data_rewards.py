@@ -147,8 +147,8 @@ def test_reward_workers_survive_a_hang_a_crash_and_garbage():
     pool = WorkerPool("tests._bad_rewards:by_row_kind", workers=2, timeout_s=2.0)
     kinds = ["ok", "hang", "crash", "string", "raise", "ok"]
     try:
-        results = pool.run([("p", "r", None, {"kind": k}) for k in kinds])
-        again = pool.run([("p", "r", None, {"kind": "ok"})] * 3)  # the replaced processes serve
+        results = pool.submit([("p", "r", None, {"kind": k}) for k in kinds]).result()
+        again = pool.submit([("p", "r", None, {"kind": "ok"})] * 3).result()  # the replaced processes serve
     finally:
         pool.close()
     assert results[0] == (1.0, None) and results[5] == (1.0, None)

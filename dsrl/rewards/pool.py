@@ -167,9 +167,6 @@ class WorkerPool:
             self.wake_send.send_bytes(b"\0")  # one small write: atomic between callers anyway
         return request.future
 
-    def run(self, items: list[Item], fail_fast: bool = False) -> list[tuple[object, str | None]]:
-        return self.submit(items, fail_fast).result()
-
     async def run_async(self, items: list[Item], fail_fast: bool = False) -> list[tuple[object, str | None]]:
         return await asyncio.wrap_future(self.submit(items, fail_fast))
 

@@ -37,9 +37,9 @@ def start_fleet(
     URLs."""
     kind = cfg.fleet_kind
     if kind == "external":
-        for url in cfg.server_urls:
-            wait_healthy(url.rstrip("/"), cfg.startup_timeout_s)
         urls = [url.rstrip("/") for url in cfg.server_urls]
+        for url in urls:
+            wait_healthy(url, cfg.startup_timeout_s)
         return ExternalFleet(urls=urls, startup_timeout_s=cfg.startup_timeout_s)
     if engine not in ("embedded", "sglang"):
         raise ValueError(f"--rollout.engine={engine!r}: expected embedded or sglang")

@@ -106,10 +106,8 @@ def load_engine(cfg: Config, model_dir: str, world: int, train: bool, critic: bo
     c = cfg.critic
     lora = train and not critic and cfg.model.lora_rank > 0
     replicated = lora and plan.replicated_base
-    if critic:
-        conf = ds_config(cfg, plan, world, train, c.lr, c.micro_batch_size)
-    else:
-        conf = ds_config(cfg, plan, world, train, stage=2 if replicated else 3)
+    own = (c.lr, c.micro_batch_size) if critic else (None, None)  # (the critic's optimizer and micro-batches)
+    conf = ds_config(cfg, plan, world, train, *own, stage=2 if replicated else 3)
     # While this object lives, from_pretrained builds the model under zero.Init: each rank only
     # ever holds its partition, and HF's own weight init still runs.
     hf_ds = HfDeepSpeedConfig(conf)  # noqa: F841
