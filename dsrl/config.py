@@ -6,6 +6,7 @@ together, each naming the flag, the value and what is allowed.
 """
 
 import json
+import operator
 import os
 import re
 import sys
@@ -741,6 +742,29 @@ def critic_of_its_own(cfg: Config) -> bool:
     return cfg.algorithm.advantage == "gae" and not critic_on_actor_base(cfg)
 
 
+BOUNDS = {
+    ">= 1": "rollout.num_servers rollout.tp_size rollout.max_concurrency rollout.max_restarts trainer.total_steps "
+    "trainer.micro_batch_size trainer.updates_per_step trainer.ppo_epochs trainer.max_bad_steps algorithm.kl_horizon "
+    "algorithm.is_cap sync.verify_every sync.delta_full_every eval.n_samples agent.max_turns agent.max_episode_tokens "
+    "agent.max_observation_tokens agent.tool_workers agent.max_parallel_calls agent.max_tool_output_chars",
+    "> 0": "data.max_prompt_tokens rollout.prompts_per_step rollout.max_new_tokens rollout.cpus_per_server trainer.lr "
+    "algorithm.tau_pos algorithm.tau_neg algorithm.cov_ratio algorithm.dro_beta algorithm.reward_timeout_s critic.lr "
+    "sync.timeout_s logging.stop_timeout_s agent.env_timeout_s agent.tool_timeout_s agent.episode_timeout_s",
+    ">= 0": "rollout.max_staleness algorithm.clip_high algorithm.kl_coef algorithm.overlong_penalty "
+    "algorithm.kl_cov_coef critic.warmup_steps logging.save_every logging.log_generations",
+}
+"""The fields whose one rule is a lower bound, by rule: `validate` checks them first, each as `--flag=value: must be
+>= 1`; the other checks say what else a value allows."""
+
+
+def validate_bounds(cfg: Config, check) -> None:
+    for rule, flags in BOUNDS.items():
+        op, bound = rule.split()
+        for flag in flags.split():
+            value = operator.attrgetter(flag)(cfg)
+            check((operator.ge if op == ">=" else operator.gt)(value, int(bound)), flag, value, f"must be {rule}")
+
+
 def validate(cfg: Config, world: int | None = None, check_paths: bool = True) -> None:
     """Raise ConfigError listing every cross-field problem; `world` is the real world size when known.
 
@@ -753,6 +777,7 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
             errors.append(f"--{flag}={value!r}: {allowed}")
 
     r, t, a, s, e = cfg.rollout, cfg.trainer, cfg.algorithm, cfg.sync, cfg.eval
+    validate_bounds(cfg, check)
     datasets = [("data.train_path", cfg.data.train_path)] + ([("eval.path", e.path)] if e.path else [])
     if check_paths:
         has_config = (Path(cfg.model.path) / "config.json").is_file()
@@ -761,7 +786,6 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
             check(Path(path).is_file(), flag, path, "file not found")
     for flag, path in datasets:
         check(path.endswith((".jsonl", ".json", ".parquet")), flag, path, "must end in .jsonl, .json or .parquet")
-    check(cfg.data.max_prompt_tokens > 0, "data.max_prompt_tokens", cfg.data.max_prompt_tokens, "must be > 0")
     m = cfg.model
     check(0 < t.offload_optimizer_ratio <= 1, "trainer.offload_optimizer_ratio", t.offload_optimizer_ratio,
           "must be in (0, 1]")  # fmt: skip
@@ -772,7 +796,6 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     check(0 <= m.lora_dropout < 1, "model.lora_dropout", m.lora_dropout, "must be in [0, 1)")
     check(m.lora_alpha is None or m.lora_alpha > 0, "model.lora_alpha", m.lora_alpha, "must be > 0")
     check(s.lora != "adapter" or m.lora_rank > 0, "sync.lora", s.lora, "adapter needs --model.lora_rank > 0")
-    check(r.prompts_per_step > 0, "rollout.prompts_per_step", r.prompts_per_step, "must be > 0")
     grouped = a.advantage in GROUP_ESTIMATORS
     check(
         r.n_samples >= (2 if grouped else 1),
@@ -780,12 +803,9 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
         r.n_samples,
         f"--algorithm.advantage {a.advantage} compares a prompt's samples: at least 2" if grouped else "must be >= 1",
     )
-    check(r.max_new_tokens > 0, "rollout.max_new_tokens", r.max_new_tokens, "must be > 0")
     check(r.temperature > 0, "rollout.temperature", r.temperature, "must be > 0 (RL needs sampling)")
     check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
     check(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", r.top_k, "must be -1 (all tokens) or >= 1")
-    check(r.num_servers >= 1, "rollout.num_servers", r.num_servers, "must be >= 1")
-    check(r.tp_size >= 1, "rollout.tp_size", r.tp_size, "must be >= 1")
     check(0 < r.mem_fraction_static < 1, "rollout.mem_fraction_static", r.mem_fraction_static, "must be in (0, 1)")
     check(
         s.type != "ipc" or r.placement == "colocate",
@@ -793,9 +813,6 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
         s.type,
         "ipc needs --rollout.placement colocate (trainer and server on the same GPUs)",
     )
-    check(r.max_concurrency >= 1, "rollout.max_concurrency", r.max_concurrency, "must be >= 1")
-    check(r.max_restarts >= 1, "rollout.max_restarts", r.max_restarts, "must be >= 1")
-    check(r.max_staleness >= 0, "rollout.max_staleness", r.max_staleness, "must be >= 0")
     check(
         r.max_ahead is None or 0 <= r.max_ahead <= r.max_staleness,
         "rollout.max_ahead",
@@ -824,38 +841,24 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
         r.fleet,
         "external needs --rollout.server_urls, and servers dsrl starts (local, ray) take none",
     )
-    check(r.cpus_per_server > 0, "rollout.cpus_per_server", r.cpus_per_server, "must be > 0")
-    check(t.total_steps >= 1, "trainer.total_steps", t.total_steps, "must be >= 1")
     check(t.num_ranks >= 0, "trainer.num_ranks", t.num_ranks, "must be >= 0 (0: every visible GPU)")
     if t.hostfile and check_paths and "RANK" not in os.environ:  # (the launcher's file: a rank's node may lack it)
         check(Path(t.hostfile).is_file(), "trainer.hostfile", t.hostfile, "file not found")
-    check(t.micro_batch_size >= 1, "trainer.micro_batch_size", t.micro_batch_size, "must be >= 1")
     budget = t.max_tokens_per_micro_batch
     check(budget in (None, "auto") or budget >= 1, "trainer.max_tokens_per_micro_batch", budget,
           "must be >= 1, auto, or null for micro_batch_size rows")  # fmt: skip
-    check(t.updates_per_step >= 1, "trainer.updates_per_step", t.updates_per_step, "must be >= 1")
-    check(t.ppo_epochs >= 1, "trainer.ppo_epochs", t.ppo_epochs, "must be >= 1")
-    check(t.lr > 0, "trainer.lr", t.lr, "must be > 0")
     check(0 <= t.min_lr_ratio <= 1, "trainer.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
     check(t.grad_clip >= 0, "trainer.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
-    check(t.max_bad_steps >= 1, "trainer.max_bad_steps", t.max_bad_steps, "must be >= 1")
     check(0 <= a.clip_low < 1, "algorithm.clip_low", a.clip_low, "must be in [0, 1)")
-    check(a.clip_high >= 0, "algorithm.clip_high", a.clip_high, "must be >= 0")
     check(a.clip_ratio_c is None or a.clip_ratio_c > 1, "algorithm.clip_ratio_c", a.clip_ratio_c, "must be > 1 or null")
-    check(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
     check(a.kl_target is None or (a.kl_target > 0 and a.kl_coef > 0), "algorithm.kl_target", a.kl_target,
           "must be > 0, with --algorithm.kl_coef > 0 as the starting coefficient")  # fmt: skip
-    check(a.kl_horizon >= 1, "algorithm.kl_horizon", a.kl_horizon, "must be >= 1")
     check(0 < a.gamma <= 1, "algorithm.gamma", a.gamma, "must be in (0, 1]")
     check(0 <= a.lam <= 1, "algorithm.lam", a.lam, "must be in [0, 1]")
     check(a.off_policy in ("auto", "none") or a.policy_loss == "ppo", "algorithm.off_policy", a.off_policy,
           "the off-policy corrections weight PPO's per-token loss: use --algorithm.policy_loss ppo")  # fmt: skip
     check(0 <= a.overlong_buffer < r.max_new_tokens, "algorithm.overlong_buffer", a.overlong_buffer,
           f"must be in [0, rollout.max_new_tokens={r.max_new_tokens})")  # fmt: skip
-    check(a.overlong_penalty >= 0, "algorithm.overlong_penalty", a.overlong_penalty, "must be >= 0")
-    for flag in ("tau_pos", "tau_neg", "cov_ratio", "dro_beta"):
-        check(getattr(a, flag) > 0, f"algorithm.{flag}", getattr(a, flag), "must be > 0")
-    check(a.kl_cov_coef >= 0, "algorithm.kl_cov_coef", a.kl_cov_coef, "must be >= 0")
     low, high = a.clip_cov_bounds
     check(low < high, "algorithm.clip_cov_bounds", a.clip_cov_bounds, "must be (low, high), low < high")
     gdpo = a.advantage != "gdpo" or (cfg.reward_model.path is not None and cfg.reward_model.w_rule is not None)
@@ -864,10 +867,7 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     check(a.advantage != "gdpo" or not (a.kl_in_reward or a.overlong_buffer), "algorithm.advantage", a.advantage,
           "gdpo's advantage is its two rewards' alone: no --algorithm.kl_in_reward or overlong_buffer")  # fmt: skip
     check(a.reward_workers >= 0, "algorithm.reward_workers", a.reward_workers, "must be >= 0 (0: in process)")
-    check(a.reward_timeout_s > 0, "algorithm.reward_timeout_s", a.reward_timeout_s, "must be > 0")
     c = cfg.critic
-    check(c.lr > 0, "critic.lr", c.lr, "must be > 0")
-    check(c.warmup_steps >= 0, "critic.warmup_steps", c.warmup_steps, "must be >= 0")
     check(c.value_clip is None or c.value_clip > 0, "critic.value_clip", c.value_clip, "must be > 0 or null")
     check(c.micro_batch_size is None or c.micro_batch_size >= 1, "critic.micro_batch_size", c.micro_batch_size,
           "must be >= 1")  # fmt: skip
@@ -882,7 +882,6 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
           "must be unset with --model.lora_rank: the critic shares the actor's micro-batches (one engine)")  # fmt: skip
     if check_paths and c.path:
         check((Path(c.path) / "config.json").is_file(), "critic.path", c.path, "must be a directory with config.json")
-    check(a.is_cap >= 1, "algorithm.is_cap", a.is_cap, "must be >= 1")
     check(is_function_spec(a.reward_fn), "algorithm.reward_fn", a.reward_fn,
           "must be module:function, e.g. dsrl.rewards:math_reward")  # fmt: skip
     check(r.rollout_fn is None or is_function_spec(r.rollout_fn), "rollout.rollout_fn", r.rollout_fn,
@@ -894,15 +893,12 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
     validate_correction(a, check)
     validate_distill(cfg, check, check_paths)
     check(s.bucket_bytes is None or s.bucket_bytes > 0, "sync.bucket_bytes", s.bucket_bytes, "must be > 0")
-    check(s.timeout_s > 0, "sync.timeout_s", s.timeout_s, "must be > 0")
     check(s.probe_tolerance is None or s.probe_tolerance > 0, "sync.probe_tolerance", s.probe_tolerance, "must be > 0")
     if r.precision == "fp8":
         check(s.verify != "weights", "sync.verify", s.verify, "FP8 servers hold rounded weights, never equal to the "
               "trainer's: use probe (its tolerance allows FP8) with --rollout.precision fp8")  # fmt: skip
         check(s.lora != "adapter", "sync.lora", s.lora, "an adapter served on its own over SGLang's FP8 layers is "
               "not supported: use merged (or auto) with --rollout.precision fp8 (merged weights in FP8)")  # fmt: skip
-    check(s.verify_every >= 1, "sync.verify_every", s.verify_every, "must be >= 1")
-    check(s.delta_full_every >= 1, "sync.delta_full_every", s.delta_full_every, "must be >= 1")
     check(not s.delta or s.senders != "rank0", "sync.senders", s.senders, "--sync.delta needs all (each rank diffs "
           "its own partition)")  # fmt: skip
     if s.delta or s.senders == "all":
@@ -914,12 +910,8 @@ def validate(cfg: Config, world: int | None = None, check_paths: bool = True) ->
           "servers drop their weights while the trainers train, so every sync would be full: use it disaggregated "
           "(or one-step-off, whose servers keep them)")  # fmt: skip
     check(e.every >= 0, "eval.every", e.every, "must be >= 0 (0: only at the end)")
-    check(e.n_samples >= 1, "eval.n_samples", e.n_samples, "must be >= 1")
     check(e.temperature >= 0, "eval.temperature", e.temperature, "must be >= 0 (0: greedy)")
     check(e.max_new_tokens is None or e.max_new_tokens > 0, "eval.max_new_tokens", e.max_new_tokens, "must be > 0")
-    check(cfg.logging.save_every >= 0, "logging.save_every", cfg.logging.save_every, "must be >= 0")
-    check(cfg.logging.log_generations >= 0, "logging.log_generations", cfg.logging.log_generations, "must be >= 0")
-    check(cfg.logging.stop_timeout_s > 0, "logging.stop_timeout_s", cfg.logging.stop_timeout_s, "must be > 0")
     check(cfg.logging.keep_last >= 0, "logging.keep_last", cfg.logging.keep_last, "must be >= 0 (0 keeps all)")
 
     world = world or (None if t.hostfile else t.num_ranks)  # the ranks the launcher starts, when known before
@@ -963,13 +955,7 @@ def validate_agent(cfg: Config, check) -> None:
           "must be module:Class, e.g. dsrl.tasks.toy:KeyLookupEnv")  # fmt: skip
     check(r.env is None or r.rollout_fn is None, "rollout.env", r.env,
           "an environment's episodes are dsrl's rollout: unset --rollout.rollout_fn")  # fmt: skip
-    at_least_one = ["max_turns", "max_episode_tokens", "max_observation_tokens", "tool_workers",
-                    "max_parallel_calls", "max_tool_output_chars"]  # fmt: skip
-    for name in at_least_one:
-        check(getattr(g, name) >= 1, f"agent.{name}", getattr(g, name), "must be >= 1")
     check(g.env_workers >= 0, "agent.env_workers", g.env_workers, "must be >= 0 (0: in the trainer's process)")
-    for name in ("env_timeout_s", "tool_timeout_s", "episode_timeout_s"):
-        check(getattr(g, name) > 0, f"agent.{name}", getattr(g, name), "must be > 0")
 
 
 REJECTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
