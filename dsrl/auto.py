@@ -141,8 +141,8 @@ def replicated_base(cfg: Config, model_dir: str) -> tuple[bool, str]:
     base takes at most a third of the device's memory. And why, for the log."""
     replicated, why = cfg.model.lora_base == "replicated", "given"
     if cfg.model.lora_base == "auto":
-        (total, name), width = device_memory(cfg), 2 if bf16(cfg) else 4  # (a weight's bytes)
-        base = count_params(model_dir, cfg.model.trust_remote_code) * width
+        base = count_params(model_dir, cfg.model.trust_remote_code) * (2 if bf16(cfg) else 4)  # (a weight's bytes)
+        total, name = device_memory(cfg)
         replicated = base <= total / 3
         why = f"{base / 1e9:.1f} GB, {'within' if replicated else 'over'} a third of {name} {total / 1e9:.1f} GB"
     where = (

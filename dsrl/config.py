@@ -999,8 +999,9 @@ def validate_distill(cfg: Config, check, check_paths: bool) -> None:
         check(url.startswith(("http://", "https://")), f"{flag}.server_urls", url, "must start with http://")
     check(d.num_servers >= 1, f"{flag}.num_servers", d.num_servers, "must be >= 1")
     check(d.timeout_s > 0, f"{flag}.timeout_s", d.timeout_s, "must be > 0")
-    m = cfg.reward_model
-    used = beside_rollouts(cfg, d) * (cfg.rollout.mem_fraction_static + beside_rollouts(cfg, m) * m.mem_fraction_static)
+    used, m = 0.0, cfg.reward_model
+    if beside_rollouts(cfg, d):
+        used = cfg.rollout.mem_fraction_static + (m.mem_fraction_static if beside_rollouts(cfg, m) else 0.0)
     check(0 < d.mem_fraction_static < 1 - used, f"{flag}.mem_fraction_static", d.mem_fraction_static,
           f"must be in (0, {1 - used:.2f}): beside the rollout servers' (and the reward model's) share")  # fmt: skip
 
